@@ -1,0 +1,69 @@
+"""Benchmark suites behind ``stalwart bench SUITE``.
+
+Each suite is a module ``stalwart.bench.<suite>`` with
+
+    def run(quick: bool, workdir: Path) -> BenchResult
+
+that measures what it claims within one invocation (ratios of configurations run in the same
+process, interleaved where possible, because these machines are noisy). The CLI prints the
+result as a table and writes it as JSON (``--json FILE``).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUITES = ("lossy", "detect", "overlap")
+
+_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt,
+        "==": operator.eq}
+
+
+@dataclass
+class BenchResult:
+    suite: str
+    figures: dict[str, float]
+    # name -> "<= 1.5" style target; figures without a target are informational
+    targets: dict[str, str] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+
+    def verdicts(self) -> dict[str, bool | None]:
+        out: dict[str, bool | None] = {}
+        for name, value in self.figures.items():
+            tgt = self.targets.get(name)
+            if tgt is None or value is None:
+                out[name] = None
+                continue
+            op, num = tgt.split()
+            out[name] = bool(_OPS[op](value, float(num)))
+        return out
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["met"] = self.verdicts()
+        return json.dumps(d, indent=2, default=str)
+
+    def table_rows(self) -> list[tuple[str, str, str, str]]:
+        v = self.verdicts()
+        rows = []
+        for name, value in self.figures.items():
+            shown = "n/a" if value is None else f"{value:.4g}"
+            verdict = {True: "met", False: "MISSED", None: ""}[v[name]]
+            rows.append((name, shown, self.targets.get(name, ""), verdict))
+        return rows
+
+    def markdown(self) -> str:
+        lines = ["| figure | value | target | |", "|---|---|---|---|"]
+        lines += [f"| `{a}` | {b} | {c} | {d} |" for a, b, c, d in self.table_rows()]
+        return "\n".join(lines)
+
+
+def save(result: BenchResult, path: Path) -> None:
+    from stalwart.rundir import atomic_write_text
+
+    atomic_write_text(path, result.to_json() + "\n")
