@@ -65,7 +65,9 @@ class RunConfig:
         return Path(self.out) / (self.name or "run")
 
     def resolved_batch_size(self) -> int:
-        return self.batch_size if self.batch_size is not None else PRESETS[self.preset]["batch_size"]
+        if self.batch_size is not None:
+            return self.batch_size
+        return PRESETS[self.preset]["batch_size"]
 
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else PRESETS[self.preset]["lr"]
@@ -110,10 +112,10 @@ class RunConfig:
         need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
+        from stalwart.testbed.faults import parse_fault
+
         for spec in self.faults:
-            kind = spec.split(":", 1)[0]
-            need(kind in FAULT_KINDS,
-                 f"unknown fault kind {kind!r} in {spec!r} (choose from {', '.join(FAULT_KINDS)})")
+            parse_fault(spec, self.nproc, self.testbed)  # ConfigError naming the bad part
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------

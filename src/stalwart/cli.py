@@ -1,0 +1,169 @@
+"""The ``stalwart`` command: run, bench, report, testbed. Thin: parses, calls, maps errors.
+
+Exit codes: 0 success; 1 a rank or a benchmark failed; 2 bad input (one line naming the value,
+never a traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from stalwart.config import (
+    COMM_MODES,
+    MITIGATE_MODES,
+    OVERLAP_MODES,
+    TESTBEDS,
+    ConfigError,
+    RunConfig,
+)
+from stalwart.train.model import PRESETS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"stalwart: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--nproc", type=int, default=d.nproc, help="number of ranks (default 4)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default 1)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default 200)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--preset", default=d.preset, help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--data", default=None,
+                   help="text file or folder (default: this Python's standard library)")
+    p.add_argument("--comm", default=d.comm, help=f"{' | '.join(COMM_MODES)}")
+    p.add_argument("--testbed", default=d.testbed, help=f"{' | '.join(TESTBEDS)}")
+    p.add_argument("--fault", action="append", default=[], dest="faults", metavar="SPEC",
+                   help="KIND:key=value,... e.g. compute:rank=2,factor=2,start=20,end=60")
+    p.add_argument("--mitigate", default=d.mitigate, help=f"{' | '.join(MITIGATE_MODES)}")
+    p.add_argument("--overlap", default=d.overlap, help=f"{' | '.join(OVERLAP_MODES)}")
+    p.add_argument("--out", default=d.out, help="folder for run directories (default runs)")
+    p.add_argument("--name", default=None, help="run name (default run-DATE-TIME)")
+    p.add_argument("--resume", action="store_true", help="continue --name from its checkpoint")
+    p.add_argument("--batch-size", type=int, default=None, help="micro-batch size per rank")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--halt-at", type=int, default=None,
+                   help="stop after this step as if preempted (to try --resume)")
+    p.add_argument("--mtu", type=int, default=d.mtu, help="testbed link MTU (default 1500)")
+    p.add_argument("--no-detect", dest="detect", action="store_false",
+                   help="do not run the straggler monitor")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+
+
+def config_from_run_args(argv: list[str]) -> RunConfig:
+    p = _Parser(prog="stalwart run")
+    add_run_args(p)
+    return RunConfig(**vars(p.parse_args(argv)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="stalwart", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="train the reference GPT on N ranks")
+    add_run_args(run)
+    run.add_argument("--no-progress", action="store_true", help="no live progress display")
+
+    bench = sub.add_parser("bench", help="run a benchmark suite")
+    from stalwart.bench import SUITES
+
+    bench.add_argument("suite", choices=SUITES)
+    bench.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
+    bench.add_argument("--json", type=Path, default=None, help="write the figures here")
+    bench.add_argument("--workdir", type=Path, default=Path("runs/bench"),
+                       help="where the benchmark's runs go (default runs/bench)")
+
+    report = sub.add_parser("report", help="(re)build a run's report.html and plots")
+    report.add_argument("run_dir", type=Path)
+
+    tb = sub.add_parser("testbed", help="emulated hosts: check what works, clean up")
+    tb.add_argument("action", choices=("check", "cleanup"))
+    return p
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from stalwart.launch import launch
+
+    show = not args.__dict__.pop("no_progress")
+    args.__dict__.pop("cmd")
+    cfg = RunConfig(**vars(args))
+    return launch(cfg, show_progress=show)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    import shlex
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from stalwart.bench import save
+
+    mod = importlib.import_module(f"stalwart.bench.{args.suite}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    result = mod.run(quick=args.quick, workdir=args.workdir)
+    result.command = "stalwart " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    table = Table(title=f"stalwart bench {args.suite}{' --quick' if args.quick else ''}")
+    for col in ("figure", "value", "target", "verdict"):
+        table.add_column(col)
+    for row in result.table_rows():
+        table.add_row(*row)
+    Console().print(table)
+    if args.json:
+        save(result, args.json)
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from stalwart.report import build_report
+
+    if not args.run_dir.is_dir():
+        raise ConfigError(f"not a run directory: {args.run_dir}")
+    print(build_report(args.run_dir))
+    return 0
+
+
+def _cmd_testbed(args: argparse.Namespace) -> int:
+    from stalwart.testbed import check
+
+    if args.action == "check":
+        rows = check.run_check()
+        check.print_check(rows)
+        return 0
+    from stalwart.testbed import cleanup_stale
+
+    removed = cleanup_stale()
+    print(f"removed {len(removed) if removed else 0} leftover testbed resources")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
+               "testbed": _cmd_testbed}[args.cmd]
+    try:
+        return handler(args)
+    except ConfigError as e:
+        print(f"stalwart: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stalwart: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Start N ranks on this machine (or inside testbed hosts), supervise them, stop them cleanly.
+
+What it guarantees:
+- every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+  MASTER_PORT, ...), so the same entry point also runs under torchrun for multi-node jobs;
+- if one rank dies, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
+  the launcher returns non-zero naming the rank and the last line of its error; nothing hangs;
+- Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
+  (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
+- the testbed's fault schedule follows training progress, read from metrics.jsonl.
+
+Each rank's stdout/stderr go to logs/rank-R.log; the terminal shows one progress display.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from stalwart.config import ConfigError, RunConfig, check_writable
+from stalwart.progress import Progress
+from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
+
+GRACE_S = 3.0
+POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel kills it if the launcher dies."""
+    os.setsid()  # Ctrl-C reaches the launcher only; it stops the ranks itself
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_name() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    """Validate, create runs/<name>/ and write config.json; ConfigError on bad input."""
+    cfg.validate()
+    if cfg.name is None:
+        if cfg.resume:
+            raise ConfigError("--resume needs --name NAME of the run to continue")
+        cfg.name = default_name()
+    check_writable(Path(cfg.out))
+    run_dir = cfg.run_dir
+    if cfg.resume:
+        if not run_dir.is_dir():
+            raise ConfigError(f"no run to resume at {run_dir}")
+        from stalwart.train.checkpoint import validate_resume
+
+        validate_resume(cfg)
+    elif (run_dir / METRICS).exists() or (run_dir / EVENTS).exists():
+        raise ConfigError(f"run directory already holds a run: {run_dir} "
+                          "(pass --resume to continue it, or another --name)")
+    check_writable(run_dir)
+    (run_dir / LOGS).mkdir(exist_ok=True)
+    cfg.save(run_dir / CONFIG)
+    return run_dir
+
+
+def _last_error_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
+    live = [p for p in procs.values() if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+
+def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str] | None = None,
+           show_progress: bool = True, on_line: Callable[[str], None] | None = None) -> int:
+    """Run one job; returns 0 on success, 1 when a rank failed, 2 on bad input, 130 on Ctrl-C.
+
+    ConfigError is raised (not returned) for bad input found before any rank starts.
+    """
+    from stalwart.testbed import open_testbed
+
+    run_dir = prepare_run_dir(cfg)
+    events = EventLog(run_dir)
+    say = on_line or (lambda s: print(s, flush=True))
+    progress = Progress(cfg, run_dir, enabled=show_progress)
+    procs: dict[int, subprocess.Popen] = {}
+    rc = 1
+    events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
+               resume=cfg.resume)
+    try:
+        with open_testbed(cfg, events) as tb:
+            port = 29500 if cfg.testbed == "netns" else free_port()
+            for r in range(cfg.nproc):
+                env = {
+                    **os.environ,
+                    "RANK": str(r), "WORLD_SIZE": str(cfg.nproc),
+                    "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.nproc),
+                    "MASTER_ADDR": tb.master_addr, "MASTER_PORT": str(port),
+                    "STALWART_RUN_DIR": str(run_dir.resolve()),
+                    "OMP_NUM_THREADS": str(cfg.threads),
+                    **tb.env(r),
+                }
+                cmd = [*tb.command_prefix(r), sys.executable, "-m", module,
+                       "--config", str((run_dir / CONFIG).resolve()), *(args or [])]
+                log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
+                procs[r] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_parent)
+                log.close()
+            tb.attach_ranks({r: p.pid for r, p in procs.items()})
+            rc = _supervise(cfg, run_dir, procs, tb, progress, events, say)
+    except KeyboardInterrupt:
+        _stop_all(procs)
+        progress.close()
+        say("stalwart: interrupted; all ranks stopped")
+        events.log("run_finished", ok=False, reason="interrupted")
+        rc = 130
+    finally:
+        _stop_all(procs)
+        progress.close()
+    if rc != 130:
+        events.log("run_finished", ok=rc == 0, exit_code=rc)
+    if module == "stalwart.train.worker":
+        try:
+            from stalwart.report import build_report
+
+            html = build_report(run_dir)
+            if rc == 0:
+                say(f"report: {html}")
+        except Exception as e:  # a report problem must not hide the run's own outcome
+            say(f"stalwart: report not built: {e}")
+    events.close()
+    return rc
+
+
+def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
+               progress: Progress, events: EventLog, say: Callable[[str], None]) -> int:
+    metrics_tail = JsonlTail(run_dir / METRICS)
+    events_tail = JsonlTail(run_dir / EVENTS)
+    next_step = 0
+    tb.on_step(0)  # type: ignore[attr-defined]
+    while True:
+        for m in metrics_tail.poll():
+            progress.on_metric(m)
+            if m["step"] + 1 > next_step:
+                next_step = m["step"] + 1
+                tb.on_step(next_step)  # type: ignore[attr-defined]
+        for e in events_tail.poll():
+            progress.on_event(e)
+        progress.refresh()
+        failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+        if failed:
+            r, code = failed[0]
+            _stop_all(procs)
+            progress.close()
+            why = _last_error_line(run_dir / LOGS / f"rank-{r}.log")
+            events.log("rank_failed", rank=r, exit_code=code, error=why, step=next_step)
+            say(f"stalwart: rank {r} failed ({_describe_exit(code)}): {why or 'no output'} "
+                f"[log: {run_dir / LOGS / f'rank-{r}.log'}]")
+            # a rank that exited 2 hit a bad-input error (e.g. corrupt checkpoint)
+            return 2 if code == 2 else 1
+        if all(p.poll() == 0 for p in procs.values()):
+            for m in metrics_tail.poll():
+                progress.on_metric(m)
+            for e in events_tail.poll():
+                progress.on_event(e)
+            progress.finish()
+            return 0
+        time.sleep(POLL_S)

@@ -1,0 +1,300 @@
+"""One rank's training loop: init, DDP (or tensor parallel), step, eval, checkpoint, metrics.
+
+Started by ``stalwart run`` (``--config RUN_DIR/config.json``) or directly by torchrun with the
+same options as ``stalwart run``::
+
+    torchrun --standalone --nproc-per-node 2 -m stalwart.train.worker --steps 100 --name demo
+
+Guarantees:
+- deterministic: the same seed gives the same losses (model init from the seed, batches a pure
+  function of (seed, step, rank), dropout off); a run resumed from a checkpoint reproduces the
+  uninterrupted run's losses;
+- per step and rank one metrics line: loss, step time split into compute time and
+  communication/wait time, samples, tokens, tokens/s (plus what the comm layer reports);
+- a ConfigError (bad checkpoint, bad option) exits with code 2 and one line on stderr.
+
+How the step time is split (data parallel): DDP all-reduces gradient buckets while backward
+still runs, so "communication" here is the time the rank spends after its own last gradient was
+computed until the reduced gradients are available -- the wait a slow peer or a slow link
+causes. The end of local computation is taken from the last post-accumulate-grad hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from stalwart.config import ConfigError, RunConfig
+from stalwart.rundir import METRICS, EventLog, JsonlWriter
+from stalwart.train import checkpoint as ckpt
+from stalwart.train.data import Corpus, load_corpus, train_batch, val_batches
+from stalwart.train.model import GPT, PRESETS
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
+    peak = cfg.resolved_lr()
+    if step < cfg.warmup:
+        return peak * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / span, 1.0)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class LocalComputeClock:
+    """Records when this rank's last gradient was computed (post-accumulate-grad hooks)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.last = 0.0
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._mark)
+
+    def _mark(self, _p: torch.Tensor) -> None:
+        self.last = time.perf_counter()
+
+
+class DataParallelStep:
+    """Forward/backward over the step's micro-batches with DDP (reliable or lossy comm)."""
+
+    def __init__(self, model: GPT, cfg: RunConfig, device: torch.device) -> None:
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.model = model
+        self.clock = LocalComputeClock(model)
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> tuple[float, dict[str, float]]:
+        t0 = time.perf_counter()
+        self.clock.last = t0
+        total = 0.0
+        for i, (x, y) in enumerate(batches):
+            sync = i == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                _, loss = self.ddp(x, y)
+                (loss / len(batches)).backward()
+            total += loss.item()
+        t1 = time.perf_counter()
+        local_done = min(max(self.clock.last, t0), t1)
+        return total / len(batches), {"compute_time": local_done - t0, "comm_time": t1 - local_done}
+
+
+class TensorParallelStep:
+    """Tensor-parallel forward/backward from stalwart.overlap (sequential or interleaved)."""
+
+    def __init__(self, cfg: RunConfig, tp_group: Any, dp_group: Any, run_dir: Path) -> None:
+        from stalwart.overlap import build_tp_trainer
+
+        self.trainer = build_tp_trainer(PRESETS[cfg.preset]["model"], tp_group, dp_group,
+                                        cfg.overlap, run_dir)
+        self.model = self.trainer.model
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> tuple[float, dict[str, float]]:
+        loss, timings = self.trainer.forward_backward(batches)
+        return float(loss), dict(timings)
+
+
+def make_groups(world: int, tp: int) -> tuple[Any, Any, int, int]:
+    """TP groups of consecutive ranks, DP groups of equal TP index; (tp_g, dp_g, dp_rank, dp_n).
+
+    Every rank must create every group, in the same order (torch.distributed's rule).
+    """
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    for start in range(0, world, tp):
+        g = dist.new_group(list(range(start, start + tp)))
+        if start <= rank < start + tp:
+            tp_group = g
+    for i in range(tp):
+        g = dist.new_group(list(range(i, world, tp)))
+        if rank % tp == i:
+            dp_group = g
+    return tp_group, dp_group, rank // tp, world // tp
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, part: int, parts: int) -> float:
+    """Mean validation loss; the fixed batches are split over the data-parallel ranks."""
+    model.eval()
+    acc = torch.zeros(2, dtype=torch.float64)
+    for i, (x, y) in enumerate(batches):
+        if i % parts == part:
+            _, loss = model(x, y)
+            acc += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(acc)  # TP ranks of a group add identical values: the ratio is unchanged
+    return float(acc[0] / acc[1])
+
+
+def prepare_run_dir_for_torchrun(cfg: RunConfig) -> Path:
+    """Under torchrun (no launcher), rank 0 sets up the run directory the launcher would."""
+    from stalwart.config import check_writable
+
+    run_dir = cfg.run_dir
+    if dist.get_rank() == 0:
+        check_writable(run_dir)
+        if not cfg.resume:
+            cfg.save(run_dir / "config.json")
+            EventLog(run_dir).log("run_started", nproc=cfg.nproc, launcher="torchrun")
+    return run_dir
+
+
+def train(cfg: RunConfig) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world != cfg.nproc:
+        cfg.nproc = world  # torchrun decides the world size
+    cfg.validate()
+    torch.set_num_threads(cfg.threads)
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
+    launched = "STALWART_RUN_DIR" in os.environ
+    if not launched and cfg.faults:
+        raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
+    if launched:
+        run_dir = Path(os.environ["STALWART_RUN_DIR"])
+    else:
+        run_dir = prepare_run_dir_for_torchrun(cfg)
+    dist.barrier()
+
+    events = EventLog(run_dir)
+    metrics = JsonlWriter(run_dir / METRICS)
+    corpus: Corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+    mcfg = PRESETS[cfg.preset]["model"]
+    bs = cfg.resolved_batch_size()
+    micro = cfg.micro_batches if cfg.tp == 1 else max(cfg.micro_batches, 2)
+
+    monitor = None
+    if cfg.detect:
+        from stalwart.detect import Monitor
+
+        monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
+                          track_ddp=cfg.comm == "reliable")
+
+    torch.manual_seed(cfg.seed)
+    if cfg.tp > 1:
+        tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
+        stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir)
+    else:
+        data_rank, data_parts = rank, world
+        stepper = DataParallelStep(GPT(mcfg).to(device), cfg, device)
+    model = stepper.model
+
+    opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+    if cfg.comm == "lossy":
+        from stalwart.comm import attach
+
+        opt: Any = attach(stepper.ddp, torch.optim.AdamW, **opt_kw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+
+    start = 0
+    if cfg.resume:
+        state = ckpt.load_rank(run_dir, rank, cfg)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        ckpt.restore_rng(state)
+        start = state["step"]
+        if rank == 0:
+            events.log("resumed", step=start)
+
+    val = val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)
+
+    def do_eval(step: int) -> None:
+        t = time.perf_counter()
+        v = evaluate(model, val, data_rank, data_parts)
+        if rank == 0:
+            events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
+
+    if start == 0:
+        do_eval(0)
+    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
+    for step in range(start, stop):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batches = [train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, data_rank, m)
+                   for m in range(micro)]
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        loss, timing = stepper.forward_backward(batches)
+        t_opt = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        extra: dict[str, Any] = opt.stats() if hasattr(opt, "stats") else {}
+        opt_comm = float(extra.pop("comm_time", 0.0))
+        tokens = bs * micro * mcfg.block_size
+        step_time = t1 - t0
+        rec = {
+            "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
+            "step_time": step_time,
+            "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
+            "comm_time": timing["comm_time"] + opt_comm,
+            "samples": bs * micro, "tokens": tokens, "tokens_per_s": tokens / step_time,
+            **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
+            **extra,
+        }
+        metrics.write(rec)
+        if monitor is not None:
+            monitor.step(step, rec)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            do_eval(done)
+        if done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at:
+            ckpt.save_rank(run_dir, done, rank, cfg, model, opt)
+            dist.barrier()  # LATEST moves only once every rank's file is on disk
+            if rank == 0:
+                ckpt.mark_latest(run_dir, done)
+                events.log("checkpoint", step=done)
+    if cfg.halt_at is not None and rank == 0:
+        events.log("halted", step=cfg.halt_at)
+    if monitor is not None:
+        monitor.close()
+    if hasattr(opt, "close"):
+        opt.close()
+    dist.barrier()
+    if rank == 0 and not launched:
+        events.log("run_finished", ok=True)
+        from stalwart.report import build_report
+
+        build_report(run_dir)
+    metrics.close()
+    events.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["--config"] and len(argv) >= 2:
+            cfg = RunConfig.load(Path(argv[1]))
+        else:
+            from stalwart.cli import config_from_run_args
+
+            cfg = config_from_run_args(argv)
+        return train(cfg)
+    except ConfigError as e:
+        print(f"stalwart: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
