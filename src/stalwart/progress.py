@@ -100,7 +100,10 @@ class Progress:
     def eta_s(self) -> float | None:
         if self.first_step_t is None or self.step <= self.first_step:
             return None
-        rate = (self.step - self.first_step) / (time.monotonic() - self.first_step_t)
+        elapsed = time.monotonic() - self.first_step_t
+        if elapsed < 1.0:  # too early: lines that arrive in one burst would fake a high rate
+            return None
+        rate = (self.step - self.first_step) / elapsed
         return (self.total - self.step - 1) / rate if rate > 0 else None
 
     def refresh(self) -> None:

@@ -1,0 +1,36 @@
+# Two commands for a fresh machine:  `make run`  and  `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup run test test-fast lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# the main job on the built-in default: 4 ranks, tiny GPT, this Python's stdlib as the corpus
+run: setup
+	$(BIN)/stalwart run --nproc 4
+
+# the whole suite (multi-process and root-only tests included; root-only ones skip without root)
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+# quick unit tests only
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not root"
+
+lint: setup
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
