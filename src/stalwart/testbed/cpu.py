@@ -1,0 +1,253 @@
+"""Slow compute and CPU contention through Linux cgroups (the "comp" fail-slow of FALCON).
+
+A ``CpuGroup`` is one cgroup of the CPU controller holding a rank's whole process tree:
+
+* compute factor F  -> CFS bandwidth quota of ``share / F`` CPUs (v1: cpu.cfs_quota_us over
+  cpu.cfs_period_us; v2: cpu.max), where share is the CPU a rank gets when healthy: one CPU, or
+  cores/nproc when ranks outnumber cores (4 ranks on 2 cores each get half a core, so a cap of
+  one core / 2 would not slow anyone). The kernel stops the group for the rest of each period
+  once its quota is used, so a CPU-bound rank runs ~F times slower than when healthy.
+* contention K      -> K real busy processes are started inside the same group, capped at
+  ``share`` CPUs. The group competes with the rest of the machine as one scheduling entity, so
+  the rank and the K processes split one rank's worth of CPU through the ordinary CFS scheduler
+  (the rank gets ~1/(K+1) of it). Both combined: the cap is share / F.
+
+Guarantees: the group is named ``stw-<owner pid>-<k>-r<rank>``; ``close()`` moves every process
+still inside back to the cgroup it came from, stops the busy processes and removes the group.
+Busy processes also exit on their own within milliseconds when their parent dies (they poll
+their parent pid), so a killed owner leaves no spinning processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalwart.config import ConfigError
+from stalwart.testbed._sys import PREFIX
+
+PERIOD_US = 100_000
+
+# the busy loop: pure interpreter work; leaves when its parent (the testbed owner) is gone
+_BUSY = ("import os\np=os.getppid()\nwhile os.getppid()==p:\n"
+         "    for _ in range(100000): pass\n")
+
+
+@dataclass(frozen=True)
+class CgroupBackend:
+    version: int  # 1 or 2
+    root: Path  # where our groups are created
+
+    def quota_file(self, group: Path) -> Path:
+        return group / ("cpu.cfs_quota_us" if self.version == 1 else "cpu.max")
+
+    def write_quota(self, group: Path, cpus: float | None) -> str:
+        """Cap `group` at `cpus` CPUs (None = unlimited); returns the value written."""
+        if self.version == 1:
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            value = "-1" if cpus is None else str(max(1000, int(PERIOD_US * cpus)))
+        else:
+            quota = "max" if cpus is None else str(max(1000, int(PERIOD_US * cpus)))
+            value = f"{quota} {PERIOD_US}"
+        self.quota_file(group).write_text(value)
+        return value
+
+
+def fair_share(nproc: int) -> float:
+    """CPUs one of `nproc` busy ranks gets on this machine: min(1, usable cores / nproc)."""
+    return min(1.0, len(os.sched_getaffinity(0)) / max(nproc, 1))
+
+
+def _v2_mount() -> Path | None:
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "cgroup2":
+                    return Path(parts[1])
+    except OSError:
+        pass
+    return None
+
+
+def find_backend() -> CgroupBackend:
+    """The CPU controller to use: cgroup v1 ``cpu`` if mounted, else v2 with ``cpu`` enabled.
+
+    Raises ConfigError (one line) when neither is usable by this process.
+    """
+    for v1 in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct")):
+        if (v1 / "cpu.cfs_quota_us").exists():
+            if not os.access(v1, os.W_OK):
+                raise ConfigError(f"cgroup {v1} is not writable: compute/contention faults "
+                                  "need root")
+            return CgroupBackend(1, v1)
+    v2 = _v2_mount()
+    if v2 is not None and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+        if not os.access(v2, os.W_OK):
+            raise ConfigError(f"cgroup {v2} is not writable: compute/contention faults need root")
+        ctl = v2 / "cgroup.subtree_control"
+        if "cpu" not in ctl.read_text().split():
+            try:
+                ctl.write_text("+cpu")
+            except OSError as e:
+                raise ConfigError(f"cannot enable the cgroup v2 cpu controller in {v2}: "
+                                  f"{e.strerror}") from None
+        return CgroupBackend(2, v2)
+    raise ConfigError("no cgroup CPU controller found (mount cgroup v1 'cpu' at "
+                      "/sys/fs/cgroup/cpu, or cgroup v2 with the cpu controller enabled)")
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (a rank may run under a wrapper or fork helpers)."""
+    kids = _children()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def _current_group(backend: CgroupBackend, pid: int) -> Path:
+    """The cgroup directory `pid` is in now, for this backend's hierarchy."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                ok = ("cpu" in ctrls.split(",")) if backend.version == 1 else ctrls == ""
+                if ok:
+                    return backend.root / path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    return backend.root
+
+
+def _move(pid: int, group: Path) -> bool:
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        return True
+    except OSError:  # exited already, or a kernel thread
+        return False
+
+
+class CpuGroup:
+    """One rank's CPU cgroup: throttling (factor) and contention (busy processes)."""
+
+    def __init__(self, backend: CgroupBackend, name: str) -> None:
+        if not name.startswith(PREFIX + "-"):
+            raise ValueError(f"cgroup name must start with {PREFIX}-: {name}")
+        self.backend = backend
+        self.path = backend.root / name
+        self.path.mkdir(exist_ok=True)
+        self._origin: dict[int, Path] = {}  # pid -> cgroup it came from
+        self._busy: list[subprocess.Popen[bytes]] = []
+        self.quota = backend.write_quota(self.path, None)
+        self._closed = False
+
+    # -- membership ------------------------------------------------------------------------
+    def add(self, pid: int) -> None:
+        """Move `pid` and its descendants into the group."""
+        for p in process_tree(pid):
+            origin = _current_group(self.backend, p)
+            if origin != self.path and _move(p, self.path):
+                self._origin.setdefault(p, origin)
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    # -- the two fault mechanisms ----------------------------------------------------------
+    def set_limit(self, factor: float, procs: int, share: float = 1.0) -> str:
+        """Apply compute factor and contention procs (1.0 and 0 = no fault); returns a
+        description of the mechanism now in force.
+
+        `share` is the CPU the process would get without the fault (1.0 = a dedicated CPU;
+        ``fair_share(nproc)`` when ranks outnumber cores): the cap is ``share / factor`` so the
+        slowdown is F relative to the healthy run, not relative to an idle machine.
+        """
+        cpus: float | None = None
+        if factor > 1.0 or procs > 0:
+            cpus = share / factor
+        self.quota = self.backend.write_quota(self.path, cpus)
+        self._set_busy(procs)
+        qfile = self.backend.quota_file(self.path).name
+        desc = f"cgroup v{self.backend.version} {self.path.name} {qfile}={self.quota}"
+        if self.backend.version == 1:
+            desc += f" (period {PERIOD_US})"
+        if procs:
+            desc += f", {procs} busy processes in the same group"
+        return desc
+
+    def _set_busy(self, procs: int) -> None:
+        while len(self._busy) > procs:
+            self._stop(self._busy.pop())
+        while len(self._busy) < procs:
+            tag = f"# {self.path.name} busy\n"
+            p = subprocess.Popen([sys.executable, "-S", "-c", tag + _BUSY],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+            self._busy.append(p)
+            _move(p.pid, self.path)
+
+    @staticmethod
+    def _stop(p: subprocess.Popen[bytes]) -> None:
+        p.kill()
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def busy_pids(self) -> list[int]:
+        return [p.pid for p in self._busy]
+
+    # -- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        while self._busy:
+            self._stop(self._busy.pop())
+        remove_group(self.path, self._origin)
+
+
+def remove_group(path: Path, origin: dict[int, Path] | None = None) -> bool:
+    """Move every process out of `path` (back where it came from, else to the parent) and
+    remove the directory. Returns True when it is gone."""
+    origin = origin or {}
+    for _ in range(3):  # a process may fork while we move its siblings
+        try:
+            pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            break
+        if not pids:
+            break
+        for pid in pids:
+            dest = origin.get(pid, path.parent)
+            if not _move(pid, dest) and dest != path.parent:
+                _move(pid, path.parent)
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,202 @@
+"""The fault grammar: ``KIND:key=value,...`` -> a validated, immutable ``Fault``.
+
+Kinds (each realised by a kernel mechanism, see docs/testbed.md)::
+
+    compute:rank=R,factor=F         rank R gets 1/F of one CPU       (cgroup CPU quota)
+    contention:rank=R,procs=K       K busy processes share R's CPU   (same cgroup, 1 CPU quota)
+    link:host=H,rate=RATE           host H's link shaped to RATE     (tc tbf, both directions)
+    pairlink:hosts=A-B,rate=RATE    only A<->B traffic shaped        (tc htb + u32 filters)
+    loss:host=H|all,p=P             incoming packets dropped w.p. P  (nftables numgen, input hook)
+
+Every kind takes ``start=STEP`` and ``end=STEP`` (end exclusive; default: the whole run).
+``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` hosts
+of the given kind; anything else raises ``ConfigError`` with one line naming the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.config import FAULT_KINDS, TESTBEDS, ConfigError
+
+NETNS_ONLY = ("link", "pairlink", "loss")
+MAX_FACTOR = 100.0  # cgroup v1 refuses quotas below 1 ms of a 100 ms period
+MAX_PROCS = 64
+
+_KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional)
+    "compute": ({"rank", "factor"}, set()),
+    "contention": ({"rank", "procs"}, set()),
+    "link": ({"host", "rate"}, set()),
+    "pairlink": ({"hosts", "rate"}, set()),
+    "loss": ({"host", "p"}, set()),
+}
+_WINDOW = {"start", "end"}
+
+# tc's units: "bit" units count bits, "bps" units count bytes; k/m/g/t are powers of 1000
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    spec: str
+    start: int = 0
+    end: int | None = None  # exclusive; None = until the end of the run
+    rank: int | None = None  # compute, contention
+    hosts: tuple[int, ...] = ()  # link (1), pairlink (2), loss (1 or all)
+    factor: float = 1.0  # compute
+    procs: int = 0  # contention
+    rate_bps: int = 0  # link, pairlink: bits per second
+    rate: str = ""  # as given, e.g. "50mbit"
+    p: float = 0.0  # loss
+
+    def active_at(self, step: int) -> bool:
+        return self.start <= step and (self.end is None or step < self.end)
+
+    @property
+    def magnitude(self) -> float:
+        return {"compute": self.factor, "contention": float(self.procs),
+                "link": float(self.rate_bps), "pairlink": float(self.rate_bps),
+                "loss": self.p}[self.kind]
+
+    @property
+    def target(self) -> str:
+        if self.kind in ("compute", "contention"):
+            return f"rank{self.rank}"
+        if self.kind == "pairlink":
+            return f"hosts{self.hosts[0]}-{self.hosts[1]}"
+        if self.kind == "loss" and len(self.hosts) != 1:
+            return "all"
+        return f"host{self.hosts[0]}"
+
+    def event_fields(self) -> dict[str, Any]:
+        """The ground-truth fields of a fault_applied / fault_removed event."""
+        out: dict[str, Any] = {"kind": self.kind, "target": self.target,
+                               "magnitude": self.magnitude, "spec": self.spec,
+                               "start": self.start, "end": self.end}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        else:
+            out["hosts"] = list(self.hosts)
+        if self.kind in ("link", "pairlink"):
+            out["rate"] = self.rate
+        return out
+
+
+def parse_rate(text: str) -> int:
+    """'50mbit' -> 50_000_000 bits/s (tc units: bit/kbit/mbit/gbit/tbit, bps/kbps/... bytes)."""
+    m = _RATE_RE.match(text.strip())
+    if not m:
+        raise ConfigError(f"bad rate {text!r} (use e.g. 50mbit, 1gbit, 500kbit, 10mbps)")
+    value = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if m.group(3).lower() == "bps":
+        value *= 8
+    bits = int(value)
+    if bits < 8000:
+        raise ConfigError(f"rate {text!r} is below 8kbit")
+    return bits
+
+
+def _int(key: str, value: str, spec: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is not an integer in fault {spec!r}") from None
+
+
+def _float(key: str, value: str, spec: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is not a number in fault {spec!r}") from None
+    if not math.isfinite(x):
+        raise ConfigError(f"{key}={value!r} is not a finite number in fault {spec!r}")
+    return x
+
+
+def _index(key: str, value: str, nproc: int, spec: str) -> int:
+    i = _int(key, value, spec)
+    if not 0 <= i < nproc:
+        raise ConfigError(f"{key}={i} out of range [0, {nproc - 1}] in fault {spec!r}")
+    return i
+
+
+def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
+    """Parse and validate one ``--fault`` value for a run of `nproc` ranks on `testbed`."""
+    if testbed not in TESTBEDS:
+        raise ConfigError(f"unknown testbed {testbed!r} (choose from {', '.join(TESTBEDS)})")
+    kind, sep, rest = spec.strip().partition(":")
+    if kind not in FAULT_KINDS:
+        raise ConfigError(
+            f"unknown fault kind {kind!r} in {spec!r} (choose from {', '.join(FAULT_KINDS)})")
+    if not sep or not rest:
+        raise ConfigError(f"fault {spec!r} has no parameters (expected {kind}:key=value,...)")
+    if kind in NETNS_ONLY and testbed != "netns":
+        raise ConfigError(f"fault kind {kind!r} in {spec!r} needs --testbed netns")
+
+    kv: dict[str, str] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise ConfigError(f"bad parameter {item!r} in fault {spec!r} (expected key=value)")
+        if key in kv:
+            raise ConfigError(f"parameter {key!r} given twice in fault {spec!r}")
+        kv[key] = value
+    required, optional = _KEYS[kind]
+    allowed = required | optional | _WINDOW
+    for key in kv:
+        if key not in allowed:
+            raise ConfigError(f"unknown parameter {key!r} for fault kind {kind!r} in {spec!r} "
+                              f"(allowed: {', '.join(sorted(allowed))})")
+    for key in sorted(required):
+        if key not in kv:
+            raise ConfigError(f"fault {spec!r} is missing {key}=...")
+
+    start = _int("start", kv["start"], spec) if "start" in kv else 0
+    end = _int("end", kv["end"], spec) if "end" in kv else None
+    if start < 0:
+        raise ConfigError(f"start={start} must be >= 0 in fault {spec!r}")
+    if end is not None and end <= start:
+        raise ConfigError(f"end={end} must be > start={start} in fault {spec!r}")
+    common: dict[str, Any] = {"kind": kind, "spec": spec.strip(), "start": start, "end": end}
+
+    if kind in ("compute", "contention"):
+        rank = _index("rank", kv["rank"], nproc, spec)
+        if kind == "compute":
+            factor = _float("factor", kv["factor"], spec)
+            if not 1.0 <= factor <= MAX_FACTOR:
+                raise ConfigError(
+                    f"factor={kv['factor']} must be in [1, {MAX_FACTOR:g}] in fault {spec!r}")
+            return Fault(rank=rank, factor=factor, **common)
+        procs = _int("procs", kv["procs"], spec)
+        if not 1 <= procs <= MAX_PROCS:
+            raise ConfigError(f"procs={procs} must be in [1, {MAX_PROCS}] in fault {spec!r}")
+        return Fault(rank=rank, procs=procs, **common)
+
+    if kind == "loss":
+        host = kv["host"]
+        hosts = tuple(range(nproc)) if host == "all" else (_index("host", host, nproc, spec),)
+        p = _float("p", kv["p"], spec)
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"p={kv['p']} must be in [0, 1) in fault {spec!r}")
+        return Fault(hosts=hosts, p=p, **common)
+
+    try:
+        rate_bps = parse_rate(kv["rate"])
+    except ConfigError as e:
+        raise ConfigError(f"{e} in fault {spec!r}") from None
+    if kind == "link":
+        return Fault(hosts=(_index("host", kv["host"], nproc, spec),), rate_bps=rate_bps,
+                     rate=kv["rate"], **common)
+    a, dash, b = kv["hosts"].partition("-")
+    if not dash:
+        raise ConfigError(f"hosts={kv['hosts']!r} must be A-B in fault {spec!r}")
+    ha, hb = _index("hosts", a, nproc, spec), _index("hosts", b, nproc, spec)
+    if ha == hb:
+        raise ConfigError(f"hosts={kv['hosts']!r} names the same host twice in fault {spec!r}")
+    return Fault(hosts=(ha, hb), rate_bps=rate_bps, rate=kv["rate"], **common)

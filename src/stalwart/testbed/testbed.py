@@ -1,0 +1,261 @@
+"""The testbed a run executes on, and its fault schedule with the ground-truth event log.
+
+``open_testbed(cfg, events)`` returns a context manager:
+
+* ``local``: ranks run on this machine's loopback (master 127.0.0.1); compute and contention
+  faults act through CPU cgroups.
+* ``netns``: rank r runs inside emulated host r (see hosts.py); gloo binds to that host's eth0;
+  link, pairlink and loss faults act on the hosts' network paths as well.
+
+Schedule: the launcher calls ``on_step(next_step)`` as training advances. A fault is active
+while ``start <= next_step < end``. On every transition the kernel state is rebuilt from the set
+of active faults, and only once the new state is in force is the ground-truth line written:
+``fault_applied`` / ``fault_removed`` with step, kind, target, magnitude, spec, mechanism and
+the explicit rank (compute, contention) or hosts (link, pairlink, loss). Faults still active at
+``close()`` are removed and logged with ``at_close: true``. A CPU fault whose rank has no pid
+yet is applied (and logged) by ``attach_ranks``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from stalwart.config import ConfigError, RunConfig
+from stalwart.rundir import EventLog
+from stalwart.testbed import cleanup
+from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
+from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
+from stalwart.testbed.faults import Fault, parse_fault
+from stalwart.testbed.hosts import Hosts
+
+CPU_KINDS = ("compute", "contention")
+
+
+class Testbed:
+    """Common schedule/logging logic; subclasses provide placement and network faults."""
+
+    kind = "local"
+    master_addr = "127.0.0.1"
+
+    def __init__(self, cfg: RunConfig, events: EventLog | None) -> None:
+        self.nproc = cfg.nproc
+        self.mtu = cfg.mtu
+        self.events = events
+        self.faults: list[Fault] = [parse_fault(s, cfg.nproc, cfg.testbed) for s in cfg.faults]
+        self._tag = next_tag()
+        self._owner = os.getpid()
+        self._pids: dict[int, int] = {}
+        self._groups: dict[int, CpuGroup] = {}
+        self._backend = None
+        self._active: set[Fault] = set()  # desired: scheduled-on at the last step
+        self._logged: dict[Fault, str] = {}  # applied and logged -> its mechanism
+        self._step = 0
+        self._closed = False
+        if any(f.kind in CPU_KINDS for f in self.faults):
+            require_root("compute/contention faults")
+            self._backend = find_backend()
+
+    # -- placement (contract) --------------------------------------------------------------
+    def command_prefix(self, rank: int) -> list[str]:
+        return []
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {"STALWART_HOST_ADDR": "127.0.0.1", "STALWART_MTU": str(self.mtu)}
+
+    def attach_ranks(self, pids: Mapping[int, int]) -> None:
+        """Tell the testbed each rank's pid (cgroup faults act on processes)."""
+        self._pids.update({int(r): int(p) for r, p in pids.items()})
+        for rank, group in self._groups.items():
+            if rank in self._pids:
+                group.add(self._pids[rank])
+        self._reconcile(self._step)
+
+    # -- schedule --------------------------------------------------------------------------
+    def on_step(self, next_step: int) -> None:
+        if self._closed:
+            return
+        self._step = next_step
+        self._active = {f for f in self.faults if f.active_at(next_step)}
+        self._reconcile(next_step)
+
+    def _reconcile(self, step: int, at_close: bool = False) -> None:
+        desired = {f for f in self._active if f.kind not in CPU_KINDS or f.rank in self._pids}
+        gone = [f for f in self._logged if f not in desired]
+        new = [f for f in self.faults if f in desired and f not in self._logged]
+        if not gone and not new:
+            return
+        mech = self._apply(desired, {f.kind for f in gone + new},
+                           {t for f in gone + new for t in self._targets(f)})
+        for f in gone:
+            self._log("fault_removed", f, step, self._logged.pop(f), at_close)
+        for f in new:
+            self._logged[f] = mech.get(f, "")
+            self._log("fault_applied", f, step, self._logged[f], at_close)
+
+    @staticmethod
+    def _targets(f: Fault) -> list[tuple[str, Any]]:
+        """What a fault's mechanism acts on: a rank's cgroup, a host, or a pair of hosts."""
+        if f.kind in CPU_KINDS:
+            return [("rank", f.rank)]
+        if f.kind == "pairlink":
+            return [("pairlink", tuple(sorted(f.hosts)))]
+        return [(f.kind, h) for h in f.hosts]
+
+    def _log(self, event: str, f: Fault, step: int, mechanism: str, at_close: bool) -> None:
+        if self.events is None:
+            return
+        extra: dict[str, Any] = {"at_close": True} if at_close else {}
+        try:
+            self.events.log(event, step=step, testbed=self.kind, mechanism=mechanism,
+                            **f.event_fields(), **extra)
+        except OSError:
+            pass  # the run's event log was closed first; nothing else to tell
+
+    def _apply(self, desired: set[Fault], kinds: set[str],
+               targets: set[tuple[str, Any]]) -> dict[Fault, str]:
+        """Make the kernel state match `desired` for the touched targets; returns the
+        mechanism description of each desired fault."""
+        mech: dict[Fault, str] = {}
+        for kind, rank in targets:
+            if kind != "rank":
+                continue
+            mine = [f for f in desired if f.kind in CPU_KINDS and f.rank == rank]
+            factor = 1.0
+            for f in mine:
+                if f.kind == "compute":
+                    factor *= f.factor
+            procs = sum(f.procs for f in mine if f.kind == "contention")
+            group = self._group(rank)
+            desc = group.set_limit(min(factor, 100.0), procs, fair_share(self.nproc))
+            for f in mine:
+                mech[f] = desc
+        mech.update(self._apply_net(desired, targets))
+        # faults on untouched targets keep their recorded mechanism
+        for f in desired:
+            mech.setdefault(f, self._logged.get(f, ""))
+        return mech
+
+    def _apply_net(self, desired: set[Fault],
+                   targets: set[tuple[str, Any]]) -> dict[Fault, str]:
+        return {}
+
+    def _group(self, rank: int) -> CpuGroup:
+        if rank not in self._groups:
+            assert self._backend is not None
+            g = CpuGroup(self._backend, f"{PREFIX}-{self._tag}-r{rank}")
+            self._groups[rank] = g
+            if rank in self._pids:
+                g.add(self._pids[rank])
+        return self._groups[rank]
+
+    # -- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every active fault (logged, at_close), every cgroup and every host.
+        Idempotent; also run at exit and on SIGTERM/SIGHUP."""
+        if self._closed or os.getpid() != self._owner:
+            return
+        self._closed = True
+        try:
+            self._active = set()
+            self._reconcile(self._step, at_close=True)
+        except Exception:  # noqa: BLE001 -- teardown below must still happen
+            pass
+        finally:
+            for g in self._groups.values():
+                g.close()
+            self._groups.clear()
+            self._close_hosts()
+            cleanup.unregister(self)
+
+    def _close_hosts(self) -> None:
+        pass
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalTestbed(Testbed):
+    kind = "local"
+
+    def __init__(self, cfg: RunConfig, events: EventLog | None) -> None:
+        super().__init__(cfg, events)
+        if self._backend is not None:
+            cleanup.cleanup_stale()
+        cleanup.register(self)
+
+
+class NetnsTestbed(Testbed):
+    kind = "netns"
+
+    def __init__(self, cfg: RunConfig, events: EventLog | None) -> None:
+        super().__init__(cfg, events)
+        require_root("--testbed netns")
+        require_tool("ip", "--testbed netns")
+        kinds = {f.kind for f in self.faults}
+        if kinds & {"link", "pairlink"}:
+            require_tool("tc", "link faults")
+        if "loss" in kinds:
+            require_tool("nft", "loss faults")
+        self.hosts = Hosts(cfg.nproc, cfg.mtu)  # removes stale leftovers first
+        cleanup.register(self)
+        self.master_addr = self.hosts.addr(0)
+
+    def command_prefix(self, rank: int) -> list[str]:
+        return self.hosts.exec_prefix(rank)
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {"STALWART_HOST_ADDR": self.hosts.addr(rank), "GLOO_SOCKET_IFNAME": "eth0",
+                "STALWART_MTU": str(self.mtu)}
+
+    def _apply_net(self, desired: set[Fault],
+                   targets: set[tuple[str, Any]]) -> dict[Fault, str]:
+        mech: dict[Fault, str] = {}
+        h = self.hosts
+        for kind, host in sorted(targets, key=str):
+            if kind == "loss":
+                mine = [f for f in desired if f.kind == "loss" and host in f.hosts]
+                keep = 1.0
+                for f in mine:
+                    keep *= 1.0 - f.p
+                if mine:
+                    desc = f"host{host}: " + h.set_loss(host, 1.0 - keep)
+                else:
+                    h.clear_loss(host)
+                    desc = ""
+                for f in mine:
+                    mech[f] = "; ".join(x for x in (mech.get(f, ""), desc) if x)
+            elif kind == "link":
+                mine = [f for f in desired if f.kind == "link" and f.hosts[0] == host]
+                rate = min((f.rate_bps for f in mine), default=None)
+                desc = f"host{host}: " + h.set_link(host, rate)
+                for f in mine:
+                    mech[f] = desc
+            elif kind == "pairlink":
+                mine = [f for f in desired
+                        if f.kind == "pairlink" and tuple(sorted(f.hosts)) == host]
+                rate = min((f.rate_bps for f in mine), default=None)
+                desc = h.set_pair(host[0], host[1], rate)
+                for f in mine:
+                    mech[f] = desc
+        return mech
+
+    def _close_hosts(self) -> None:
+        self.hosts.close()
+
+
+def open_testbed(cfg: RunConfig, events: EventLog | None) -> Testbed:
+    """Create the testbed `cfg.testbed` for `cfg.nproc` ranks with `cfg.faults` scheduled.
+
+    Raises ConfigError (one line: what is missing and how to install it) when the machine
+    cannot provide what the configuration needs.
+    """
+    if cfg.testbed == "local":
+        return LocalTestbed(cfg, events)
+    if cfg.testbed == "netns":
+        return NetnsTestbed(cfg, events)
+    raise ConfigError(f"unknown testbed {cfg.testbed!r} (choose from local, netns)")
