@@ -1,0 +1,160 @@
+"""Explicit asynchronous tensor-parallel collectives, and the accounting of their hidden part.
+
+Mechanism (Megatron tensor parallelism, as used by DHelix): every collective of a parallel layer
+is issued with ``async_op=True`` (``start``) and waited for separately (``finish``), so that
+whatever runs between the two -- the layer's own weight-gradient GEMM, or the other strand's
+segment in strand interleaving (DHelix, arXiv 2411.15871) -- overlaps the transfer.
+
+``TPComm.mode`` decides what a layer may overlap:
+
+* ``"sync"``  -- ``start`` waits at once: nothing overlaps (the sequential reference);
+* ``"async"`` -- the layer overlaps its own collective with its own remaining work
+  (intra-micro-batch overlap, the baseline a user would write);
+* strand execution (``stalwart.overlap.strands``) additionally parks the calling strand in
+  ``finish`` so that the other strand computes while the collective is in flight.
+
+Guarantee: the numerical result never depends on the mode -- only the moment of the wait moves.
+
+Accounting: each collective records when it was issued and when gloo completed it (a callback on
+its future, run by gloo's thread), and every wait records how long the caller was blocked. Per
+step, ``comm_time`` is the union of in-flight intervals, ``exposed`` the blocked time, and
+``hidden = comm_time - exposed``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+MODES = ("sync", "async")
+
+# The strand (if any) that runs on the current thread; set by stalwart.overlap.strands.
+_local = threading.local()
+
+
+def current_strand():  # -> strands.Strand | None (no import: strands imports this module)
+    return getattr(_local, "strand", None)
+
+
+def set_current_strand(strand) -> None:
+    _local.strand = strand
+
+
+@dataclass
+class Pending:
+    """One collective in flight."""
+
+    tensor: torch.Tensor
+    work: object | None  # torch.distributed Work, None when the group has one rank
+    t_issue: float
+    t_done: float | None = None
+    waited: bool = False
+
+    def is_done(self) -> bool:
+        return self.work is None or self.t_done is not None
+
+
+@dataclass
+class CommLedger:
+    """What the collectives of one step did (times in seconds, perf_counter clock)."""
+
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    exposed: float = 0.0
+    count: int = 0
+    bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def comm_time(self) -> float:
+        """Length of the union of in-flight intervals (two strands' transfers may coincide)."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.intervals):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return total
+
+    def reset(self) -> None:
+        with self.lock:
+            self.intervals.clear()
+            self.exposed = 0.0
+            self.count = 0
+            self.bytes = 0
+
+
+class TPComm:
+    """The tensor-parallel group of a set of parallel layers, and how their collectives wait."""
+
+    def __init__(self, group: dist.ProcessGroup | None, mode: str = "async") -> None:
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.mode = mode
+        self.ledger = CommLedger()
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise ValueError(f"unknown TPComm mode {value!r} (choose from {', '.join(MODES)})")
+        self._mode = value
+
+    # ---- the two halves of a collective -----------------------------------------------------
+    def start(self, tensor: torch.Tensor) -> Pending:
+        """Issue an in-place sum all-reduce of `tensor` over the TP group."""
+        t0 = time.perf_counter()
+        if self.world == 1:
+            return Pending(tensor, None, t0, t0)
+        tensor = tensor.contiguous()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        p = Pending(tensor, work, t0)
+        led = self.ledger
+        with led.lock:
+            led.count += 1
+            led.bytes += tensor.numel() * tensor.element_size()
+
+        work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
+        if self.mode == "sync":
+            self._wait(p)
+        return p
+
+    def finish(self, p: Pending) -> torch.Tensor:
+        """The reduced tensor. Inside a strand, first hand the baton to the other strand."""
+        if not p.waited:
+            strand = current_strand()
+            if strand is not None:
+                strand.park(p)
+            self._wait(p)
+        return p.tensor
+
+    def _record_done(self, p: Pending) -> None:
+        # Called by gloo's completion callback or by the waiter, whichever comes first: the
+        # callback gives the true completion time when nobody waits for it yet.
+        now = time.perf_counter()
+        with self.ledger.lock:
+            if p.t_done is None:
+                p.t_done = now
+                self.ledger.intervals.append((p.t_issue, now))
+
+    def _wait(self, p: Pending) -> None:
+        if p.waited:
+            return
+        t0 = time.perf_counter()
+        if p.work is not None:
+            p.work.wait()
+            self._record_done(p)
+        dt = time.perf_counter() - t0
+        p.waited = True
+        with self.ledger.lock:
+            self.ledger.exposed += dt
+
+    def wait(self, p: Pending) -> None:
+        """Block until `p` is complete (used by the profiler to put a barrier after a step)."""
+        self._wait(p)

@@ -1,0 +1,115 @@
+"""Two strands -- the forward of one micro-batch and the backward of another -- run in turns.
+
+Mechanism (DHelix strand interleaving, arXiv 2411.15871): a strand is one pass (a forward, or
+an autograd backward) running on its own thread. The passes are split into *segments* at their
+collectives: every ``TPComm.finish`` inside a strand issues nothing new -- it parks the strand
+(its collective already in flight) and hands the baton back to the scheduler, which resumes
+the other strand. So while strand A's all-reduce travels, strand B computes, and vice versa.
+Only one strand computes at a time (a baton, not free threading), so the order of every
+collective is fixed by the plan and identical on all TP ranks -- gloo requires that -- and
+the arithmetic of each pass is exactly the arithmetic of running it alone: one copy of the
+weights, the same gradients.
+
+The backward is driven segment by segment through autograd itself: the backward strand calls
+``torch.autograd.backward`` once and parks inside each column-parallel layer's backward, at
+its input-gradient all-reduce (CPU autograd runs on the calling thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.overlap.comm import Pending, set_current_strand
+
+
+class StrandError(RuntimeError):
+    pass
+
+
+class Strand:
+    """One pass on its own thread that runs only while the scheduler lets it (``resume``)."""
+
+    def __init__(self, name: str, fn: Callable[[], Any],
+                 setup: Callable[[], Any] | None = None) -> None:
+        self.name = name
+        self._fn = fn
+        self._setup = setup  # context manager factory entered on the strand's thread
+        self._go = threading.Semaphore(0)
+        self._parked = threading.Semaphore(0)
+        self._thread = threading.Thread(target=self._main, name=f"strand-{name}", daemon=True)
+        self._started = False
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.pending: Pending | None = None  # the collective it parked on
+        self.segments = 0  # segments completed
+
+    def _main(self) -> None:
+        self._go.acquire()
+        set_current_strand(self)
+        try:
+            if self._setup is not None:
+                with self._setup():
+                    self.result = self._fn()
+            else:
+                self.result = self._fn()
+        except BaseException as e:  # surfaced by resume() on the scheduler's thread
+            self.error = e
+        finally:
+            set_current_strand(None)
+            self.done = True
+            self.pending = None
+            self._parked.release()
+
+    # ---- called on the strand's thread ----------------------------------------------------
+    def park(self, pending: Pending) -> None:
+        """End the current segment with `pending` in flight; block until resumed."""
+        self.pending = pending
+        self._parked.release()
+        self._go.acquire()
+        self.pending = None
+
+    # ---- called by the scheduler ------------------------------------------------------------
+    def resume(self) -> None:
+        """Run the next segment: up to the next collective (or to the end of the pass)."""
+        if self.done:
+            raise StrandError(f"strand {self.name} has no segment left")
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        self._go.release()
+        self._parked.acquire()
+        self.segments += 1
+        if self.error is not None:
+            raise self.error
+
+    def run_to_end(self) -> None:
+        while not self.done:
+            self.resume()
+
+    def join(self) -> None:
+        if self._started:
+            self._thread.join()
+
+
+def run_plan(plan_steps: list[str], fwd: Strand | None, bwd: Strand | None,
+             barrier: Callable[[list[Strand]], None] | None = None) -> None:
+    """Execute a pairing plan: each step is "F", "B" or "FB" (forward segment, then backward).
+
+    Steps that name a finished strand are skipped; whatever remains after the plan runs alone.
+    `barrier` (the profiler's) is called after each step with the strands that ran in it.
+    """
+    for step in plan_steps:
+        ran = []
+        for s, tag in ((fwd, "F"), (bwd, "B")):
+            if tag in step and s is not None and not s.done:
+                s.resume()
+                ran.append(s)
+        if barrier is not None and ran:
+            barrier(ran)
+    for s in (fwd, bwd):
+        if s is not None:
+            s.run_to_end()
+            s.join()

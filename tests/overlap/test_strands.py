@@ -1,0 +1,124 @@
+"""Strand mechanics in one process (a TP group of one still parks at every collective)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stalwart.overlap import TPGPT, Interleaved, TPComm
+from stalwart.overlap.comm import CommLedger
+from stalwart.overlap.memory import SavedTensorMeter
+from stalwart.overlap.plan import Profile, make_plan
+from stalwart.overlap.strands import Strand, StrandError, run_plan
+from stalwart.train.model import GPT, GPTConfig
+
+CFG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def _model() -> tuple[GPT, TPGPT, TPComm]:
+    torch.manual_seed(0)
+    gpt = GPT(CFG)
+    comm = TPComm(None)
+    return gpt, TPGPT.from_full(gpt, comm), comm
+
+
+def _mbs(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 256, (2, 8), generator=g), torch.randint(0, 256, (2, 8),
+                                                                        generator=g))
+            for _ in range(n)]
+
+
+def test_passes_split_at_every_collective() -> None:
+    _, model, _ = _model()
+    x, y = _mbs(1)[0]
+    f = Strand("F", lambda: model(x, y)[1])
+    f.run_to_end()
+    b = Strand("B", lambda: f.result.backward())
+    b.run_to_end()
+    # two all-reduces per block in forward (row-parallel outputs) and two in backward
+    # (column-parallel input gradients): 2L collectives -> 2L + 1 segments each way
+    assert f.segments == 2 * CFG.n_layer + 1
+    assert b.segments == 2 * CFG.n_layer + 1
+    with pytest.raises(StrandError):
+        f.resume()
+
+
+def test_run_plan_alternates_segments_in_plan_order() -> None:
+    trace: list[str] = []
+
+    class Fake:  # stands in for a collective: parks the strand, like TPComm.finish
+        def __init__(self, tag: str, n: int) -> None:
+            self.tag, self.n = tag, n
+
+        def __call__(self) -> None:
+            from stalwart.overlap.comm import Pending, current_strand
+
+            for k in range(self.n):
+                trace.append(f"{self.tag}{k}")
+                if k < self.n - 1:
+                    current_strand().park(Pending(torch.zeros(1), None, 0.0, 0.0))
+
+    f, b = Strand("F", Fake("f", 3)), Strand("B", Fake("b", 2))
+    run_plan(["F", "FB", "B"], f, b)
+    # F: f0 | FB: f1 then b0 | B: b1 (the backward ends) | leftover: f2
+    assert trace == ["f0", "f1", "b0", "b1", "f2"]
+    assert f.done and b.done
+
+
+def test_strand_errors_surface_in_the_scheduler() -> None:
+    def boom() -> None:
+        raise KeyError("inside the strand")
+
+    s = Strand("F", boom)
+    with pytest.raises(KeyError):
+        s.resume()
+
+
+def test_interleaved_gradients_equal_sequential_accumulation() -> None:
+    gpt, model, comm = _model()
+    mbs = _mbs(4)
+    for x, y in mbs:
+        (gpt(x, y)[1] / len(mbs)).backward()
+    ref = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    m = n = 2 * CFG.n_layer + 1
+    # a fixed plan that pairs a lot, and one that pairs nothing: same gradients
+    for pairing in (1.0, 100.0):
+        prof = Profile([1.0] * m, [1.0] * n, [[pairing] * n for _ in range(m)])
+        step = Interleaved(model, comm, schedule="si", plan=make_plan({}, prof))
+        loss, _ = step.forward_backward(mbs)
+        got = dict(model.named_parameters())
+        for name, g in ref.items():
+            assert torch.allclose(got[name].grad, g, atol=1e-5, rtol=0), name
+        assert loss == pytest.approx(sum(gpt(x, y)[1].item() for x, y in mbs) / len(mbs),
+                                     abs=1e-5)
+
+
+def test_memory_meter_counts_saved_activations_and_frees_them() -> None:
+    _, model, _ = _model()
+    meter = SavedTensorMeter(exclude=list(model.parameters()))
+    x, y = _mbs(1)[0]
+    with meter.tracking():
+        loss = model(x, y)[1]
+    held = meter.live
+    assert held > 0 and meter.peak >= held
+    loss.backward()
+    del loss
+    assert meter.live == 0
+    # a second forward kept alive doubles what is held
+    with meter.tracking():
+        l1 = model(x, y)[1]
+        l2 = model(x.clone(), y.clone())[1]  # distinct inputs: inputs are saved too
+    assert meter.live == 2 * held
+    del l1, l2
+
+
+def test_union_of_comm_intervals() -> None:
+    led = CommLedger(intervals=[(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)])
+    assert led.comm_time() == pytest.approx(3.0)
+
+
+def test_unknown_schedule_is_rejected() -> None:
+    _, model, comm = _model()
+    with pytest.raises(ValueError, match="schedule"):
+        Interleaved(model, comm, schedule="fast")
