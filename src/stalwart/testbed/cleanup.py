@@ -154,27 +154,30 @@ def owned_by(pid: int) -> dict[str, list[str]]:
     }
 
 
-def cleanup_stale() -> dict[str, list[str]]:
+def cleanup_stale() -> list[str]:
     """Remove namespaces, bridges/ports and cgroups whose owner process is dead.
 
-    Returns what was removed. Safe to run concurrently with live testbeds and with another
-    cleanup (a resource that vanished meanwhile is simply skipped).
+    Returns what was removed, e.g. ``["netns stw-812-0-h0", "link stwb812-0"]``. Safe to run
+    concurrently with live testbeds and with another cleanup (a resource that vanished
+    meanwhile is simply skipped).
     """
     from stalwart.testbed.cpu import remove_group
 
     stale = ours(include_live=False)
-    removed: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
+    removed: list[str] = []
     for ns in stale["netns"]:
         # deleting the namespace destroys its eth0, hence the veth peer on the bridge, and
         # every nftables table and qdisc inside it
         if quiet(["ip", "netns", "del", ns]):
-            removed["netns"].append(ns)
-    for link in stale["links"]:
-        if link in list_links() and quiet(["ip", "link", "del", link]):
-            removed["links"].append(link)
+            removed.append(f"netns {ns}")
+    if stale["links"]:
+        present = set(list_links())
+        for link in stale["links"]:
+            if link in present and quiet(["ip", "link", "del", link]):
+                removed.append(f"link {link}")
     for path in stale["cgroups"]:
         # processes still inside (ranks orphaned by a killed launcher) go to the parent group;
         # busy processes exit by themselves once their owner is gone
         if remove_group(Path(path)):
-            removed["cgroups"].append(path)
+            removed.append(f"cgroup {path}")
     return removed

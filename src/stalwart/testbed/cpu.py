@@ -7,6 +7,10 @@ A ``CpuGroup`` is one cgroup of the CPU controller holding a rank's whole proces
   cores/nproc when ranks outnumber cores (4 ranks on 2 cores each get half a core, so a cap of
   one core / 2 would not slow anyone). The kernel stops the group for the rest of each period
   once its quota is used, so a CPU-bound rank runs ~F times slower than when healthy.
+  The group's CFS weight is also divided by F (cpu.shares / cpu.weight): when the machine is
+  busier than planned (other jobs on the cores) the quota alone would not bind, while the
+  weight still gives the rank a smaller part of a contended core (F=2 against one equal
+  competitor: 1/3 instead of 1/2 of the core, 1.5x; the full F only without competitors).
 * contention K      -> K real busy processes are started inside the same group, capped at
   ``share`` CPUs. The group competes with the rest of the machine as one scheduling entity, so
   the rank and the K processes split one rank's worth of CPU through the ordinary CFS scheduler
@@ -29,7 +33,21 @@ from pathlib import Path
 from stalwart.config import ConfigError
 from stalwart.testbed._sys import PREFIX
 
-PERIOD_US = 100_000
+# A short CFS period makes throttling fine-grained: with 100 ms a rank whose steps take 30 ms
+# could run several unthrottled steps before its quota runs out. The kernel's minimum quota is
+# 1 ms, so large factors stretch the period instead (at most 1 s, the kernel's maximum).
+PERIOD_US = 20_000
+MIN_QUOTA_US = 1_000
+MAX_PERIOD_US = 1_000_000
+
+
+def quota_period(cpus: float) -> tuple[int, int]:
+    """(quota, period) in microseconds granting `cpus` CPUs."""
+    period = PERIOD_US
+    if cpus * period < MIN_QUOTA_US:
+        period = min(MAX_PERIOD_US, int(MIN_QUOTA_US / cpus + 0.5))
+    return max(MIN_QUOTA_US, int(round(cpus * period))), period
+
 
 # the busy loop: pure interpreter work; leaves when its parent (the testbed owner) is gone
 _BUSY = ("import os\np=os.getppid()\nwhile os.getppid()==p:\n"
@@ -41,19 +59,33 @@ class CgroupBackend:
     version: int  # 1 or 2
     root: Path  # where our groups are created
 
-    def quota_file(self, group: Path) -> Path:
-        return group / ("cpu.cfs_quota_us" if self.version == 1 else "cpu.max")
+    def write_weight(self, group: Path, factor: float, boost: float = 1.0) -> str:
+        """Set the group's CFS weight to boost/factor times the default."""
+        if self.version == 1:
+            shares = min(262_144, max(2, int(round(1024 * boost / factor))))
+            (group / "cpu.shares").write_text(str(shares))
+            return f"cpu.shares={shares}"
+        weight = min(10_000, max(1, int(round(100 * boost / factor))))
+        (group / "cpu.weight").write_text(str(weight))
+        return f"cpu.weight={weight}"
 
     def write_quota(self, group: Path, cpus: float | None) -> str:
-        """Cap `group` at `cpus` CPUs (None = unlimited); returns the value written."""
+        """Cap `group` at `cpus` CPUs (None = unlimited); returns the setting written."""
+        if cpus is None:
+            if self.version == 1:
+                (group / "cpu.cfs_quota_us").write_text("-1")
+                return "cpu.cfs_quota_us=-1"
+            (group / "cpu.max").write_text(f"max {PERIOD_US}")
+            return "cpu.max=max"
+        quota, period = quota_period(cpus)
         if self.version == 1:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            value = "-1" if cpus is None else str(max(1000, int(PERIOD_US * cpus)))
-        else:
-            quota = "max" if cpus is None else str(max(1000, int(PERIOD_US * cpus)))
-            value = f"{quota} {PERIOD_US}"
-        self.quota_file(group).write_text(value)
-        return value
+            # quota first: shrinking the period under an old, larger quota is refused
+            (group / "cpu.cfs_quota_us").write_text("-1")
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+            return f"cpu.cfs_quota_us={quota} cpu.cfs_period_us={period}"
+        (group / "cpu.max").write_text(f"{quota} {period}")
+        return f"cpu.max={quota} {period}"
 
 
 def fair_share(nproc: int) -> float:
@@ -150,7 +182,9 @@ def _move(pid: int, group: Path) -> bool:
 class CpuGroup:
     """One rank's CPU cgroup: throttling (factor) and contention (busy processes)."""
 
-    def __init__(self, backend: CgroupBackend, name: str) -> None:
+    def __init__(self, backend: CgroupBackend, name: str, boost: float = 1.0) -> None:
+        """`boost` > 1 raises the group's base CFS weight: measurements use it to shield the
+        quota's effect from unrelated jobs on the machine. Ranks keep the default (1.0)."""
         if not name.startswith(PREFIX + "-"):
             raise ValueError(f"cgroup name must start with {PREFIX}-: {name}")
         self.backend = backend
@@ -159,6 +193,8 @@ class CpuGroup:
         self._origin: dict[int, Path] = {}  # pid -> cgroup it came from
         self._busy: list[subprocess.Popen[bytes]] = []
         self.quota = backend.write_quota(self.path, None)
+        self.boost = boost
+        backend.write_weight(self.path, 1.0, boost)
         self._closed = False
 
     # -- membership ------------------------------------------------------------------------
@@ -188,11 +224,11 @@ class CpuGroup:
         if factor > 1.0 or procs > 0:
             cpus = share / factor
         self.quota = self.backend.write_quota(self.path, cpus)
+        weight = self.backend.write_weight(self.path, factor, self.boost)
         self._set_busy(procs)
-        qfile = self.backend.quota_file(self.path).name
-        desc = f"cgroup v{self.backend.version} {self.path.name} {qfile}={self.quota}"
-        if self.backend.version == 1:
-            desc += f" (period {PERIOD_US})"
+        desc = f"cgroup v{self.backend.version} {self.path.name} {self.quota}"
+        if factor > 1.0:
+            desc += f" {weight}"
         if procs:
             desc += f", {procs} busy processes in the same group"
         return desc

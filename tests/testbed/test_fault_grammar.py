@@ -1,0 +1,80 @@
+"""parse_fault: the --fault grammar and its one-line errors (no root needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.config import ConfigError, RunConfig
+from stalwart.testbed import parse_fault, parse_rate
+
+
+def test_each_kind_parses_to_its_target_and_magnitude() -> None:
+    f = parse_fault("compute:rank=2,factor=2,start=20,end=60", 4, "local")
+    assert (f.kind, f.rank, f.factor, f.start, f.end) == ("compute", 2, 2.0, 20, 60)
+    assert f.event_fields()["rank"] == 2 and f.target == "rank2"
+    f = parse_fault("contention:rank=0,procs=3", 4, "local")
+    assert (f.procs, f.start, f.end, f.magnitude) == (3, 0, None, 3.0)
+    f = parse_fault("link:host=1,rate=50mbit", 4, "netns")
+    assert (f.hosts, f.rate_bps, f.target) == ((1,), 50_000_000, "host1")
+    f = parse_fault("pairlink:hosts=3-1,rate=2mbps", 4, "netns")
+    assert (f.hosts, f.rate_bps, f.event_fields()["hosts"]) == ((3, 1), 16_000_000, [3, 1])
+    f = parse_fault("loss:host=all,p=0.05,end=9", 3, "netns")
+    assert (f.hosts, f.p, f.target, f.end) == ((0, 1, 2), 0.05, "all", 9)
+    f = parse_fault("loss:host=2,p=0", 3, "netns")
+    assert f.hosts == (2,) and f.p == 0.0
+
+
+def test_schedule_window_is_end_exclusive() -> None:
+    f = parse_fault("compute:rank=0,factor=3,start=5,end=7", 1, "local")
+    assert [s for s in range(10) if f.active_at(s)] == [5, 6]
+    g = parse_fault("compute:rank=0,factor=3", 1, "local")
+    assert all(g.active_at(s) for s in (0, 10**9))
+
+
+@pytest.mark.parametrize("text,bits", [("50mbit", 50_000_000), ("1gbit", 10**9),
+                                       ("500kbit", 500_000), ("10mbps", 80_000_000),
+                                       ("1.5Mbit", 1_500_000)])
+def test_rates_use_tc_units(text: str, bits: int) -> None:
+    assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("spec,testbed,names", [
+    ("slow:rank=1", "local", "'slow'"),
+    ("compute", "local", "no parameters"),
+    ("compute:rank=1", "local", "factor"),
+    ("compute:rank=1,factor=2,speed=3", "local", "'speed'"),
+    ("compute:rank=4,factor=2", "local", "rank=4"),
+    ("compute:rank=-1,factor=2", "local", "rank=-1"),
+    ("compute:rank=x,factor=2", "local", "rank='x'"),
+    ("compute:rank=1,factor=0.5", "local", "factor=0.5"),
+    ("compute:rank=1,factor=nan", "local", "factor='nan'"),
+    ("compute:rank=1,rank=2,factor=2", "local", "'rank' given twice"),
+    ("compute:rank=1,factor", "local", "'factor'"),
+    ("contention:rank=1,procs=0", "local", "procs=0"),
+    ("link:host=1,rate=50", "netns", "'50'"),
+    ("link:host=1,rate=fastmbit", "netns", "'fastmbit'"),
+    ("link:host=9,rate=50mbit", "netns", "host=9"),
+    ("link:host=1,rate=50mbit", "local", "needs --testbed netns"),
+    ("pairlink:hosts=1,rate=5mbit", "netns", "hosts='1'"),
+    ("pairlink:hosts=1-1,rate=5mbit", "netns", "same host"),
+    ("pairlink:hosts=0-7,rate=5mbit", "netns", "hosts=7"),
+    ("loss:host=all,p=1", "netns", "p=1"),
+    ("loss:host=all,p=-0.1", "netns", "p=-0.1"),
+    ("loss:host=all,p=0.1", "local", "needs --testbed netns"),
+    ("loss:host=every,p=0.1", "netns", "host='every'"),
+    ("compute:rank=1,factor=2,start=10,end=5", "local", "end=5"),
+    ("compute:rank=1,factor=2,start=5,end=5", "local", "end=5"),
+    ("compute:rank=1,factor=2,start=-3", "local", "start=-3"),
+    ("compute:rank=1,factor=2", "cloud", "'cloud'"),
+])
+def test_bad_specs_raise_one_line_naming_the_value(spec: str, testbed: str, names: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_fault(spec, 4, testbed)
+    msg = str(e.value)
+    assert names in msg and "\n" not in msg
+
+
+def test_runconfig_validate_rejects_a_bad_fault() -> None:
+    cfg = RunConfig(nproc=2, testbed="local", faults=["loss:host=0,p=0.1"])
+    with pytest.raises(ConfigError, match="needs --testbed netns"):
+        cfg.validate()
