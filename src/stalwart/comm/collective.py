@@ -1,0 +1,394 @@
+"""Loss-tolerant reduce-scatter and owner broadcast over the UDP transport.
+
+Mechanism: the two phases of "Distributed Training under Packet Loss" (Weintraub et al., 2025):
+  1. reduce-scatter -- every rank sends chunk k of shard s of its vector to shard s's owner;
+     the owner averages per chunk over the contributions that arrived, its own included
+     (``aggregate.ShardAccumulator``: unbiased);
+  2. broadcast -- every owner sends its shard's values (updated parameters, or averaged
+     gradients in the naive variant / the all-reduce benchmark) to every rank; a rank that
+     misses a chunk keeps whatever it had there (its stale copy).
+Each phase ends at the first of: all expected packets arrived; every live sender's end-of-phase
+marker arrived + grace; the agreed adaptive deadline (``deadline.AdaptiveDeadline``). There are
+no retransmissions, so a phase's duration is bounded by the cap whatever the network does.
+
+Setup goes through torch.distributed (gloo or any backend with object collectives): rank 0
+draws the per-job secret and job id with ``os.urandom`` and broadcasts them; every rank binds
+its socket to ``STALWART_HOST_ADDR`` and the addresses are exchanged with ``all_gather_object``.
+
+Rounds: every rank calls ``begin_round()`` once per step, in lockstep, so round numbers agree.
+The receiving thread keeps the current and the next round open (a faster peer may already be
+one round ahead); anything older is rejected as ``old_round`` -- that is also what makes a
+replay from an earlier step harmless. A peer that sent nothing in a phase that hit the deadline
+is marked silent and is not waited for until any authenticated packet from it arrives again:
+a dead rank costs its peers one deadline, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stalwart.comm.aggregate import ShardAccumulator
+from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.layout import Layout
+from stalwart.comm.transport import UdpTransport, default_host, default_mtu
+from stalwart.comm.wire import (
+    FLAG_END,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    OVERHEAD,
+    PHASE_GRAD,
+    PHASE_VALUE,
+    REASONS,
+    R,
+    Wire,
+    max_floats_for_mtu,
+)
+
+_UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"])
+MARKER_COPIES = 3  # an end marker is lost only if all copies are: p**3 (0.1% at 10% loss)
+
+
+@dataclass
+class _Round:
+    """Receive-side state of one round (two of these alternate)."""
+
+    rnd: int
+    acc: ShardAccumulator
+    vals: np.ndarray  # the owners' values, written as chunks arrive
+    vseen: list[np.ndarray]  # per shard, per chunk: arrived
+    got: np.ndarray  # (2 phases, world): data packets accepted per sender
+    marker: np.ndarray  # (2 phases, world): announced count, -1 = no marker yet
+    closed: list[bool] = field(default_factory=lambda: [False, False])
+
+    def reset(self, rnd: int) -> None:
+        self.rnd = rnd
+        self.acc.reset()
+        for v in self.vseen:
+            v[:] = False
+        self.got[:] = 0
+        self.marker[:] = -1
+        self.closed = [False, False]
+
+
+@dataclass
+class PhaseStats:
+    sent: int = 0
+    recv: int = 0
+    lost: int = 0
+    deadline_hit: bool = False
+    elapsed: float = 0.0
+    silent: list[int] = field(default_factory=list)
+
+
+class LossyCollective:
+    """Reduce-scatter + broadcast of a flat float32 vector of ``numel`` elements over UDP."""
+
+    def __init__(self, numel: int, *, group=None, host: str | None = None,
+                 mtu: int | None = None, deadline: AdaptiveDeadline | None = None,
+                 pace_bytes_per_s: float = 0.0, key: bytes | None = None,
+                 world: int | None = None, rank: int | None = None,
+                 exchange=None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        if world is None:
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = int(world), int(rank)
+        mtu = mtu or default_mtu()
+        self.chunk = max_floats_for_mtu(mtu)
+        self.layout = Layout(int(numel), self.world, self.chunk)
+        self.slot = OVERHEAD + 4 * self.chunk
+        # secret + job id from rank 0; addresses from everyone
+        ex = exchange or _DistExchange(group)
+        secret = key if key is not None else os.urandom(32)
+        job = int.from_bytes(os.urandom(4), "little")
+        secret, job = ex.broadcast_from_0((secret, job))
+        self.transport = UdpTransport(host or default_host(), self.slot,
+                                      pace_bytes_per_s=pace_bytes_per_s)
+        self.transport.set_peers(ex.all_gather(self.transport.addr))
+        self.wire = Wire(secret, job, self.world, self.rank, self.layout.shard_lens, self.chunk)
+        self.deadline = deadline or AdaptiveDeadline()
+        b = self.layout.bounds
+        self._lo, self._hi = b[self.rank], b[self.rank + 1]
+        self._rounds = [self._new_round(0), self._new_round(1)]
+        self.round = -1
+        self.silent: set[int] = set()
+        self.rejected = np.zeros(len(REASONS), np.int64)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.transport.start(self._on_batch)
+        ex.barrier()  # every socket is bound and draining before anyone sends
+
+    def _new_round(self, rnd: int) -> _Round:
+        lay = self.layout
+        return _Round(rnd, ShardAccumulator(lay, self.rank), np.zeros(lay.numel, np.float32),
+                      [np.zeros(lay.n_chunks(s), bool) for s in range(self.world)],
+                      np.zeros((2, self.world), np.int64), np.full((2, self.world), -1))
+
+    # ---- receiving thread -----------------------------------------------------------------
+    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
+        hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0))
+        with self._cond:
+            for i in range(len(reasons)):
+                why = int(reasons[i])
+                h = hdr[i]
+                s = int(h["sender"])
+                if why not in _UNAUTHENTICATED and s in self.silent:
+                    self.silent.discard(s)  # an authenticated packet: it is alive again
+                if why == 0:
+                    why = self._place(rows[i], h)
+                if why:
+                    self.rejected[why] += 1
+            self._cond.notify_all()
+
+    def _place(self, row: np.ndarray, h: np.void) -> int:
+        rnd = int(h["round"])
+        st = self._rounds[rnd % 2]
+        if st.rnd != rnd:
+            return R["old_round"] if rnd < self.round else R["future_round"]
+        ph, s = int(h["phase"]), int(h["sender"])
+        is_end = int(h["flags"]) & FLAG_END
+        if st.closed[ph]:
+            return 0 if is_end else R["late"]  # a spare marker copy after the phase: harmless
+        if is_end:
+            st.marker[ph, s] = int(h["offset"])
+            self.deadline.hear(s, int(h["hint"]) / 1e6)
+            return 0
+        off, n = int(h["offset"]), int(h["length"])
+        pay = row[HEADER_BYTES: HEADER_BYTES + 4 * n].view("<f4")
+        if ph == PHASE_GRAD:
+            if not st.acc.add(s, off, pay):
+                return R["duplicate"]
+        else:
+            seen = st.vseen[s]
+            c = off // self.chunk
+            if seen[c]:
+                return R["duplicate"]
+            seen[c] = True
+            lo = self.layout.bounds[s] + off
+            st.vals[lo: lo + n] = pay
+        st.got[ph, s] += 1
+        return 0
+
+    # ---- sending --------------------------------------------------------------------------
+    def _rows(self, phase: int, shard: int, values: np.ndarray,
+              hint_us: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sealed packets carrying ``values`` (shard ``shard``'s elements) for this round."""
+        lay = self.layout
+        nc = lay.n_chunks(shard)
+        key = (phase, shard)
+        if key not in self._rows_cache:
+            self._rows_cache[key] = (np.zeros((nc, self.slot), np.uint8),
+                                     lay.chunk_lengths(shard))
+        rows, lengths = self._rows_cache[key]
+        if nc == 0:
+            return rows, lengths
+        h = np.zeros(nc, HEADER)
+        h["magic"], h["phase"], h["job"], h["round"] = MAGIC, phase, self.wire.job, self.round
+        h["sender"], h["shard"], h["hint"] = self.rank, shard, hint_us
+        h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
+        rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
+        C = self.chunk
+        pay = rows[:, HEADER_BYTES: HEADER_BYTES + 4 * C].view("<f4")
+        full = values.size // C
+        pay[:full] = values[: full * C].reshape(full, C)
+        if full < nc:
+            pay[full, : values.size - full * C] = values[full * C:]
+        self.wire.seal_rows(rows, lengths)
+        return rows, lengths
+
+    def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]]) -> int:
+        """Send each (rows, lengths, dest), destinations interleaved packet by packet so that no
+        receiver gets a long burst; the rows are sent in place (no copy)."""
+        plan = [p for p in plan if len(p[1])]
+        if not plan:
+            return 0
+        pos = np.concatenate([np.arange(len(lengths)) for _, lengths, _ in plan])
+        which = np.concatenate([np.full(len(lengths), j) for j, (_, lengths, _) in
+                                enumerate(plan)])
+        ptrs = np.concatenate([rows.ctypes.data + np.arange(len(lengths), dtype=np.uint64)
+                               * np.uint64(rows.shape[1]) for rows, lengths, _ in plan])
+        sizes = np.concatenate([OVERHEAD + 4 * lengths for _, lengths, _ in plan])
+        dests = np.concatenate([np.full(len(lengths), d) for _, lengths, d in plan])
+        order = np.lexsort((which, pos))  # by chunk index, then by destination
+        return self.transport.send_ptrs(ptrs[order], sizes[order], dests[order],
+                                        keepalive=[r for r, _, _ in plan])
+
+    def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int) -> int:
+        pkts = []
+        for d, c in counts.items():
+            shard = d if phase == PHASE_GRAD else self.rank
+            pkts.append((d, self.wire.packet(phase, self.round, shard, c,
+                                             np.zeros(0, np.float32), flags=FLAG_END,
+                                             hint=hint_us)))
+        if not pkts:
+            return 0
+        slot = max(len(p) for _, p in pkts)
+        rows = np.zeros((len(pkts) * MARKER_COPIES, slot), np.uint8)
+        sizes = np.zeros(len(rows), np.int64)
+        dests = np.zeros(len(rows), np.int64)
+        for c in range(MARKER_COPIES):
+            for j, (d, p) in enumerate(pkts):
+                i = c * len(pkts) + j
+                rows[i, : len(p)] = np.frombuffer(p, np.uint8)
+                sizes[i], dests[i] = len(p), d
+        return self.transport.send(rows, sizes, dests)
+
+    # ---- phases ---------------------------------------------------------------------------
+    def begin_round(self) -> int:
+        with self._cond:
+            self.round += 1
+            r = self.round
+            cur = self._rounds[r % 2]
+            if cur.rnd != r:  # a round was skipped (cannot happen in lockstep; be safe)
+                cur.reset(r)
+            nxt = self._rounds[(r + 1) % 2]
+            if nxt.rnd != r + 1:  # round r-1 is over: recycle its state for round r+1
+                nxt.reset(r + 1)
+        return r
+
+    def _expected(self, phase: int) -> dict[int, int]:
+        if phase == PHASE_GRAD:
+            n = self.layout.n_chunks(self.rank)
+            return {s: n for s in range(self.world) if s != self.rank}
+        return {s: self.layout.n_chunks(s) for s in range(self.world) if s != self.rank}
+
+    def _wait(self, phase: int, t0: float) -> PhaseStats:
+        st = self._rounds[self.round % 2]
+        exp = self._expected(phase)
+        total = sum(exp.values())
+        limit = self.deadline.current()
+        out = PhaseStats()
+        grace_from: float | None = None
+        with self._cond:
+            while True:
+                now = time.perf_counter()
+                live = [s for s in exp if s not in self.silent]
+                done = [s for s in live if st.got[phase, s] >= exp[s]]
+                if len(done) == len(live):
+                    break
+                ended = all(st.got[phase, s] >= exp[s] or st.marker[phase, s] >= 0
+                            for s in live)
+                if ended and grace_from is None:
+                    grace_from = now
+                wake = t0 + limit
+                if grace_from is not None:
+                    wake = min(wake, grace_from + self.deadline.grace(grace_from - t0))
+                if now >= wake:
+                    out.deadline_hit = now >= t0 + limit
+                    break
+                self._cond.wait(timeout=wake - now)
+            st.closed[phase] = True
+            out.elapsed = time.perf_counter() - t0
+            recv = int(st.got[phase].sum())
+            out.recv = recv
+            out.lost = total - recv
+            if out.deadline_hit:
+                for s in exp:
+                    if st.got[phase, s] == 0 and st.marker[phase, s] < 0 and exp[s] >= 0:
+                        self.silent.add(s)
+                out.silent = sorted(self.silent)
+        completion = recv / total if total else 1.0
+        if not out.deadline_hit or completion > 0:
+            self.deadline.observe(self.rank, out.elapsed, completion)
+        return out
+
+    def reduce_scatter(self, flat: np.ndarray) -> tuple[np.ndarray, PhaseStats]:
+        """Phase 1 of the current round: returns this rank's shard, averaged per chunk over the
+        contributions that arrived (its own always)."""
+        flat = np.ascontiguousarray(flat, dtype=np.float32)
+        t0 = time.perf_counter()
+        st = self._rounds[self.round % 2]
+        with self._cond:
+            st.acc.add_own(flat[self._lo: self._hi])
+        hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
+        b = self.layout.bounds
+        plan = []
+        counts = {}
+        for k in range(1, self.world):  # start at the next rank: owners see spread-out load
+            d = (self.rank + k) % self.world
+            rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint)
+            plan.append((rows, lengths, d))
+            counts[d] = len(lengths)
+        sent = self._send(plan)
+        sent += self._send_markers(PHASE_GRAD, counts, hint)
+        out = self._wait(PHASE_GRAD, t0)
+        out.sent = sent
+        return st.acc.average(), out
+
+    def broadcast(self, shard_values: np.ndarray, out: np.ndarray) -> tuple[np.ndarray,
+                                                                             PhaseStats]:
+        """Phase 2: send this rank's shard values to all; write the owners' chunks that arrived
+        into ``out`` (the full vector; this rank's own shard is always written). Returns a
+        per-element mask of what was written and the phase statistics."""
+        t0 = time.perf_counter()
+        shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
+        hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
+        rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
+        peers = [(self.rank + k) % self.world for k in range(1, self.world)]
+        sent = self._send([(rows, lengths, d) for d in peers])
+        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint)
+        ps = self._wait(PHASE_VALUE, t0)
+        ps.sent = sent
+        st = self._rounds[self.round % 2]
+        mask = np.zeros(self.layout.numel, bool)
+        b = self.layout.bounds
+        for s in range(self.world):
+            if s == self.rank:
+                continue
+            m = self.layout.expand(s, st.vseen[s])
+            mask[b[s]: b[s + 1]] = m
+        np.copyto(out, st.vals, where=mask)
+        out[self._lo: self._hi] = shard_values
+        mask[self._lo: self._hi] = True
+        return mask, ps
+
+    def allreduce(self, flat: np.ndarray, out: np.ndarray | None = None) -> tuple[
+            np.ndarray, list[PhaseStats]]:
+        """Average ``flat`` across ranks (reduce-scatter + broadcast of the averaged shards).
+        Chunks whose broadcast was lost keep ``out``'s previous values (``flat``'s if None)."""
+        self.begin_round()
+        avg, p1 = self.reduce_scatter(flat)
+        if out is None:
+            out = np.array(flat, dtype=np.float32, copy=True)
+        _, p2 = self.broadcast(avg, out)
+        return out, [p1, p2]
+
+    def rejected_counts(self) -> dict[str, int]:
+        return {REASONS[i]: int(v) for i, v in enumerate(self.rejected) if i and v}
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class _DistExchange:
+    """Setup-time exchange over torch.distributed (reliable; used once, before training)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def broadcast_from_0(self, obj):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)

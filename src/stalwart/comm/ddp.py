@@ -1,0 +1,48 @@
+"""Two-line integration with an existing DDP script: ``opt = attach(ddp_model, AdamW, lr=...)``.
+
+Mechanism: DDP keeps doing what it does best (bucketing gradients as backward runs), but a comm
+hook replaces its reliable all-reduce with "keep the local gradient": the returned future is
+already complete, so no gloo/NCCL traffic happens during backward. The lossy reduce-scatter,
+owner update and parameter broadcast then happen in ``opt.step()``
+(``optim.ShardedLossyOptimizer``). Model code and the optimizer class are unchanged.
+
+Guarantee: after ``attach`` returns, every rank holds the same parameters (DDP synchronised
+them at construction) and a UDP socket bound to ``STALWART_HOST_ADDR``, with peers' addresses
+and the job's secret exchanged through torch.distributed. Gradient clipping, if any, must be
+done on the LOCAL gradients before ``step()`` (``clip_grad_norm_`` works unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stalwart.comm.collective import LossyCollective
+from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.optim import ShardedLossyOptimizer
+
+
+def _keep_local(_state, bucket):  # noqa: ANN001 -- DDP rejects string annotations here
+    """DDP comm hook: no all-reduce; the bucket keeps this rank's local gradients."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], *,
+           mode: str = "params", mtu: int | None = None, host: str | None = None,
+           group: Any = None, deadline: AdaptiveDeadline | None = None,
+           **optimizer_kwargs: Any) -> ShardedLossyOptimizer:
+    """Switch a DDP model to the loss-tolerant transport; returns its optimizer.
+
+    ``optimizer_kwargs`` go to ``optimizer_class`` (e.g. lr, betas, weight_decay). Works with a
+    plain module too (then there is no DDP all-reduce to disable).
+    """
+    if hasattr(ddp_model, "register_comm_hook"):
+        ddp_model.register_comm_hook(None, _keep_local)
+    module = getattr(ddp_model, "module", ddp_model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline)
+    return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode, **optimizer_kwargs)

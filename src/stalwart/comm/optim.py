@@ -1,0 +1,166 @@
+"""Owner update + bounded-drift parameter broadcast: a drop-in optimizer over lossy UDP.
+
+Mechanism: phase 2 of "Distributed Training under Packet Loss" (Weintraub et al., 2025) on the
+ZeRO-1 partition (as torch's ZeroRedundancyOptimizer): rank r owns shard r of the flattened
+parameters, keeps the inner optimizer's state for it only, steps ANY ``torch.optim`` optimizer
+class on it with the unbiased averaged gradient, and broadcasts the UPDATED PARAMETERS. A rank
+that misses a chunk keeps its stale copy until a later broadcast lands; a chunk is stale with
+probability p per step, so staleness is geometric (mean p/(1-p)) and the replicas' distance to
+the owners' parameters stays bounded however long training runs.
+
+``mode="naive"`` is the contrast for the benchmark only: owners broadcast averaged GRADIENTS and
+every rank steps a full local optimizer; a missed chunk is a missed update that is never
+repaired, so replicas random-walk apart without bound.
+
+Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (both phases),
+deadline_hits, drift, stale_max, silent_ranks, comm_time. ``drift`` is the largest
+|replica - owner| this rank observed this step: for every chunk that landed, the gap between the
+stale local copy and the owner's value that replaced it (with no loss: one step's update);
+``stale_max`` is the age in steps of this replica's oldest chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalwart.comm.collective import LossyCollective
+
+
+class ShardedLossyOptimizer:
+    """Optimizer-like object over a list of parameters, communicating through ``coll``."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
+                 coll: LossyCollective, mode: str = "params", **kwargs: Any) -> None:
+        if mode not in ("params", "naive"):
+            raise ValueError(f"unknown mode {mode!r} (params or naive)")
+        self.params = params
+        self.coll = coll
+        self.mode = mode
+        self.numel = sum(p.numel() for p in params)
+        lay = coll.layout
+        if lay.numel != self.numel:
+            raise ValueError(f"collective sized for {lay.numel} elements, params have {self.numel}")
+        self.lo, self.hi = lay.shard(coll.rank)
+        self.flat = self._gather_params()  # this rank's replica, flat
+        self.age = np.zeros(self.numel, np.int32)  # steps since each element was refreshed
+        if mode == "params":
+            self.shard = torch.nn.Parameter(torch.from_numpy(self.flat[self.lo: self.hi].copy()))
+        else:
+            self.shard = torch.nn.Parameter(torch.from_numpy(self.flat.copy()))
+        self.inner = optimizer_class([self.shard], **kwargs)
+        self._stats: dict[str, Any] = {}
+
+    # ---- optimizer surface ----------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups  # the caller's lr schedule reaches the owner directly
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "mode": self.mode, "numel": self.numel,
+                "shard": (self.lo, self.hi)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("numel") != self.numel or tuple(sd.get("shard", ())) != (self.lo, self.hi):
+            raise ValueError("optimizer state was saved for another model size or world size")
+        self.flat = self._gather_params()  # the model may have been reloaded too
+        with torch.no_grad():
+            src = self.flat[self.lo: self.hi] if self.mode == "params" else self.flat
+            self.shard.copy_(torch.from_numpy(src))
+        self.inner.load_state_dict(sd["inner"])
+
+    # ---- the step -------------------------------------------------------------------------
+    def _gather_params(self) -> np.ndarray:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).float() for p in self.params]).numpy().copy()
+
+    def _gather_grads(self) -> np.ndarray:
+        with torch.no_grad():
+            return torch.cat([
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                for p in self.params]).numpy()
+
+    def _scatter_params(self) -> None:
+        with torch.no_grad():
+            src = torch.from_numpy(self.flat)
+            i = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(src[i: i + n].view_as(p))
+                i += n
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("closures are not supported (the gradient comes from the network)")
+        t0 = time.perf_counter()
+        coll = self.coll
+        coll.begin_round()
+        grads = self._gather_grads()
+        avg, p1 = coll.reduce_scatter(grads)
+        if self.mode == "params":
+            # the owner's shard is authoritative: the model's copy of it equals self.shard
+            # unless the caller reloaded the model, which this picks up
+            self.shard.copy_(torch.from_numpy(self.flat_model_shard()))
+            self.shard.grad = torch.from_numpy(avg.copy())
+            self.inner.step()
+            new = self.shard.detach().numpy()
+            before = self.flat.copy()
+            mask, p2 = coll.broadcast(new, self.flat)
+            landed = mask.copy()
+            landed[self.lo: self.hi] = False
+            drift = float(np.abs(before[landed] - self.flat[landed]).max()) if landed.any() \
+                else 0.0
+        else:
+            full = np.zeros(self.numel, np.float32)  # a missed chunk = a missed update
+            mask, p2 = coll.broadcast(avg, full)
+            self.shard.copy_(torch.from_numpy(self._gather_params()))
+            self.shard.grad = torch.from_numpy(full)
+            self.inner.step()
+            self.flat = self.shard.detach().numpy().copy()
+            drift = float("nan")  # unobservable locally: the benchmark measures it exactly
+        self.age += 1
+        self.age[mask] = 0
+        self._scatter_params()
+        rej = int(coll.rejected.sum())
+        self._stats = {
+            "pkts_sent": p1.sent + p2.sent, "pkts_recv": p1.recv + p2.recv,
+            "pkts_lost": p1.lost + p2.lost,
+            "pkts_rejected": rej - self._stats.get("_rej_total", 0), "_rej_total": rej,
+            "deadline_hits": int(p1.deadline_hit) + int(p2.deadline_hit),
+            "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
+            "silent_ranks": sorted(coll.silent),
+            "comm_time": (time.perf_counter() - t0),
+        }
+
+    def flat_model_shard(self) -> np.ndarray:
+        with torch.no_grad():
+            i, out = 0, []
+            for p in self.params:
+                n = p.numel()
+                lo, hi = max(self.lo, i), min(self.hi, i + n)
+                if lo < hi:
+                    out.append(p.detach().reshape(-1)[lo - i: hi - i].float())
+                i += n
+            return torch.cat(out).numpy() if out else np.zeros(0, np.float32)
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics of the last step (merged by the worker into metrics.jsonl)."""
+        return {k: v for k, v in self._stats.items() if not k.startswith("_")}
+
+    def close(self) -> None:
+        self.coll.close()

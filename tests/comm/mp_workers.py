@@ -1,0 +1,141 @@
+"""Worker functions for the multi-process comm tests (spawned by torch.multiprocessing).
+
+Each worker initialises a gloo group on loopback (setup only: secret and address exchange,
+reference results), runs the real UDP collective, and writes what it saw to ``out/rank-R.json``
+for the test to check in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    if "STALWART_HOST_ADDR" not in os.environ:  # spawned locally (on a testbed host: env set)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          STALWART_HOST_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _dump(out: str, rank: int, rec: dict) -> None:
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(rec))
+
+
+def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, out: str,
+                     mtu: int = 1500, silent_rank: int = -1, silent_from: int = 10**9,
+                     cap: float = 5.0, floor: float | None = None, values: str = "random"
+                     ) -> None:
+    """``rounds`` all-reduces of random vectors; compares with gloo's exact average.
+
+    ``silent_rank`` stops taking part from round ``silent_from`` on (it just sleeps until the
+    others are done, so its socket stays open but sends nothing: a hung peer).
+    """
+    from stalwart.comm.collective import LossyCollective
+    from stalwart.comm.deadline import AdaptiveDeadline
+
+    _init(rank, world, port)
+    dl = AdaptiveDeadline(initial=cap, cap=cap, floor=cap if floor is None else floor)
+    coll = LossyCollective(numel, mtu=mtu, deadline=dl)
+    rng = np.random.default_rng(1000 + rank)
+    rec: dict = {"err": [], "hits": [], "lost": [], "recv": [], "silent": [], "elapsed": [],
+                 "out": []}
+    try:
+        for r in range(rounds):
+            x = rng.standard_normal(numel).astype(np.float32)
+            if values == "rank":  # rank i contributes 2**i everywhere: a sum names its senders
+                x = np.full(numel, 2.0 ** rank, np.float32)
+            ref = torch.from_numpy(x.copy())
+            if rank == silent_rank and r >= silent_from:
+                continue
+            t = time.perf_counter()
+            got, ps = coll.allreduce(x)
+            rec["elapsed"].append(time.perf_counter() - t)
+            if silent_rank < 0:
+                dist.all_reduce(ref)
+                rec["err"].append(float(np.abs(got - ref.numpy() / world).max()))
+            rec["hits"].append([int(p.deadline_hit) for p in ps])
+            rec["lost"].append([p.lost for p in ps])
+            rec["recv"].append([p.recv for p in ps])
+            rec["silent"].append(sorted(coll.silent))
+            if values == "rank":
+                rec["out"].append(got.tolist())
+        rec["rejected"] = coll.rejected_counts()
+        rec["port"] = coll.transport.addr[1]
+    finally:
+        dist.barrier()
+        coll.close()
+    _dump(out, rank, rec)
+    dist.destroy_process_group()
+
+
+def ddp_worker(rank: int, world: int, port: int, steps: int, out: str, comm: str,
+               mtu: int = 1500, patient: bool = True) -> None:
+    """A tiny GPT trained with DDP, either reliable (gloo all-reduce) or via comm.attach."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stalwart.train.model import GPT, GPTConfig
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    ddp = DDP(model)
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    if comm == "lossy":
+        import stalwart.comm
+        from stalwart.comm.deadline import AdaptiveDeadline
+
+        # patient: deadlines long enough that CPU contention never makes a packet late, so the
+        # result must equal the reliable run's
+        dl = AdaptiveDeadline(initial=10, floor=10, cap=10) if patient else None
+        opt = stalwart.comm.attach(ddp, torch.optim.AdamW, mtu=mtu, deadline=dl, **kw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **kw)
+    g = torch.Generator().manual_seed(rank)
+    stats = []
+    for step in range(steps):
+        x = torch.randint(0, 256, (4, 16), generator=g)
+        _, loss = ddp(x, x.roll(1, 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for pg in opt.param_groups:
+            pg["lr"] = 1e-2 * (step + 1) / steps
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if hasattr(opt, "stats"):
+            stats.append(opt.stats())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rec = {"params": flat.tolist(), "stats": stats}
+    if comm == "lossy":
+        sd = opt.state_dict()
+        rec["state_keys"] = sorted(sd)
+        rec["rejected"] = opt.coll.rejected_counts()
+        opt.load_state_dict(sd)  # round trip must be accepted
+        opt.close()
+    _dump(out, rank, rec)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Entry point for ranks started inside testbed hosts (env: RANK, WORLD_SIZE, MASTER_*)."""
+    import sys
+
+    kind, out = sys.argv[1], sys.argv[2]
+    kw = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if kind == "allreduce":
+        allreduce_worker(rank, world, 0, out=out, **kw)
+    else:
+        ddp_worker(rank, world, 0, out=out, **kw)
+
+
+if __name__ == "__main__":
+    main()
