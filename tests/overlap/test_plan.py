@@ -122,3 +122,44 @@ def test_enumeration_helper_counts_delannoy_paths() -> None:
     assert len(_all_plans(2, 2)) == 13
     assert len(_all_plans(3, 2)) == 25
     assert len(set(map(tuple, _all_plans(2, 2)))) == 13
+
+
+def test_memory_budget_keeps_the_forward_strand_from_running_ahead() -> None:
+    # (f1, b0) overlaps best, but reaching it means f0 ran before any backward segment freed
+    # anything: live = 2 + 1 - 0 = 3 units > budget 2 (no extra memory allowed)
+    pair = [[1.5, 2.0], [0.5, 1.5]]
+    prof = Profile([1.0, 1.0], [1.0, 1.0], pair, fwd_bytes=[1.0, 1.0], bwd_bytes=[1.0, 1.0])
+    assert search(prof) == (["F", "FB", "B"], pytest.approx(2.5))
+    steps, t = search(prof, max_extra_memory=0.0)
+    assert steps == ["FB", "FB"] and t == pytest.approx(3.0)
+    # 50% headroom admits the faster plan again
+    assert search(prof, max_extra_memory=0.5)[0] == ["F", "FB", "B"]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_memory_constrained_search_is_optimal_and_feasible(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    m, n = rng.randint(1, 4), rng.randint(1, 4)
+    f = [rng.uniform(0.1, 2) for _ in range(m)]
+    b = [rng.uniform(0.1, 2) for _ in range(n)]
+    pair = [[rng.uniform(max(x, y) * 0.9, x + y) for y in b] for x in f]
+    fb = [rng.uniform(1, 3) for _ in range(m)]
+    total = sum(fb)
+    bb = [total / n] * n  # the same micro-batch shape: frees what it saved
+    prof = Profile(f, b, pair, fwd_bytes=fb, bwd_bytes=bb)
+    live = prof.live_bytes()
+    extra = rng.choice([0.0, 0.1, 0.3])
+
+    def feasible(p: list[str]) -> bool:
+        i = j = 0
+        for s in p:
+            i += "F" in s
+            j += "B" in s
+            if live(i, j) > (1 + extra) * total * (1 + 1e-9):
+                return False
+        return True
+
+    steps, t = search(prof, max_extra_memory=extra)
+    assert feasible(steps)
+    best = min(plan_time(p, prof) for p in _all_plans(m, n) if feasible(p))
+    assert t == pytest.approx(best)

@@ -61,8 +61,8 @@ def test_run_plan_alternates_segments_in_plan_order() -> None:
 
     f, b = Strand("F", Fake("f", 3)), Strand("B", Fake("b", 2))
     run_plan(["F", "FB", "B"], f, b)
-    # F: f0 | FB: f1 then b0 | B: b1 (the backward ends) | leftover: f2
-    assert trace == ["f0", "f1", "b0", "b1", "f2"]
+    # F: f0 | FB: b0 then f1 (backward first) | B: b1 (the backward ends) | leftover: f2
+    assert trace == ["f0", "b0", "f1", "b1", "f2"]
     assert f.done and b.done
 
 

@@ -52,12 +52,14 @@ class Interleaved:
     ColumnParallelLinear / RowParallelLinear). `loss_fn(model, x, y)` returns the scalar loss
     (default: ``model(x, y)[1]``, the GPT convention). `plan` is "auto" (load the plan stored at
     `plan_path` when it matches, else profile, search and store it) or a ``Plan``.
+    `max_extra_memory` bounds the plan's live activations to (1 + it) x one micro-batch's
+    (None: unbounded).
     """
 
     def __init__(self, model: nn.Module, comm: TPComm, schedule: str = "si",
                  loss_fn: LossFn | None = None, dp_group: dist.ProcessGroup | None = None,
                  plan: str | Plan = "auto", plan_path: Path | None = None,
-                 profile_reps: int = 2) -> None:
+                 profile_reps: int = 2, max_extra_memory: float | None = 0.05) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         self.model = model
@@ -70,6 +72,7 @@ class Interleaved:
         self.plan_path = Path(plan_path) if plan_path is not None else None
         self.plan_source = "given" if self.plan is not None else ""
         self.profile_reps = profile_reps
+        self.max_extra_memory = max_extra_memory
         self._plan_shapes: list[list[int]] | None = None
         self.meter = SavedTensorMeter(exclude=list(model.parameters()))
 
@@ -93,6 +96,7 @@ class Interleaved:
             "segments": [m, n],
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "max_extra_memory": self.max_extra_memory,
         }
 
     def _agree(self, plan: Plan | None) -> bool:
@@ -123,8 +127,8 @@ class Interleaved:
             return stored
         mbs = iter([mb_a, mb_b] * 10_000)
         prof = profile_pairs(self.comm, lambda: self._fwd_strand(next(mbs)), self._bwd_strand,
-                             m, n, reps=self.profile_reps)
-        plan = make_plan(sig, prof)
+                             m, n, reps=self.profile_reps, live_bytes=lambda: self.meter.live)
+        plan = make_plan(sig, prof, self.max_extra_memory)
         self.plan, self.plan_source = plan, "profiled"
         if self.plan_path is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             save_plan(plan, self.plan_path)

@@ -19,7 +19,9 @@ signature matches, so a changed shape or world triggers re-profiling.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,25 +31,59 @@ STEPS = ("F", "B", "FB")
 
 @dataclass
 class Profile:
-    """Seconds: fwd[i] = P(f_i, -), bwd[j] = P(-, b_j), pair[i][j] = P(f_i, b_j)."""
+    """Seconds: fwd[i] = P(f_i, -), bwd[j] = P(-, b_j), pair[i][j] = P(f_i, b_j).
+
+    Optional bytes: fwd_bytes[i] = activations f_i saves, bwd_bytes[j] = activations b_j frees
+    (empty lists: memory is not constrained).
+    """
 
     fwd: list[float]
     bwd: list[float]
     pair: list[list[float]]
+    fwd_bytes: list[float] = field(default_factory=list)
+    bwd_bytes: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
         m, n = len(self.fwd), len(self.bwd)
         if len(self.pair) != m or any(len(r) != n for r in self.pair):
             raise ValueError(f"pair table must be {m}x{n}")
+        if self.fwd_bytes and len(self.fwd_bytes) != m or self.bwd_bytes and len(
+                self.bwd_bytes) != n:
+            raise ValueError("byte profiles must have one entry per segment")
+
+    def live_bytes(self) -> Callable[[int, int], float] | None:
+        """live(i, j): activations held after i forward and j backward segments, or None.
+
+        The backward strand's micro-batch starts fully saved (sum of bwd_bytes); the forward
+        strand's grows segment by segment. A pair runs its backward segment first, so the
+        states of the grid are the only peaks (see strands.run_plan).
+        """
+        if not (self.fwd_bytes and self.bwd_bytes):
+            return None
+        sf = [0.0, *itertools.accumulate(self.fwd_bytes)]
+        fb = [0.0, *itertools.accumulate(self.bwd_bytes)]
+        total = fb[-1]
+        return lambda i, j: total + sf[i] - fb[j]
 
     def sequential_time(self) -> float:
         return sum(self.fwd) + sum(self.bwd)
 
 
-def search(profile: Profile) -> tuple[list[str], float]:
-    """The optimal step sequence and its predicted time."""
+def search(profile: Profile, max_extra_memory: float | None = None
+           ) -> tuple[list[str], float]:
+    """The optimal step sequence and its predicted time.
+
+    With `max_extra_memory` (and a byte profile), states whose live activations exceed
+    (1 + max_extra_memory) x one micro-batch's are forbidden -- the forward strand may not run
+    too far ahead of the backward strand's freeing. Running all of the backward first is always
+    feasible, so a plan always exists.
+    """
     profile.validate()
     m, n = len(profile.fwd), len(profile.bwd)
+    live = profile.live_bytes() if max_extra_memory is not None else None
+    budget = 0.0
+    if live is not None:
+        budget = (1.0 + max_extra_memory) * max(sum(profile.fwd_bytes), sum(profile.bwd_bytes))
     inf = float("inf")
     T = [[inf] * (n + 1) for _ in range(m + 1)]
     how: list[list[str]] = [[""] * (n + 1) for _ in range(m + 1)]
@@ -56,6 +92,8 @@ def search(profile: Profile) -> tuple[list[str], float]:
         for j in range(n + 1):
             if i == j == 0:
                 continue
+            if live is not None and live(i, j) > budget * (1 + 1e-9):
+                continue  # over the memory budget
             # ties prefer the pair, then forward: fixed so that every rank breaks them alike
             cands = []
             if i and j:
@@ -65,7 +103,8 @@ def search(profile: Profile) -> tuple[list[str], float]:
             if j:
                 cands.append((T[i][j - 1] + profile.bwd[j - 1], 2, "B"))
             t, _, step = min(cands)
-            T[i][j], how[i][j] = t, step
+            if t < inf:
+                T[i][j], how[i][j] = t, step
     steps: list[str] = []
     i, j = m, n
     while i or j:
@@ -130,8 +169,9 @@ def signature_key(signature: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def make_plan(signature: dict[str, Any], profile: Profile) -> Plan:
-    steps, t = search(profile)
+def make_plan(signature: dict[str, Any], profile: Profile,
+              max_extra_memory: float | None = None) -> Plan:
+    steps, t = search(profile, max_extra_memory)
     return Plan(signature, steps, t, profile.sequential_time(), asdict(profile))
 
 

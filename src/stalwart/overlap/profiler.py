@@ -54,9 +54,16 @@ def count_segments(fwd: Callable[[], Strand], bwd: Callable[[torch.Tensor], Stra
 
 
 def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
-                  bwd: Callable[[torch.Tensor], Strand], m: int, n: int, reps: int = 2
-                  ) -> Profile:
-    """Measure P(f_i, -), P(-, b_j) and P(f_i, b_j) for all i < m, j < n."""
+                  bwd: Callable[[torch.Tensor], Strand], m: int, n: int, reps: int = 2,
+                  live_bytes: Callable[[], int] | None = None) -> Profile:
+    """Measure P(f_i, -), P(-, b_j) and P(f_i, b_j) for all i < m, j < n.
+
+    With `live_bytes` (the activation meter), also the bytes each forward segment saves and
+    each backward segment frees (measured on the alone passes).
+    """
+    live = live_bytes or (lambda: 0)
+    fbytes = [0.0] * m
+    bbytes = [0.0] * n
     fs: list[list[float]] = [[] for _ in range(m)]
     bs: list[list[float]] = [[] for _ in range(n)]
     ps: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(m)]
@@ -65,7 +72,9 @@ def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
             # a completed forward to give the backward strand a graph (times: forward alone)
             first = fwd()
             while not first.done:
-                fs[first.segments].append(_timed_step(comm, [first]))
+                i, before = first.segments, live()
+                fs[i].append(_timed_step(comm, [first]))
+                fbytes[i] = float(live() - before)
             first.join()
             f, b = fwd(), bwd(first.result)
             while not (f.done and b.done):
@@ -75,27 +84,34 @@ def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
                 elif b.done or j - i > d:
                     fs[i].append(_timed_step(comm, [f]))
                 else:
-                    ps[i][j].append(_timed_step(comm, [f, b]))
+                    ps[i][j].append(_timed_step(comm, [b, f]))  # as run_plan orders them
             f.join()
             b.join()
             last = bwd(f.result)  # frees the second forward's graph (times: backward alone)
             while not last.done:
-                bs[last.segments].append(_timed_step(comm, [last]))
+                j, before = last.segments, live()
+                bs[j].append(_timed_step(comm, [last]))
+                bbytes[j] = float(before - live())
             last.join()
     prof = Profile(
         fwd=[statistics.median(x) for x in fs],
         bwd=[statistics.median(x) for x in bs],
         pair=[[statistics.median(x) for x in row] for row in ps],
+        fwd_bytes=fbytes if live_bytes else [],
+        bwd_bytes=bbytes if live_bytes else [],
     )
     return max_over_group(prof, comm)
 
 
 def max_over_group(prof: Profile, comm: TPComm) -> Profile:
     m, n = len(prof.fwd), len(prof.bwd)
-    flat = torch.tensor(prof.fwd + prof.bwd + [x for r in prof.pair for x in r],
-                        dtype=torch.float64)
+    k = len(prof.fwd_bytes)
+    flat = torch.tensor(prof.fwd + prof.bwd + [x for r in prof.pair for x in r]
+                        + prof.fwd_bytes + prof.bwd_bytes, dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=comm.group)
     v = flat.tolist()
+    rest = v[m + n + m * n:]
     return Profile(fwd=v[:m], bwd=v[m:m + n],
-                   pair=[v[m + n + i * n: m + n + (i + 1) * n] for i in range(m)])
+                   pair=[v[m + n + i * n: m + n + (i + 1) * n] for i in range(m)],
+                   fwd_bytes=rest[:k], bwd_bytes=rest[k:])

@@ -96,14 +96,17 @@ class Strand:
 
 def run_plan(plan_steps: list[str], fwd: Strand | None, bwd: Strand | None,
              barrier: Callable[[list[Strand]], None] | None = None) -> None:
-    """Execute a pairing plan: each step is "F", "B" or "FB" (forward segment, then backward).
+    """Execute a pairing plan: each step is "F", "B" or "FB" (a pair).
+
+    In a pair the backward segment runs first: it frees activations before the forward
+    segment saves new ones, so the peak stays at the grid states the plan search bounds.
 
     Steps that name a finished strand are skipped; whatever remains after the plan runs alone.
     `barrier` (the profiler's) is called after each step with the strands that ran in it.
     """
     for step in plan_steps:
         ran = []
-        for s, tag in ((fwd, "F"), (bwd, "B")):
+        for s, tag in ((bwd, "B"), (fwd, "F")):
             if tag in step and s is not None and not s.done:
                 s.resume()
                 ran.append(s)

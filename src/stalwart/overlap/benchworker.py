@@ -1,0 +1,102 @@
+"""One rank of the overlap benchmark: the three schedules, interleaved, on one model.
+
+Mechanism measured: DHelix strand interleaving against sequential execution and against
+intra-micro-batch overlap (arXiv 2411.15871). Every rank builds the same TP GPT over the whole
+world (one TP group), creates the three executors over that one model ("off", "async", "si"),
+profiles and plans the interleaved one, then runs repetitions in rotating order (off, async,
+si; async, si, off; ...) with a barrier before each step, so slow drifts of the shared machine
+hit all three alike. Each step's wall time and the executor's own accounting (compute, comm
+in flight, exposed, activation peak) go to ``RUN_DIR/bench-rank-R.json``.
+
+Started by ``stalwart.bench.overlap`` through the launcher (``python -m
+stalwart.overlap.benchworker --config RUN_DIR/config.json [options]``), inside testbed hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stalwart.overlap.comm import TPComm
+from stalwart.overlap.executor import SCHEDULES, Interleaved
+from stalwart.overlap.tpgpt import TPGPT
+from stalwart.train.model import GPT, GPTConfig
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stalwart.overlap.benchworker")
+    p.add_argument("--config", required=True)  # the launcher passes it; shapes come from below
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--tag", default="bench")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(list(sys.argv[1:] if argv is None else argv))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(os.environ.get("STALWART_RUN_DIR", Path(a.config).parent))
+    try:
+        cfg = GPTConfig(block_size=a.block, n_layer=a.n_layer, n_head=a.n_head,
+                        n_embd=a.n_embd)
+        torch.manual_seed(0)
+        comm = TPComm(dist.group.WORLD)
+        model = TPGPT.from_full(GPT(cfg), comm)
+        g = torch.Generator().manual_seed(1)
+        mbs = [(torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g),
+                torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g))
+               for _ in range(a.micro_batches)]
+        scheds = a.schedules.split(",")
+        execs = {s: Interleaved(model, comm, schedule=s) for s in scheds}
+        t0 = time.perf_counter()
+        if "si" in execs:
+            execs["si"].ensure_plan(mbs)
+        profile_time = time.perf_counter() - t0
+        for s in scheds:  # warm-up (first-touch allocations, gloo connections)
+            dist.barrier()
+            execs[s].forward_backward(mbs)
+        steps: dict[str, list[dict[str, float]]] = {s: [] for s in scheds}
+        for r in range(a.reps):
+            for k in range(len(scheds)):
+                s = scheds[(r + k) % len(scheds)]
+                dist.barrier()
+                t = time.perf_counter()
+                loss, timings = execs[s].forward_backward(mbs)
+                wall = time.perf_counter() - t
+                steps[s].append({"wall": wall, "loss": loss, "bytes": comm.ledger.bytes,
+                                 **timings})
+        plan = execs["si"].plan if "si" in execs else None
+        out = {
+            "rank": rank, "world": world, "model": cfg.to_dict(), "batch": a.batch,
+            "micro_batches": a.micro_batches, "reps": a.reps, "profile_time": profile_time,
+            "plan": None if plan is None else {"steps": plan.steps,
+                                               "predicted_time": plan.predicted_time,
+                                               "sequential_time": plan.sequential_time,
+                                               "profile": plan.profile},
+            "steps": steps,
+        }
+        (run_dir / f"{a.tag}-rank-{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
