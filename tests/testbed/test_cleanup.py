@@ -3,6 +3,7 @@ touching a live owner's resources."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.config import RunConfig
-from stalwart.rundir import EventLog
+from stalwart.rundir import EventLog, read_jsonl
 from stalwart.testbed import Hosts, cleanup_stale, open_testbed
 from stalwart.testbed.cleanup import list_links, list_netns, owned_by
 
@@ -58,7 +59,7 @@ _OWNER = r"""
 import sys
 from pathlib import Path
 from stalwart.config import RunConfig
-from stalwart.rundir import EventLog
+from stalwart.rundir import EventLog, read_jsonl
 from stalwart.testbed import open_testbed
 faults = sys.argv[2:]
 cfg = RunConfig(nproc=2, testbed="netns", faults=faults).validate()
@@ -103,3 +104,16 @@ def test_a_new_start_removes_stale_leftovers_but_not_live_ones(tmp_path: Path) -
         with Hosts(1) as second:  # and a second start keeps the first (live) one
             assert live.ns(0) in list_netns() and second.ns(0) in list_netns()
     assert _nothing(owned_by(owner.pid))
+
+
+def test_sigterm_closes_the_testbed(tmp_path: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path), *FAULTS],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    assert owner.stdout.readline().strip() == "ready"
+    assert owned_by(owner.pid)["netns"]
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(timeout=60) == -signal.SIGTERM  # the default action still happens
+    assert _nothing(owned_by(owner.pid))  # without any stale cleanup
+    removed = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "fault_removed"]
+    assert len(removed) == len(FAULTS) and all(e["at_close"] for e in removed)

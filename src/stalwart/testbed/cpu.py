@@ -230,7 +230,7 @@ class CpuGroup:
         if factor > 1.0:
             desc += f" {weight}"
         if procs:
-            desc += f", {procs} busy processes in the same group"
+            desc += f", {procs} busy process{'es' if procs > 1 else ''} in the same group"
         return desc
 
     def _set_busy(self, procs: int) -> None:
