@@ -1,0 +1,143 @@
+"""Localisation: from tracked timings and validation results to a verdict (FALCON profiling).
+
+Mechanism (FALCON/Greyhound profiling + validation): a slow rank spends longer computing
+between collectives while its peers wait longer inside them; a slow link leaves every rank's
+compute unchanged and lengthens communication. The validation tests then decide: the same
+matmul on every rank (compute) and equal-size transfers over disjoint pairs (links).
+
+Rules of ``decide`` (thresholds are ratios to the healthy level, i.e. the median of the faster
+half of the ranks or pairs -- a fault that slows more than half the job is not a straggler):
+1. compute test: ranks at >= ``COMPUTE_RATIO`` x the healthy level -> kind "compute";
+2. else link test: pairs at >= ``LINK_RATIO`` x -> kind "link"; when several slow pairs share
+   one rank, that rank's own link (its host's uplink) is the culprit and it is named in
+   ``ranks``;
+3. else profiling alone: one rank whose compute time between collectives grew by >=
+   ``PROFILE_RATIO`` while its peers' waits grew -> "compute" with lower confidence;
+4. else "unknown" (a job-wide slowdown, or a fault that ended before validation).
+The evidence dict of the verdict carries the measured ratios so a human can check it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPUTE_RATIO = 1.2
+LINK_RATIO = 1.5
+PROFILE_RATIO = 1.15
+
+
+@dataclass
+class RankEvidence:
+    """What one rank measured: its profile before/after the onset and its validation times."""
+
+    rank: int
+    compute_before: float | None = None  # median seconds per iteration
+    compute_after: float | None = None
+    comm_before: float | None = None
+    comm_after: float | None = None
+    compute_test: float | None = None  # seconds
+    links: dict[str, float] = field(default_factory=dict)  # "a-b" -> round-trip seconds
+
+
+@dataclass
+class Finding:
+    """A verdict for one detected slowdown."""
+
+    kind: str  # "compute" | "link" | "unknown"
+    onset_step: int
+    step: int  # when decided
+    severity: float  # iteration-time slowdown factor (after / before)
+    confidence: float
+    ranks: list[int] = field(default_factory=list)
+    link: list[int] | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    recovered_step: int | None = None
+
+    def event_fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
+                             "kind": self.kind, "ranks": self.ranks,
+                             "severity": round(self.severity, 3),
+                             "confidence": round(self.confidence, 2),
+                             "evidence": self.evidence}
+        if self.link is not None:
+            d["link"] = self.link
+        return d
+
+
+def healthy_level(values: list[float]) -> float:
+    """Median of the faster half: the level most of the job runs at."""
+    v = sorted(values)
+    return statistics.median(v[:max(1, (len(v) + 1) // 2)])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def profile_ratios(ev: list[RankEvidence]) -> dict[int, dict[str, float | None]]:
+    return {e.rank: {"compute": _ratio(e.compute_after, e.compute_before),
+                     "comm": _ratio(e.comm_after, e.comm_before)} for e in ev}
+
+
+def _profile_suspect(ev: list[RankEvidence]) -> tuple[int | None, dict[int, float]]:
+    """The one rank whose compute grew (with peers waiting longer), if the profile shows it."""
+    ratios = {e.rank: r for e in ev
+              if (r := _ratio(e.compute_after, e.compute_before)) is not None}
+    if len(ratios) < 2:
+        return None, ratios
+    top = max(ratios, key=lambda r: ratios[r])
+    others = [v for r, v in ratios.items() if r != top]
+    if ratios[top] < PROFILE_RATIO or max(others) >= PROFILE_RATIO:
+        return None, ratios
+    waits = [_ratio(e.comm_after, e.comm_before) for e in ev if e.rank != top]
+    peers_wait = [w for w in waits if w is not None]
+    if peers_wait and statistics.median(peers_wait) < 1.0:
+        return None, ratios
+    return top, ratios
+
+
+def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float) -> Finding:
+    """Combine every rank's evidence into one verdict (pure: same input, same answer)."""
+    ev = sorted(ev, key=lambda e: e.rank)
+    evidence: dict[str, Any] = {}
+    suspect, prof = _profile_suspect(ev)
+    evidence["profile_compute_ratio"] = {str(r): round(v, 3) for r, v in prof.items()}
+
+    tests = {e.rank: e.compute_test for e in ev if e.compute_test is not None}
+    if len(tests) >= 2:
+        ref = healthy_level(list(tests.values()))
+        cr = {r: t / ref for r, t in tests.items()}
+        evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
+        slow = sorted((r for r, v in cr.items() if v >= COMPUTE_RATIO), key=lambda r: -cr[r])
+        if slow and len(slow) <= len(ev) // 2:
+            conf = 0.6 + (0.2 if cr[slow[0]] >= 1.4 else 0.0) + (
+                0.2 if suspect == slow[0] else 0.0)
+            return Finding("compute", onset_step, step, severity, conf, ranks=slow,
+                           evidence=evidence)
+
+    links: dict[str, float] = {}
+    for e in ev:
+        links.update(e.links)
+    if len(links) >= 2:
+        ref = healthy_level(list(links.values()))
+        lr = {k: t / ref for k, t in links.items()}
+        evidence["link_test_ratio"] = {k: round(v, 3) for k, v in lr.items()}
+        slow_links = sorted((k for k, v in lr.items() if v >= LINK_RATIO), key=lambda k: -lr[k])
+        if slow_links and len(slow_links) <= (len(links) + 1) // 2:
+            pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
+            common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
+            ranks = sorted(common) if len(common) == 1 else []
+            compute_flat = all(v < PROFILE_RATIO for v in prof.values()) if prof else False
+            conf = 0.6 + (0.2 if lr[slow_links[0]] >= 2.0 else 0.0) + (
+                0.2 if compute_flat else 0.0)
+            return Finding("link", onset_step, step, severity, conf, ranks=ranks,
+                           link=list(pairs[0]), evidence=evidence)
+
+    if suspect is not None:
+        return Finding("compute", onset_step, step, severity, 0.4, ranks=[suspect],
+                       evidence=evidence)
+    return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)

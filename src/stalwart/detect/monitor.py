@@ -1,0 +1,297 @@
+"""The straggler Monitor: tracking -> iteration time -> change points -> validation -> verdict.
+
+Ties FALCON/Greyhound's detection pipeline together inside one training process (one Monitor
+per rank):
+1. ``Tracker`` records every collective and DDP bucket all-reduce (tracking.py);
+2. the iteration-time series comes from ``monitor.step(step, metrics)`` hints when the loop
+   gives them, otherwise from the op sequence's period (period.py) -- no call needed;
+3. rank 0 runs BOCD+V on it (changepoint.py); at every check point (each step hint, or each
+   iteration boundary found from the op sequence) rank 0 broadcasts its decision with a
+   3-number broadcast, so all ranks pause at the same collective boundary;
+4. on a detected onset every rank runs the validation tests (validate.py) and shares its
+   profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
+   it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the iteration time
+   returns to within 10% of the healthy level, ``straggler_recovered``.
+
+Guarantees: bounded memory; no change to the training loop beyond creating the monitor (the
+step hint is optional); the monitor's own collectives are never tracked and are issued in
+the same order on every rank (decisions come from rank 0 only); iterations that contain a
+validation pause are excluded from detection.
+
+Use: create it on every rank after ``init_process_group`` and before wrapping the model in
+DDP; call ``step`` on all ranks or on none.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.detect import validate
+from stalwart.detect.changepoint import Change, ChangeDetector
+from stalwart.detect.localize import Finding, RankEvidence, decide
+from stalwart.detect.period import PeriodTracker
+from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
+
+NONE, DETECT, RECOVER = 0, 1, 2
+MIN_PERIOD_NUMEL = 1024  # FALCON skips tiny ops (control traffic: losses, flags, barriers)
+
+
+@dataclass
+class IterSample:
+    key: int  # step (hinted) or iteration index (from the op sequence)
+    seconds: float
+    compute: float | None
+    comm: float | None
+
+
+def comm_busy(records: list[OpRecord], t0: float, t1: float) -> float:
+    """Seconds within [t0, t1] during which at least one tracked op was in flight."""
+    spans = []
+    for r in records:
+        end = r.finish()
+        a, b = max(r.issue, t0), min(end if end is not None else r.issue, t1)
+        if b > a:
+            spans.append((a, b))
+    spans.sort()
+    busy, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        busy += cur_b - cur_a
+    return busy
+
+
+class Monitor:
+    """Straggler detection for one rank. See the module docstring and docs/detect.md."""
+
+    def __init__(self, run_dir: Path | None = None, rank: int | None = None,
+                 world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
+                 check_every: int = 1, validate_on_detect: bool = True,
+                 compute_reps: int = 96, link_bytes: int = 1 << 20,
+                 capacity: int = 8192, history: int = 1000) -> None:
+        ready = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (
+            dist.get_rank() if ready else int(os.environ.get("RANK", "0")))
+        self.world = world if world is not None else (
+            dist.get_world_size() if ready else int(os.environ.get("WORLD_SIZE", "1")))
+        self.check_every = check_every
+        self.validate_on_detect = validate_on_detect
+        self.compute_reps = compute_reps
+        self.link_bytes = link_bytes
+        self.tracker = Tracker(capacity, on_issue=self._on_issue)
+        self.tracker.track_ddp = track_ddp  # read by the DDP patch
+        self.periods = PeriodTracker()
+        self.detector = ChangeDetector(warmup=warmup)
+        self.samples: deque[IterSample] = deque(maxlen=history)
+        self.findings: list[Finding] = []
+        self._active: Finding | None = None  # the slowdown in progress, if any
+        self._healthy: float | None = None  # iteration time before it began
+        self._pending = (NONE, 0, 0.0)  # rank 0's decision, sent at the next check
+        self._hinted = False
+        self._last_hint: float | None = None
+        self._iter = 0
+        self._checks = 0
+        self._skip_next = False
+        self._enabled = True
+        self._closed = False
+        self._events = None
+        if run_dir is not None and self.rank == 0:
+            from stalwart.rundir import EventLog
+
+            self._events = EventLog(Path(run_dir))
+        install(self.tracker)
+
+    # ---- switches ---------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Turn tracking and checks off/on (all ranks at the same point, e.g. the same step)."""
+        self._enabled = on
+        self.tracker.enabled = on
+        self._last_hint = None
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def step(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+        """Optional hint at the end of each training step (call on all ranks or none)."""
+        if not self._enabled or self._closed:
+            return
+        self._hinted = True
+        now = time.perf_counter()
+        m = metrics or {}
+        since = self._last_hint
+        self._last_hint = now
+        seconds = m.get("step_time")
+        if seconds is None:
+            if since is None:
+                return
+            seconds = now - since
+        compute, comm = m.get("compute_time"), m.get("comm_time")
+        if compute is None or comm is None:
+            t0 = now - float(seconds)
+            comm = comm_busy(self.tracker.recent(t0 - 1.0), t0, now)
+            compute = float(seconds) - comm
+        found = len(self.findings)
+        self._sample(IterSample(step, float(seconds), float(compute), float(comm)))
+        self._check()
+        if len(self.findings) != found:
+            self._last_hint = time.perf_counter()  # a validation pause is not step time
+
+    def _on_issue(self, rec: OpRecord) -> None:
+        """Every tracked op, before it is issued: find iterations without hints."""
+        if self._hinted or rec.numel < MIN_PERIOD_NUMEL or not self._enabled:
+            return
+        b = self.periods.push(hash((rec.op, rec.group, rec.numel)), time.perf_counter())
+        if b is None:
+            return
+        key = self._iter
+        self._iter += 1
+        comm = comm_busy(self.tracker.recent(b.start - 1.0), b.start, b.end)
+        self._sample(IterSample(key, b.end - b.start, b.end - b.start - comm, comm))
+        self._check()
+
+    # ---- detection --------------------------------------------------------------------------
+    def _sample(self, s: IterSample) -> None:
+        if self._skip_next:
+            self._skip_next = False
+            return
+        self.samples.append(s)
+        if self.rank != 0:
+            return
+        ch = self.detector.add(s.key, s.seconds)
+        if ch is not None:
+            self._classify(ch)
+
+    def _classify(self, ch: Change) -> None:
+        if self._active is None:
+            if ch.ratio > 1.0:
+                self._healthy = ch.before
+                self._pending = (DETECT, ch.onset, ch.ratio)
+            # a speed-up while healthy just moves the baseline
+            return
+        if ch.ratio > 1.0:
+            self._pending = (DETECT, ch.onset, ch.after / (self._healthy or ch.before))
+        elif self._healthy is not None and ch.after <= self._healthy * (
+                1.0 + self.detector.min_shift):
+            self._pending = (RECOVER, ch.onset, ch.after / self._healthy)
+
+    def _check(self) -> None:
+        """Collective: rank 0's decision reaches every rank; act on it together."""
+        self._checks += 1
+        if self._checks % self.check_every:
+            return
+        action, onset, severity = self._pending
+        self._pending = (NONE, 0, 0.0)
+        distributed = dist.is_available() and dist.is_initialized() and self.world > 1
+        if distributed:
+            msg = torch.tensor([float(action), float(onset), float(severity)],
+                               dtype=torch.float64)
+            with self.tracker.internal():
+                dist.broadcast(msg, src=0)
+            action, onset, severity = int(msg[0]), int(msg[1]), float(msg[2])
+        if action == NONE:
+            return
+        decided = self.samples[-1].key if self.samples else onset
+        if action == DETECT:
+            self._on_detect(onset, decided, severity, distributed)
+        else:
+            self._on_recover(onset, decided, severity)
+
+    def _evidence(self, onset: int, decided: int) -> RankEvidence:
+        before = [s for s in self.samples if onset - 20 <= s.key < onset]
+        after = [s for s in self.samples if onset <= s.key <= decided]
+
+        def med(xs: list[IterSample], attr: str) -> float | None:
+            vals = [getattr(s, attr) for s in xs if getattr(s, attr) is not None]
+            return statistics.median(vals) if vals else None
+
+        return RankEvidence(self.rank, med(before, "compute"), med(after, "compute"),
+                            med(before, "comm"), med(after, "comm"))
+
+    def _on_detect(self, onset: int, decided: int, severity: float, distributed: bool) -> None:
+        ev = self._evidence(onset, decided)
+        t0 = time.perf_counter()
+        if distributed and self.validate_on_detect:
+            with self.tracker.internal():
+                ev.compute_test = validate.compute_test(reps=self.compute_reps)
+                ring = validate.ring_pair_passes(self.world)
+                ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
+                    ring, self.rank, self.link_bytes).items()}
+                gathered = self._gather(ev)
+                finding = decide(gathered, onset, decided, severity)
+                tested = {p for ps in ring for p in ps}
+                extra = validate.round_robin_passes(self.world, tested)
+                if finding.kind == "unknown" and extra and self.world <= 16:
+                    # a slow link between hosts that are not ring neighbours
+                    ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
+                        extra, self.rank, self.link_bytes).items()})
+                    finding = decide(self._gather(ev), onset, decided, severity)
+        else:
+            finding = decide([ev], onset, decided, severity)
+        pause = round(time.perf_counter() - t0, 3)
+        self._skip_next = not self._hinted  # this iteration holds the pause
+        self.findings.append(finding)
+        self._active = finding
+        if self._events is not None:
+            fields = finding.event_fields()
+            fields["evidence"] = dict(fields["evidence"], validation_s=pause)
+            self._events.log("straggler_detected", **fields)
+
+    def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, asdict(ev))
+        return [RankEvidence(**d) for d in out]
+
+    def _on_recover(self, onset: int, decided: int, level: float) -> None:
+        f = self._active
+        self._active = None
+        if f is None:
+            return
+        f.recovered_step = onset
+        if self._events is not None:
+            fields = {"step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
+                      "detected_step": f.step, "detected_onset_step": f.onset_step,
+                      "severity": round(level, 3)}
+            if f.link is not None:
+                fields["link"] = f.link
+            self._events.log("straggler_recovered", **fields)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def report(self) -> list[dict[str, Any]]:
+        """Findings so far (every rank has the same verdicts), oldest first."""
+        out = []
+        for f in self.findings:
+            d = f.event_fields()
+            d["recovered_step"] = f.recovered_step
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        uninstall(self.tracker)
+        if self._events is not None:
+            self._events.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

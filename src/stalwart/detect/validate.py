@@ -1,0 +1,111 @@
+"""Validation micro-benchmarks run while training is paused (FALCON/Greyhound validation).
+
+Mechanism: once a slowdown is detected, every rank stops at the same collective boundary and
+runs short tests whose answer does not depend on the training job:
+- compute: the same matrix multiplications on every rank at the same time (after a barrier),
+  timed locally; a rank far above the healthy level has slow compute (throttling, contention,
+  a degraded device);
+- links: the ring is split into disjoint point-to-point pairs so that every ring link is
+  measured in O(1) passes -- 2 passes for an even ring (0-1, 2-3, ... then 1-2, 3-4, ...),
+  3 for an odd one -- with equal message sizes, so a slow link is simply a longer time. Pairs
+  off the ring (a slow link between two hosts that are not ring neighbours) are covered by an
+  optional round-robin schedule of the remaining pairs (n-1 or n passes), used when the ring
+  finds nothing.
+
+Guarantees: every function here is collective over the default group and must be called by
+all ranks with the same arguments; each pass ends with a barrier, so passes never overlap;
+message sizes are equal in every pair and both directions are timed (a one-way slow link
+shows).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import combinations
+
+import torch
+import torch.distributed as dist
+
+Pair = tuple[int, int]
+
+
+def ring_pair_passes(n: int) -> list[list[Pair]]:
+    """Disjoint pairs covering each link of the ring 0-1-...-(n-1)-0: 2 passes (even n), 3 (odd)."""
+    if n < 2:
+        return []
+    if n == 2:
+        return [[(0, 1)]]
+    edges = [(i, (i + 1) % n) for i in range(n)]
+    norm = [tuple(sorted(e)) for e in edges]
+    if n % 2 == 0:
+        return [[norm[i] for i in range(0, n, 2)], [norm[i] for i in range(1, n, 2)]]
+    # odd: the closing edge (n-1)-0 shares a node with edge 0, so it gets a pass of its own
+    return [[norm[i] for i in range(0, n - 1, 2)], [norm[i] for i in range(1, n - 1, 2)],
+            [norm[n - 1]]]
+
+
+def round_robin_passes(n: int, skip: set[Pair] | None = None) -> list[list[Pair]]:
+    """All pairs not in ``skip``, as passes of disjoint pairs (circle method)."""
+    skip = skip or set()
+    ids = list(range(n)) + ([-1] if n % 2 else [])  # -1 = a bye
+    m = len(ids)
+    passes: list[list[Pair]] = []
+    for _ in range(m - 1):
+        pairs = []
+        for i in range(m // 2):
+            a, b = ids[i], ids[m - 1 - i]
+            if a >= 0 and b >= 0:
+                p = (min(a, b), max(a, b))
+                if p not in skip:
+                    pairs.append(p)
+        if pairs:
+            passes.append(pairs)
+        ids = [ids[0]] + [ids[-1]] + ids[1:-1]
+    return passes
+
+
+def all_pairs(n: int) -> set[Pair]:
+    return set(combinations(range(n), 2))
+
+
+def compute_test(size: int = 256, reps: int = 96) -> float:
+    """Seconds for ``reps`` (size x size) float32 matmuls, started together on all ranks."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g)
+    b = torch.randn(size, size, generator=g)
+    torch.mm(a, b)  # first-touch and kernel selection outside the timed region
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return time.perf_counter() - t0
+
+
+def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 20,
+              reps: int = 3) -> dict[Pair, float]:
+    """Round-trip seconds (best of ``reps``) of ``nbytes`` each way, for this rank's pairs.
+
+    Only the lower rank of a pair reports its time; the result is this rank's part.
+    """
+    buf_out = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf_in = torch.empty_like(buf_out)
+    out: dict[Pair, float] = {}
+    for pairs in passes:
+        for a, b in pairs:
+            if rank not in (a, b):
+                continue
+            peer = b if rank == a else a
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                if rank == a:
+                    dist.send(buf_out, peer)
+                    dist.recv(buf_in, peer)
+                else:
+                    dist.recv(buf_in, peer)
+                    dist.send(buf_out, peer)
+                best = min(best, time.perf_counter() - t0)
+            if rank == a:
+                out[(a, b)] = best
+        dist.barrier()
+    return out

@@ -1,0 +1,66 @@
+"""BOCD+V on synthetic iteration-time series."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stalwart.detect.changepoint import BOCPD, ChangeDetector
+
+
+def series(n: int, noise: float, seed: int, shift_at: int | None = None, factor: float = 1.0,
+           end_at: int | None = None, outliers: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = 0.1 * np.exp(rng.normal(0.0, noise, n))
+    if shift_at is not None:
+        x[shift_at:end_at] *= factor
+    if outliers:
+        idx = rng.choice(np.arange(12, n), outliers, replace=False)
+        x[idx] *= 2.5
+    return x
+
+
+def run(x: np.ndarray) -> list:
+    d = ChangeDetector()
+    return [c for i, v in enumerate(x) if (c := d.add(i, float(v))) is not None]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_detects_a_1_5x_shift_with_onset_and_within_five_iterations(seed: int) -> None:
+    ch = run(series(100, 0.03, seed, shift_at=50, factor=1.5))
+    assert len(ch) == 1
+    c = ch[0]
+    assert abs(c.onset - 50) <= 1
+    assert c.decided - 50 <= 5
+    assert 1.35 < c.ratio < 1.65
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_detects_onset_and_recovery(seed: int) -> None:
+    ch = run(series(120, 0.04, seed, shift_at=40, factor=1.3, end_at=80))
+    assert [c.ratio > 1 for c in ch] == [True, False]
+    assert abs(ch[0].onset - 40) <= 2 and abs(ch[1].onset - 80) <= 2
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_no_detection_on_noise_with_outliers(seed: int) -> None:
+    assert run(series(150, 0.08, seed, outliers=6)) == []
+
+
+def test_small_shift_below_ten_percent_is_not_reported() -> None:
+    assert run(series(120, 0.005, 0, shift_at=50, factor=1.06)) == []
+
+
+def test_warmup_samples_are_ignored() -> None:
+    x = series(80, 0.03, 1)
+    x[:8] *= 3.0  # slow first steps (allocation, caches)
+    assert run(x) == []
+
+
+def test_posterior_is_bounded_and_normalised() -> None:
+    b = BOCPD(0.0, 0.05, max_run=50)
+    for v in np.random.default_rng(0).normal(0, 0.05, 200):
+        post = b.update(float(v))
+    assert len(post) == 50
+    assert abs(post.sum() - 1.0) < 1e-9
+    assert post[-1] > 0.5  # the long run keeps its mass at the cap

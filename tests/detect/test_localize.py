@@ -1,0 +1,82 @@
+"""Verdicts from synthetic per-rank timings and validation results."""
+
+from __future__ import annotations
+
+from stalwart.detect.localize import RankEvidence, decide
+from stalwart.detect.validate import all_pairs, ring_pair_passes, round_robin_passes
+
+
+def ev(rank: int, comp: tuple[float, float] = (0.05, 0.05),
+       comm: tuple[float, float] = (0.01, 0.01), test: float = 0.2,
+       links: dict[str, float] | None = None) -> RankEvidence:
+    return RankEvidence(rank, comp[0], comp[1], comm[0], comm[1], test, links or {})
+
+
+RING4 = {"0-1": 0.004, "2-3": 0.004, "1-2": 0.004, "0-3": 0.004}
+
+
+def split(links: dict[str, float]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for k, v in links.items():
+        out.setdefault(int(k.split("-")[0]), {})[k] = v
+    return out
+
+
+def test_slow_compute_rank_is_named() -> None:
+    es = [ev(r, comm=(0.01, 0.04)) for r in range(3)] + [ev(3, comp=(0.05, 0.08), test=0.31)]
+    f = decide(es, onset_step=40, step=43, severity=1.5)
+    assert f.kind == "compute" and f.ranks == [3]
+    assert f.confidence >= 0.8
+    assert f.onset_step == 40 and f.step == 43
+    assert f.evidence["compute_test_ratio"]["3"] > 1.4
+
+
+def test_slow_pair_is_a_link_not_a_rank() -> None:
+    links = dict(RING4, **{"1-2": 0.03})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.05), links=per.get(r)) for r in range(4)]
+    f = decide(es, 40, 44, 1.4)
+    assert f.kind == "link" and f.link == [1, 2] and f.ranks == []
+
+
+def test_slow_host_link_names_the_host_shared_by_the_slow_pairs() -> None:
+    links = dict(RING4, **{"2-3": 0.02, "0-3": 0.025})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.05), links=per.get(r)) for r in range(4)]
+    f = decide(es, 40, 44, 1.4)
+    assert f.kind == "link" and f.ranks == [3] and 3 in f.link
+
+
+def test_profile_alone_names_a_compute_straggler_with_low_confidence() -> None:
+    es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.04) for r in range(3)]
+    es.append(RankEvidence(3, 0.05, 0.09, 0.01, 0.01))
+    f = decide(es, 40, 44, 1.5)
+    assert f.kind == "compute" and f.ranks == [3] and f.confidence < 0.6
+
+
+def test_uniform_slowdown_is_unknown() -> None:
+    es = [ev(r, comp=(0.05, 0.07), links=split(RING4).get(r)) for r in range(4)]
+    assert decide(es, 40, 44, 1.4).kind == "unknown"
+
+
+def test_ring_passes_are_disjoint_and_cover_the_ring() -> None:
+    for n in range(2, 12):
+        passes = ring_pair_passes(n)
+        assert len(passes) == (1 if n == 2 else 2 if n % 2 == 0 else 3)
+        for p in passes:
+            nodes = [x for pair in p for x in pair]
+            assert len(nodes) == len(set(nodes))
+        covered = {pair for p in passes for pair in p}
+        ring = {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+        assert covered == ring
+
+
+def test_round_robin_covers_the_remaining_pairs_in_disjoint_passes() -> None:
+    for n in range(2, 10):
+        ring = {pair for p in ring_pair_passes(n) for pair in p}
+        passes = round_robin_passes(n, ring)
+        covered = {pair for p in passes for pair in p}
+        assert covered == all_pairs(n) - ring
+        for p in passes:
+            nodes = [x for pair in p for x in pair]
+            assert len(nodes) == len(set(nodes))

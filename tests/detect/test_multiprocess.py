@@ -1,0 +1,75 @@
+"""Real multi-process gloo jobs on loopback with a really slow rank (CPU contention)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalwart.rundir import RunData
+
+JOB = Path(__file__).with_name("gloo_job.py")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(out: Path, world: int, *args: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    procs = []
+    try:
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port)
+            procs.append(subprocess.Popen([sys.executable, str(JOB), "--out", str(out), *args],
+                                          env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        for p in procs:
+            log, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, log[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def check_slow_rank_found(res: list[dict], slow: int) -> dict:
+    # every rank holds the same verdicts
+    assert all(r["findings"] == res[0]["findings"] for r in res)
+    found = res[0]["findings"]
+    assert found, f"nothing detected; iteration times (ms): {res[0]['samples_ms']}"
+    first = found[0]
+    assert first["kind"] == "compute" and first["ranks"] == [slow], first
+    assert first["severity"] > 1.1
+    return first
+
+
+@pytest.mark.slow
+def test_slow_rank_is_found_with_step_hints(tmp_path: Path) -> None:
+    res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "30", "--steps", "60")
+    first = check_slow_rank_found(res, 1)
+    assert 27 <= first["onset_step"] <= 34
+    assert first["step"] - first["onset_step"] <= 8
+    ev = RunData.load(tmp_path).events_of("straggler_detected")
+    assert ev and ev[0]["ranks"] == [1] and ev[0]["kind"] == "compute"
+
+
+@pytest.mark.slow
+def test_slow_rank_is_found_without_any_call_from_the_loop(tmp_path: Path) -> None:
+    res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "30", "--steps", "60",
+                  "--hint", "0")
+    assert all(r["period"] == res[0]["period"] is not None for r in res)
+    assert all(r["ddp_ops"] > 0 for r in res)
+    check_slow_rank_found(res, 1)
