@@ -61,12 +61,15 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-detect", dest="detect", action="store_false",
                    help="do not run the straggler monitor")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
 def config_from_run_args(argv: list[str]) -> RunConfig:
     p = _Parser(prog="stalwart run")
     add_run_args(p)
-    return RunConfig(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    args.pop("no_progress")
+    return RunConfig(**args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train the reference GPT on N ranks")
     add_run_args(run)
-    run.add_argument("--no-progress", action="store_true", help="no live progress display")
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     from stalwart.bench import SUITES
