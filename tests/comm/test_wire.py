@@ -13,6 +13,7 @@ from stalwart.comm.wire import (
     HEADER_BYTES,
     OVERHEAD,
     PHASE_GRAD,
+    PHASE_NORM,
     PHASE_VALUE,
     R,
     Wire,
@@ -82,6 +83,8 @@ def test_unknown_senders_are_rejected() -> None:
     (PHASE_GRAD, 0, 16, 2),  # runs past the shard's end
     (PHASE_VALUE, 2, 0, CHUNK),  # values of a shard the sender does not own
     (3, 0, 0, CHUNK),  # unknown phase
+    (PHASE_NORM, 1, 0, 2),  # a norm is one float
+    (PHASE_NORM, 0, 0, 1),  # a norm of a shard the sender does not own
 ])
 def test_out_of_range_packets_are_rejected(phase: int, shard: int, offset: int, n: int) -> None:
     pkt = wire(1).packet(phase, 5, shard, offset, np.ones(n, np.float32))

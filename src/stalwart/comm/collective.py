@@ -43,6 +43,7 @@ from stalwart.comm.wire import (
     MAGIC,
     OVERHEAD,
     PHASE_GRAD,
+    PHASE_NORM,
     PHASE_VALUE,
     REASONS,
     R,
@@ -62,9 +63,10 @@ class _Round:
     acc: ShardAccumulator
     vals: np.ndarray  # the owners' values, written as chunks arrive
     vseen: list[np.ndarray]  # per shard, per chunk: arrived
-    got: np.ndarray  # (2 phases, world): data packets accepted per sender
-    marker: np.ndarray  # (2 phases, world): announced count, -1 = no marker yet
-    closed: list[bool] = field(default_factory=lambda: [False, False])
+    norm: np.ndarray  # (world,): owners' squared norms (PHASE_NORM)
+    got: np.ndarray  # (3 phases, world): data packets accepted per sender
+    marker: np.ndarray  # (3 phases, world): announced count, -1 = no marker yet
+    closed: list[bool] = field(default_factory=lambda: [False, False, False])
 
     def reset(self, rnd: int) -> None:
         self.rnd = rnd
@@ -73,7 +75,8 @@ class _Round:
             v[:] = False
         self.got[:] = 0
         self.marker[:] = -1
-        self.closed = [False, False]
+        self.norm[:] = 0
+        self.closed = [False, False, False]
 
 
 @dataclass
@@ -130,7 +133,8 @@ class LossyCollective:
         lay = self.layout
         return _Round(rnd, ShardAccumulator(lay, self.rank), np.zeros(lay.numel, np.float32),
                       [np.zeros(lay.n_chunks(s), bool) for s in range(self.world)],
-                      np.zeros((2, self.world), np.int64), np.full((2, self.world), -1))
+                      np.zeros(self.world), np.zeros((3, self.world), np.int64),
+                      np.full((3, self.world), -1))
 
     # ---- receiving thread -----------------------------------------------------------------
     def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
@@ -163,7 +167,11 @@ class LossyCollective:
             return 0
         off, n = int(h["offset"]), int(h["length"])
         pay = row[HEADER_BYTES: HEADER_BYTES + 4 * n].view("<f4")
-        if ph == PHASE_GRAD:
+        if ph == PHASE_NORM:
+            if st.got[ph, s]:
+                return 0  # one of the deliberate copies
+            st.norm[s] = float(pay[0])
+        elif ph == PHASE_GRAD:
             if not st.acc.add(s, off, pay):
                 return R["duplicate"]
         else:
@@ -255,12 +263,14 @@ class LossyCollective:
         return r
 
     def _expected(self, phase: int) -> dict[int, int]:
+        if phase == PHASE_NORM:
+            return {s: 1 for s in range(self.world) if s != self.rank}
         if phase == PHASE_GRAD:
             n = self.layout.n_chunks(self.rank)
             return {s: n for s in range(self.world) if s != self.rank}
         return {s: self.layout.n_chunks(s) for s in range(self.world) if s != self.rank}
 
-    def _wait(self, phase: int, t0: float) -> PhaseStats:
+    def _wait(self, phase: int, t0: float, adapt: bool = True) -> PhaseStats:
         st = self._rounds[self.round % 2]
         exp = self._expected(phase)
         total = sum(exp.values())
@@ -296,7 +306,7 @@ class LossyCollective:
                         self.silent.add(s)
                 out.silent = sorted(self.silent)
         completion = recv / total if total else 1.0
-        if not out.deadline_hit or completion > 0:
+        if adapt and (not out.deadline_hit or completion > 0):
             self.deadline.observe(self.rank, out.elapsed, completion)
         return out
 
@@ -349,6 +359,34 @@ class LossyCollective:
         out[self._lo: self._hi] = shard_values
         mask[self._lo: self._hi] = True
         return mask, ps
+
+    def global_norm_sq(self, own_sq: float) -> tuple[float, PhaseStats]:
+        """Sum over owners of their averaged shards' squared norms (for global clipping).
+
+        Every owner sends its value to every rank (``MARKER_COPIES`` copies: a one-float packet
+        is cheap to repeat). A value still missing at the deadline is estimated from the
+        others' mean per element times that shard's size.
+        """
+        t0 = time.perf_counter()
+        pkt = self.wire.packet(PHASE_NORM, self.round, self.rank, 0,
+                               np.array([own_sq], np.float32))
+        peers = [d for d in range(self.world) if d != self.rank]
+        rows = np.zeros((len(peers) * MARKER_COPIES, len(pkt)), np.uint8)
+        rows[:] = np.frombuffer(pkt, np.uint8)
+        sent = self.transport.send(rows, np.full(len(rows), len(pkt)),
+                                   np.array(peers * MARKER_COPIES))
+        ps = self._wait(PHASE_NORM, t0, adapt=False)
+        ps.sent = sent
+        st = self._rounds[self.round % 2]
+        lens = np.array(self.layout.shard_lens, np.float64)
+        have = st.got[PHASE_NORM] > 0
+        have[self.rank] = True
+        vals = st.norm.copy()
+        vals[self.rank] = own_sq
+        if not have.all():
+            per_elem = vals[have].sum() / max(lens[have].sum(), 1.0)
+            vals[~have] = per_elem * lens[~have]
+        return float(vals.sum()), ps
 
     def allreduce(self, flat: np.ndarray, out: np.ndarray | None = None) -> tuple[
             np.ndarray, list[PhaseStats]]:

@@ -8,8 +8,10 @@ owner update and parameter broadcast then happen in ``opt.step()``
 
 Guarantee: after ``attach`` returns, every rank holds the same parameters (DDP synchronised
 them at construction) and a UDP socket bound to ``STALWART_HOST_ADDR``, with peers' addresses
-and the job's secret exchanged through torch.distributed. Gradient clipping, if any, must be
-done on the LOCAL gradients before ``step()`` (``clip_grad_norm_`` works unchanged).
+and the job's secret exchanged through torch.distributed. Gradients reaching ``step()`` are
+LOCAL: ``clip_grad_norm_`` before ``step()`` clips each rank's own gradient (a per-rank rule);
+``attach(..., max_grad_norm=C)`` instead clips the averaged gradient by its global norm, the
+same rule as clipping after a reliable all-reduce.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ def _keep_local(_state, bucket):  # noqa: ANN001 -- DDP rejects string annotatio
 def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], *,
            mode: str = "params", mtu: int | None = None, host: str | None = None,
            group: Any = None, deadline: AdaptiveDeadline | None = None,
+           max_grad_norm: float | None = None,
            **optimizer_kwargs: Any) -> ShardedLossyOptimizer:
     """Switch a DDP model to the loss-tolerant transport; returns its optimizer.
 
     ``optimizer_kwargs`` go to ``optimizer_class`` (e.g. lr, betas, weight_decay). Works with a
-    plain module too (then there is no DDP all-reduce to disable).
+    plain module too (then there is no DDP all-reduce to disable). ``max_grad_norm`` clips the
+    averaged gradient by its global norm inside ``step()`` (what ``clip_grad_norm_`` after a
+    reliable all-reduce does); leave it None if the script clips local gradients itself.
     """
     if hasattr(ddp_model, "register_comm_hook"):
         ddp_model.register_comm_hook(None, _keep_local)
@@ -45,4 +50,5 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     params = [p for p in module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline)
-    return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode, **optimizer_kwargs)
+    return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode,
+                                 max_grad_norm=max_grad_norm, **optimizer_kwargs)

@@ -12,6 +12,11 @@ the owners' parameters stays bounded however long training runs.
 every rank steps a full local optimizer; a missed chunk is a missed update that is never
 repaired, so replicas random-walk apart without bound.
 
+``max_grad_norm`` clips the averaged gradient by its global norm (owners exchange their shards'
+squared norms in one tiny extra phase), i.e. the semantics of ``clip_grad_norm_`` after a
+reliable all-reduce; the alternative, clipping each rank's LOCAL gradient before ``step()``,
+also works but is a different (per-rank) clipping rule.
+
 Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (both phases),
 deadline_hits, drift, stale_max, silent_ranks, comm_time. ``drift`` is the largest
 |replica - owner| this rank observed this step: for every chunk that landed, the gap between the
@@ -21,6 +26,7 @@ stale local copy and the owner's value that replaced it (with no loss: one step'
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -34,12 +40,14 @@ class ShardedLossyOptimizer:
     """Optimizer-like object over a list of parameters, communicating through ``coll``."""
 
     def __init__(self, params: list[torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
-                 coll: LossyCollective, mode: str = "params", **kwargs: Any) -> None:
+                 coll: LossyCollective, mode: str = "params",
+                 max_grad_norm: float | None = None, **kwargs: Any) -> None:
         if mode not in ("params", "naive"):
             raise ValueError(f"unknown mode {mode!r} (params or naive)")
         self.params = params
         self.coll = coll
         self.mode = mode
+        self.max_grad_norm = max_grad_norm
         self.numel = sum(p.numel() for p in params)
         lay = coll.layout
         if lay.numel != self.numel:
@@ -112,6 +120,15 @@ class ShardedLossyOptimizer:
         coll.begin_round()
         grads = self._gather_grads()
         avg, p1 = coll.reduce_scatter(grads)
+        phases = [p1]
+        if self.max_grad_norm is not None:
+            # clip the AVERAGED gradient by its global norm -- exactly what
+            # clip_grad_norm_ after a reliable all-reduce does (same formula)
+            total_sq, p3 = coll.global_norm_sq(float(np.dot(avg.astype(np.float64), avg)))
+            phases.append(p3)
+            coef = min(1.0, self.max_grad_norm / (math.sqrt(total_sq) + 1e-6))
+            if coef < 1.0:
+                avg *= np.float32(coef)
         if self.mode == "params":
             # the owner's shard is authoritative: the model's copy of it equals self.shard
             # unless the caller reloaded the model, which this picks up
@@ -121,6 +138,7 @@ class ShardedLossyOptimizer:
             new = self.shard.detach().numpy()
             before = self.flat.copy()
             mask, p2 = coll.broadcast(new, self.flat)
+            phases.append(p2)
             landed = mask.copy()
             landed[self.lo: self.hi] = False
             drift = float(np.abs(before[landed] - self.flat[landed]).max()) if landed.any() \
@@ -128,6 +146,7 @@ class ShardedLossyOptimizer:
         else:
             full = np.zeros(self.numel, np.float32)  # a missed chunk = a missed update
             mask, p2 = coll.broadcast(avg, full)
+            phases.append(p2)
             self.shard.copy_(torch.from_numpy(self._gather_params()))
             self.shard.grad = torch.from_numpy(full)
             self.inner.step()
@@ -138,10 +157,10 @@ class ShardedLossyOptimizer:
         self._scatter_params()
         rej = int(coll.rejected.sum())
         self._stats = {
-            "pkts_sent": p1.sent + p2.sent, "pkts_recv": p1.recv + p2.recv,
-            "pkts_lost": p1.lost + p2.lost,
+            "pkts_sent": sum(p.sent for p in phases), "pkts_recv": sum(p.recv for p in phases),
+            "pkts_lost": sum(p.lost for p in phases),
             "pkts_rejected": rej - self._stats.get("_rej_total", 0), "_rej_total": rej,
-            "deadline_hits": int(p1.deadline_hit) + int(p2.deadline_hit),
+            "deadline_hits": sum(int(p.deadline_hit) for p in phases),
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),
             "comm_time": (time.perf_counter() - t0),

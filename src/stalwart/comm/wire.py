@@ -11,11 +11,12 @@ Layout (little-endian)::
     magic u16 | phase u8 | flags u8 | job u32 | round u32 | sender u16 | shard u16 |
     offset u32 | length u32 | hint u32 | payload: length x float32 | tag: 16 bytes
 
-``offset``/``length`` count float32 elements inside the shard. A packet with ``FLAG_END`` set is
-an end-of-phase marker: no payload, ``offset`` = how many data packets the sender sent to this
-receiver in that phase (so the receiver can count its losses exactly) and ``hint`` = the
-sender's deadline proposal in microseconds (how ranks agree on deadlines without a reliable
-channel).
+``offset``/``length`` count float32 elements inside the shard. A ``PHASE_NORM`` packet carries
+one float (the owner's squared norm of its averaged gradient shard) at offset 0. A packet with
+``FLAG_END`` set is an end-of-phase marker: no payload, ``offset`` = how many data packets the
+sender sent to this receiver in that phase (so the receiver can count its losses exactly) and
+``hint`` = the sender's deadline proposal in microseconds (how ranks agree on deadlines
+without a reliable channel).
 
 Guarantee of ``Wire.check``: it never raises and never writes anywhere but its own result
 arrays. Every packet it accepts has a valid tag under this job's key, comes from a known peer
@@ -43,7 +44,8 @@ IP_UDP_BYTES = 28  # IPv4 header (20) + UDP header (8)
 
 PHASE_GRAD = 0  # contributions to a shard, sent to its owner (reduce-scatter)
 PHASE_VALUE = 1  # an owner's values of its shard, sent to everyone (broadcast)
-PHASES = (PHASE_GRAD, PHASE_VALUE)
+PHASE_NORM = 2  # an owner's squared norm of its averaged shard (global gradient clipping)
+PHASES = (PHASE_GRAD, PHASE_VALUE, PHASE_NORM)
 FLAG_END = 1
 
 # reject reasons (index into REASONS); 0 = accepted
@@ -158,13 +160,14 @@ class Wire:
         shard = hdr["shard"].astype(np.int64)
         offset = hdr["offset"].astype(np.int64)
         want_shard = np.where(phase == PHASE_GRAD, self.me, sender)
-        ok = ((phase == PHASE_GRAD) | (phase == PHASE_VALUE)) & (shard == want_shard)
+        ok = (phase <= PHASE_NORM) & (shard == want_shard)
         ok &= (flags == 0) | (flags == FLAG_END)
         slen = self.shard_lens[np.clip(shard, 0, self.world - 1)]
         is_end = flags == FLAG_END
         data_ok = (offset % self.chunk == 0) & (offset < slen)
         data_ok &= length == np.minimum(self.chunk, slen - offset)
-        ok &= np.where(is_end, length == 0, data_ok)
+        data_ok = np.where(phase == PHASE_NORM, (offset == 0) & (length == 1), data_ok)
+        ok &= np.where(is_end, (length == 0) & (phase != PHASE_NORM), data_ok)
         reasons[live & ~ok] = R["bad_range"]
         live = reasons == 0
         # payload must be finite (a NaN from a broken or hostile peer would poison the average)
