@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from stalwart.config import RunConfig
 
 PLAIN_EVERY_S = 30.0
+RATE_WINDOW_S = 5.0
 
 
 def _fmt_event(e: dict[str, Any]) -> str | None:
@@ -45,7 +47,7 @@ class Progress:
         self.t_start = time.monotonic()
         self.first_step_t: float | None = None
         self.first_step = 0
-        self._tokens: dict[int, float] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (wall time, tokens) per metric line
         self._last_plain = 0.0
         self._last_plain_step = -1
         self._bar: Any = None
@@ -68,7 +70,9 @@ class Progress:
     def on_metric(self, m: dict[str, Any]) -> None:
         if self.first_step_t is None:
             self.first_step_t, self.first_step = time.monotonic(), m["step"]
-        self._tokens[m["rank"]] = m.get("tokens_per_s", 0.0)
+        self._recent.append((m.get("time", time.time()), m.get("tokens", 0)))
+        while self._recent and self._recent[-1][0] - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
         if m["step"] > self.step:
             self.step = m["step"]
         if m["rank"] == 0:
@@ -90,9 +94,11 @@ class Progress:
             parts.append(f"loss {self.loss:.3f}")
         if self.val_loss is not None:
             parts.append(f"val {self.val_loss:.3f}")
-        if self._tokens:
-            # ranks run in lock-step: the job's rate is the sum of the ranks' rates
-            parts.append(f"{sum(self._tokens.values()):,.0f} tok/s")
+        span = self._recent[-1][0] - self._recent[0][0] if len(self._recent) > 1 else 0.0
+        if span > 0:
+            # the job's rate over the last few seconds: all ranks' tokens / wall time
+            tokens = sum(t for _, t in list(self._recent)[1:])
+            parts.append(f"{tokens / span:,.0f} tok/s")
         if self.note:
             parts.append(self.note)
         return "  ".join(parts)

@@ -100,6 +100,39 @@ def plot_rank_times(run: RunData, out: Path) -> Path | None:
     return _save(fig, out / "rank_times.png")
 
 
+def plot_slowness(run: RunData, out: Path) -> Path | None:
+    """Heat map: each rank's compute time divided by the median over ranks at that step.
+
+    Red rows are slow ranks; a fault that starts and ends shows as a red band in one row, which
+    stays readable even when communication noise (e.g. packet loss) swamps the raw timings.
+    """
+    table = run.step_table("compute_time")
+    ranks = run.ranks
+    if len(ranks) < 2 or not table:
+        return None
+    import numpy as np
+
+    steps = sorted(table)
+    grid = np.full((len(ranks), len(steps)), np.nan)
+    for j, s in enumerate(steps):
+        row = table[s]
+        med = float(np.median(list(row.values()))) or 1e-9
+        for i, r in enumerate(ranks):
+            if r in row:
+                grid[i, j] = row[r] / med
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(ranks) + 1.6))
+    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=0.5, vmax=2.0, interpolation="none",
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(ranks) - 0.5, -0.5))
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel("step")
+    ax.set_title("Compute time / median over ranks (red = slower than its peers)")
+    for s, e, _label in fault_spans(run):
+        ax.axvline(s, color="k", lw=0.8, ls="--")
+        ax.axvline(e, color="k", lw=0.8, ls="--")
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    return _save(fig, out / "slowness.png")
+
+
 def plot_share(run: RunData, out: Path) -> Path | None:
     if not run.metrics:
         return None
@@ -156,6 +189,7 @@ def all_plots(run: RunData, out: Path) -> list[tuple[str, Path]]:
     made = [
         ("Loss", plot_loss(run, out)),
         ("Iteration time", plot_iteration(run, out)),
+        ("Which rank is slow", plot_slowness(run, out)),
         ("Per-rank compute and wait time", plot_rank_times(run, out)),
         ("Compute vs communication", plot_share(run, out)),
         ("Hidden communication (strand interleaving)",
