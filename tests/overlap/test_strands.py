@@ -83,8 +83,8 @@ def test_interleaved_gradients_equal_sequential_accumulation() -> None:
     ref = {n: p.grad.clone() for n, p in gpt.named_parameters()}
     m = n = 2 * CFG.n_layer + 1
     # a fixed plan that pairs a lot, and one that pairs nothing: same gradients
-    for pairing in (1.0, 100.0):
-        prof = Profile([1.0] * m, [1.0] * n, [[pairing] * n for _ in range(m)])
+    for after_other in (0.1, 100.0):
+        prof = Profile.uniform([1.0] * m, [1.0] * n, after_other, after_other)
         step = Interleaved(model, comm, schedule="si", plan=make_plan({}, prof))
         loss, _ = step.forward_backward(mbs)
         got = dict(model.named_parameters())

@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--profile-reps", type=int, default=2)
     p.add_argument("--tag", default="bench")
     return p.parse_args(argv)
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g))
                for _ in range(a.micro_batches)]
         scheds = a.schedules.split(",")
-        execs = {s: Interleaved(model, comm, schedule=s) for s in scheds}
+        execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps)
+                 for s in scheds}
         t0 = time.perf_counter()
         if "si" in execs:
             execs["si"].ensure_plan(mbs)

@@ -1,15 +1,29 @@
-"""Plan search: which forward segment runs together with which backward segment.
+"""Plan search: in which order the segments of the two strands run.
 
-Mechanism (DHelix's dynamic programme, arXiv 2411.15871 section "plan search"): with forward
-segments f_1..f_m and backward segments b_1..b_n in their dependency order, and a profile giving
-the time of f_i alone, b_j alone and of the pair (f_i, b_j) run together,
+Mechanism (DHelix's dynamic programme, arXiv 2411.15871 section "plan search"): forward
+segments f_0..f_{m-1} and backward segments b_0..b_{n-1} each run in their dependency order;
+a plan interleaves the two sequences. DHelix's recurrence
 
     T[i][j] = min(T[i-1][j] + P(f_i, -), T[i][j-1] + P(-, b_j), T[i-1][j-1] + P(f_i, b_j))
 
-is the least time to finish the first i forward and j backward segments; backtracking from
-T[m][n] yields the steps ("F", "B", "FB"). O(m*n). Guarantee: the returned plan is optimal for
-the given profile (tests check a known optimum) and is a deterministic function of it, so TP
-ranks holding the same (max-reduced) profile derive the same plan.
+prices each step by a profiled time. On a CPU rank there is one compute thread, so "running a
+pair together" means: b_j computes while f's last collective is in flight, then f_i computes
+while b_j's collective is in flight. What a step costs therefore depends on which strand's
+collective is still in flight when it starts -- a segment that follows its own strand's segment
+must first wait for that collective; one that follows the other strand's segment overlaps it.
+The state of the programme carries that: T[i][j][last], last in {none, F, B}, with
+
+    F step: T[i+1][j][F]   <- T[i][j][last] + (fwd[i]        if last != B else fwd_after_b[i][j])
+    B step: T[i][j+1][B]   <- T[i][j][last] + (bwd[j]        if last != F else bwd_after_f[i][j])
+    pair:   T[i+1][j+1][F] <- the B step, then the F step (backward first: it frees memory)
+
+where fwd[i] is f_i's time right after f_{i-1} (waiting for its collective, then computing),
+fwd_after_b[i][j] its time right after b_{j-1} (overlapping b_{j-1}'s collective), and likewise
+for bwd. All four tables are measured (``profiler.py``). O(m*n). Optionally memory-aware: with
+the bytes each segment saves/frees, states where the forward strand has allocated too far ahead
+of the backward strand's freeing are excluded. Guarantee: the returned plan is optimal for the
+given profile (tests check known optima and exhaustive enumeration) and is a deterministic
+function of it, so TP ranks holding the same (max-reduced) profile derive the same plan.
 
 A ``Plan`` is saved as JSON next to the run with a *signature* (model shape, micro-batch shape,
 TP and world sizes, torch version, segment counts); ``load_plan`` returns it only when the
@@ -27,29 +41,59 @@ from pathlib import Path
 from typing import Any
 
 STEPS = ("F", "B", "FB")
+_NONE, _F, _B = 0, 1, 2
 
 
 @dataclass
 class Profile:
-    """Seconds: fwd[i] = P(f_i, -), bwd[j] = P(-, b_j), pair[i][j] = P(f_i, b_j).
+    """Seconds per segment, by what ran just before it (see the module docstring).
 
+    fwd[i]: f_i after f_{i-1} (or first); bwd[j]: b_j after b_{j-1} (or first);
+    fwd_after_b[i][j] (m x (n+1), column 0 unused): f_i right after b_{j-1};
+    bwd_after_f[i][j] ((m+1) x n, row 0 unused): b_j right after f_{i-1}.
     Optional bytes: fwd_bytes[i] = activations f_i saves, bwd_bytes[j] = activations b_j frees
     (empty lists: memory is not constrained).
     """
 
     fwd: list[float]
     bwd: list[float]
-    pair: list[list[float]]
+    fwd_after_b: list[list[float]]
+    bwd_after_f: list[list[float]]
     fwd_bytes: list[float] = field(default_factory=list)
     bwd_bytes: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
         m, n = len(self.fwd), len(self.bwd)
-        if len(self.pair) != m or any(len(r) != n for r in self.pair):
-            raise ValueError(f"pair table must be {m}x{n}")
+        if len(self.fwd_after_b) != m or any(len(r) != n + 1 for r in self.fwd_after_b):
+            raise ValueError(f"fwd_after_b must be {m}x{n + 1}")
+        if len(self.bwd_after_f) != m + 1 or any(len(r) != n for r in self.bwd_after_f):
+            raise ValueError(f"bwd_after_f must be {m + 1}x{n}")
         if self.fwd_bytes and len(self.fwd_bytes) != m or self.bwd_bytes and len(
                 self.bwd_bytes) != n:
             raise ValueError("byte profiles must have one entry per segment")
+
+    @classmethod
+    def uniform(cls, fwd: list[float], bwd: list[float], fwd_after_b: float | None = None,
+                bwd_after_f: float | None = None, **kw: Any) -> Profile:
+        """A profile whose after-the-other-strand times are constants (None: no overlap)."""
+        m, n = len(fwd), len(bwd)
+        fa = [[fwd[i] if fwd_after_b is None else fwd_after_b] * (n + 1) for i in range(m)]
+        ba = [[bwd[j] if bwd_after_f is None else bwd_after_f for j in range(n)]
+              for _ in range(m + 1)]
+        return cls(list(fwd), list(bwd), fa, ba, **kw)
+
+    def cost_f(self, i: int, j: int, last: int) -> float:
+        return self.fwd_after_b[i][j] if last == _B else self.fwd[i]
+
+    def cost_b(self, i: int, j: int, last: int) -> float:
+        return self.bwd_after_f[i][j] if last == _F else self.bwd[j]
+
+    def pair(self, i: int, j: int, last: int) -> float:
+        """DHelix's P(f_i, b_j): b_j, then f_i overlapping b_j's collective."""
+        return self.cost_b(i, j, last) + self.fwd_after_b[i][j + 1]
+
+    def sequential_time(self) -> float:
+        return sum(self.fwd) + sum(self.bwd)
 
     def live_bytes(self) -> Callable[[int, int], float] | None:
         """live(i, j): activations held after i forward and j backward segments, or None.
@@ -64,9 +108,6 @@ class Profile:
         fb = [0.0, *itertools.accumulate(self.bwd_bytes)]
         total = fb[-1]
         return lambda i, j: total + sf[i] - fb[j]
-
-    def sequential_time(self) -> float:
-        return sum(self.fwd) + sum(self.bwd)
 
 
 def search(profile: Profile, max_extra_memory: float | None = None
@@ -84,53 +125,66 @@ def search(profile: Profile, max_extra_memory: float | None = None
     budget = 0.0
     if live is not None:
         budget = (1.0 + max_extra_memory) * max(sum(profile.fwd_bytes), sum(profile.bwd_bytes))
+
+    def ok(i: int, j: int) -> bool:
+        return live is None or live(i, j) <= budget * (1 + 1e-9)
+
     inf = float("inf")
-    T = [[inf] * (n + 1) for _ in range(m + 1)]
-    how: list[list[str]] = [[""] * (n + 1) for _ in range(m + 1)]
-    T[0][0] = 0.0
+    T = [[[inf] * 3 for _ in range(n + 1)] for _ in range(m + 1)]
+    back: dict[tuple[int, int, int], tuple[int, int, int, str]] = {}
+    T[0][0][_NONE] = 0.0
+
+    def relax(src: tuple[int, int, int], dst: tuple[int, int, int], cost: float, step: str,
+              rank: int) -> None:
+        i, j, last = dst
+        t = T[src[0]][src[1]][src[2]] + cost
+        # ties prefer the pair, then forward: fixed so that every rank breaks them alike
+        if t < T[i][j][last] - 1e-15 or (t <= T[i][j][last] + 1e-15
+                                          and rank < back.get(dst, (0, 0, 0, "", 9))[4]):
+            T[i][j][last] = t
+            back[dst] = (*src, step, rank)  # type: ignore[assignment]
+
     for i in range(m + 1):
         for j in range(n + 1):
-            if i == j == 0:
-                continue
-            if live is not None and live(i, j) > budget * (1 + 1e-9):
-                continue  # over the memory budget
-            # ties prefer the pair, then forward: fixed so that every rank breaks them alike
-            cands = []
-            if i and j:
-                cands.append((T[i - 1][j - 1] + profile.pair[i - 1][j - 1], 0, "FB"))
-            if i:
-                cands.append((T[i - 1][j] + profile.fwd[i - 1], 1, "F"))
-            if j:
-                cands.append((T[i][j - 1] + profile.bwd[j - 1], 2, "B"))
-            t, _, step = min(cands)
-            if t < inf:
-                T[i][j], how[i][j] = t, step
+            for last in (_NONE, _F, _B):
+                if T[i][j][last] == inf:
+                    continue
+                src = (i, j, last)
+                if i < m and j < n and ok(i, j + 1) and ok(i + 1, j + 1):
+                    relax(src, (i + 1, j + 1, _F), profile.pair(i, j, last), "FB", 0)
+                if i < m and ok(i + 1, j):
+                    relax(src, (i + 1, j, _F), profile.cost_f(i, j, last), "F", 1)
+                if j < n and ok(i, j + 1):
+                    relax(src, (i, j + 1, _B), profile.cost_b(i, j, last), "B", 2)
+    end = min((_F, _B, _NONE), key=lambda k: T[m][n][k])
     steps: list[str] = []
-    i, j = m, n
-    while i or j:
-        step = how[i][j]
+    node = (m, n, end)
+    while node != (0, 0, _NONE):
+        i, j, last, step, _ = back[node]  # type: ignore[misc]
         steps.append(step)
-        i -= "F" in step
-        j -= "B" in step
+        node = (i, j, last)
     steps.reverse()
-    return steps, T[m][n]
+    return steps, T[m][n][end]
 
 
 def plan_time(steps: list[str], profile: Profile) -> float:
     """Predicted time of an arbitrary step sequence under `profile`."""
     i = j = 0
+    last = _NONE
     t = 0.0
     for s in steps:
-        if s == "FB":
-            t += profile.pair[i][j]
-        elif s == "F":
-            t += profile.fwd[i]
-        elif s == "B":
-            t += profile.bwd[j]
-        else:
+        if s not in STEPS:
             raise ValueError(f"bad step {s!r}")
-        i += "F" in s
-        j += "B" in s
+        if "B" in s:
+            if j >= len(profile.bwd):
+                raise ValueError("plan runs past the last backward segment")
+            t += profile.cost_b(i, j, last)
+            j, last = j + 1, _B
+        if "F" in s:
+            if i >= len(profile.fwd):
+                raise ValueError("plan runs past the last forward segment")
+            t += profile.cost_f(i, j, last)
+            i, last = i + 1, _F
     if (i, j) != (len(profile.fwd), len(profile.bwd)):
         raise ValueError(f"plan covers {i}/{len(profile.fwd)} forward and "
                          f"{j}/{len(profile.bwd)} backward segments")

@@ -1,0 +1,156 @@
+"""``stalwart bench overlap``: how much TP communication strand interleaving hides.
+
+Mechanism measured: DHelix strand interleaving (arXiv 2411.15871) against sequential execution
+and against intra-micro-batch overlap (each column-parallel backward overlapping its own
+input-gradient all-reduce with its weight-gradient GEMM -- what a user would write).
+
+Procedure (all on the netns testbed: one emulated host per rank, links shaped by tc tbf):
+1. calibration run: sequential schedule only, links at a reference rate R0; measure the
+   communication time T_comm (in-flight time of the collectives) and the computation time
+   T_compute (step time minus time blocked on collectives);
+2. choose the rate R1 = R0 * T_comm / T_compute, so that communication ~= computation (the
+   transfers are bandwidth-bound, so their time scales with 1/rate); the measured ratio at R1
+   is reported too;
+3. main run at R1: one model, three executors (sequential "off", intra-micro-batch "async",
+   strand interleaving "si"), repetitions in rotating order with a barrier before each step
+   (``stalwart.overlap.benchworker``). Figures are medians over repetitions of per-repetition
+   ratios, so slow drifts of the shared machine cancel.
+
+Figures: si_comm_hidden = (T_seq - T_si) / T_comm; baseline_comm_hidden likewise for "async";
+si_speedup = T_seq / T_si; si_vs_bound = T_si / max(T_compute, T_comm); si_extra_memory = peak
+saved activations interleaved / sequential - 1 (autograd's saved tensors, see
+overlap/memory.py). Full mode repeats the main run with TP=4 (``*_tp4`` figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.bench import BenchResult
+
+TARGETS = {
+    "si_comm_hidden": ">= 0.7",
+    "si_speedup": ">= 1.3",
+    "si_vs_bound": "<= 1.15",
+    "si_extra_memory": "<= 0.10",
+}
+R0_MBIT = 200.0
+MIN_MBIT, MAX_MBIT = 10.0, 2000.0
+# model and step shape: big enough per byte that the rate needed for comm ~= compute stays
+# low (the network path costs CPU too, and this machine has two cores)
+SHAPE = {"n_layer": 2, "n_head": 8, "n_embd": 768, "block": 64, "batch": 2}
+
+
+def _why_not_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for the netns testbed (network namespaces, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} for the netns testbed"
+    return None
+
+
+def _launch(workdir: Path, name: str, nproc: int, rate_mbit: float, args: list[str]
+            ) -> list[dict[str, Any]]:
+    from stalwart.config import RunConfig
+    from stalwart.launch import launch
+
+    rate = f"{int(round(rate_mbit))}mbit"
+    cfg = RunConfig(nproc=nproc, tp=nproc, testbed="netns", out=str(workdir), name=name,
+                    faults=[f"link:host={h},rate={rate}" for h in range(nproc)], detect=False)
+    shutil.rmtree(workdir / name, ignore_errors=True)
+    flat = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
+    rc = launch(cfg, module="stalwart.overlap.benchworker", args=[*flat, *args],
+                show_progress=False, on_line=lambda s: None)
+    if rc != 0:
+        logs = workdir / name / "logs"
+        raise RuntimeError(f"overlap bench run {name} failed (exit {rc}); see {logs}")
+    return [json.loads((workdir / name / f"bench-rank-{r}.json").read_text())
+            for r in range(nproc)]
+
+
+def _med(ranks: list[dict[str, Any]], sched: str, key: str) -> float:
+    """Mean over ranks of the per-rank median."""
+    return statistics.mean(statistics.median(s[key] for s in r["steps"][sched]) for r in ranks)
+
+
+def _paired(ranks: list[dict[str, Any]], fn) -> float:
+    """Median over repetitions of fn(rep) where fn sees each schedule's rank-mean values."""
+    reps = len(ranks[0]["steps"]["off"])
+
+    def at(sched: str, key: str, k: int) -> float:
+        return statistics.mean(r["steps"][sched][k][key] for r in ranks)
+
+    return statistics.median(fn(lambda s, key, k=k: at(s, key, k)) for k in range(reps))
+
+
+def figures(ranks: list[dict[str, Any]], suffix: str = "") -> tuple[dict[str, float], dict]:
+    def hidden(sched: str):
+        return lambda at: (at("off", "wall") - at(sched, "wall")) / at("off", "comm_time")
+
+    fig = {
+        f"si_comm_hidden{suffix}": _paired(ranks, hidden("si")),
+        f"baseline_comm_hidden{suffix}": _paired(ranks, hidden("async")),
+        f"si_speedup{suffix}": _paired(ranks, lambda at: at("off", "wall") / at("si", "wall")),
+        f"si_vs_bound{suffix}": _paired(ranks, lambda at: at("si", "wall") / max(
+            at("off", "compute_time"), at("off", "comm_time"))),
+        f"si_extra_memory{suffix}": max(
+            max(s["act_peak_bytes"] for s in r["steps"]["si"])
+            / max(s["act_peak_bytes"] for s in r["steps"]["off"]) for r in ranks) - 1.0,
+    }
+    detail = {
+        sched: {k: _med(ranks, sched, k) for k in
+                ("wall", "compute_time", "comm_time", "comm_hidden", "comm_exposed",
+                 "act_peak_bytes")}
+        for sched in ("off", "async", "si")
+    }
+    detail["comm_to_compute"] = detail["off"]["comm_time"] / detail["off"]["compute_time"]
+    detail["plan"] = ranks[0]["plan"]
+    detail["profile_time_s"] = ranks[0]["profile_time"]
+    detail["bytes_allreduced_per_step"] = ranks[0]["steps"]["off"][0]["bytes"]
+    detail["reps"] = ranks[0]["reps"]
+    detail["micro_batches"] = ranks[0]["micro_batches"]
+    return fig, detail
+
+
+def _calibrate(workdir: Path, nproc: int, micro: int) -> tuple[float, dict[str, float]]:
+    ranks = _launch(workdir, f"overlap-calibrate-tp{nproc}", nproc, R0_MBIT,
+                    ["--schedules=off", "--reps=2", f"--micro-batches={micro}"])
+    comm = _med(ranks, "off", "comm_time")
+    compute = _med(ranks, "off", "compute_time")
+    rate = min(max(R0_MBIT * comm / compute, MIN_MBIT), MAX_MBIT)
+    return rate, {"r0_mbit": R0_MBIT, "comm_s_at_r0": comm, "compute_s_at_r0": compute,
+                  "rate_mbit": rate}
+
+
+def run(quick: bool, workdir: Path) -> BenchResult:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    reps, micro = (3, 6) if quick else (5, 8)
+    command = "stalwart bench overlap" + (" --quick" if quick else "")
+    why = _why_not_netns()
+    if why is not None:
+        return BenchResult("overlap", {k: None for k in TARGETS}, dict(TARGETS),
+                           {"skipped": why}, command)
+    t0 = time.perf_counter()
+    details: dict[str, Any] = {"shape": SHAPE}
+    figs: dict[str, float] = {}
+    targets = dict(TARGETS)
+    for nproc in ((2,) if quick else (2, 4)):
+        suffix = "" if nproc == 2 else f"_tp{nproc}"
+        rate, cal = _calibrate(workdir, nproc, micro=2)
+        ranks = _launch(workdir, f"overlap-main-tp{nproc}", nproc, rate,
+                        [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=3"])
+        f, d = figures(ranks, suffix)
+        figs.update(f)
+        details[f"tp{nproc}"] = {"calibration": cal, **d}
+        if suffix:
+            targets.update({k + suffix: v for k, v in TARGETS.items()})
+    details["bench_time_s"] = time.perf_counter() - t0
+    return BenchResult("overlap", figs, targets, details, command)
