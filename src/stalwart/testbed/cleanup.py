@@ -154,6 +154,26 @@ def owned_by(pid: int) -> dict[str, list[str]]:
     }
 
 
+def stale_busy_processes() -> list[tuple[int, str]]:
+    """(pid, group) of contention busy processes whose testbed owner is dead. They exit by
+    themselves when their parent changes; this is the backstop if one ever does not."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        # [python, -S, -c, "# stw-<pid>-<k>-r<rank> busy\n...", owner pid, ""]
+        if len(argv) >= 4 and argv[2] == b"-c" and argv[3].startswith(b"# " + PREFIX.encode()):
+            group = argv[3][2:].split(b" ", 1)[0].decode(errors="replace")
+            if _stale(group, _CGROUP_RE):
+                out.append((int(entry), group))
+    return out
+
+
 def cleanup_stale() -> list[str]:
     """Remove namespaces, bridges/ports and cgroups whose owner process is dead.
 
@@ -175,6 +195,12 @@ def cleanup_stale() -> list[str]:
         for link in stale["links"]:
             if link in present and quiet(["ip", "link", "del", link]):
                 removed.append(f"link {link}")
+    for pid, group in stale_busy_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid} ({group} busy)")
+        except ProcessLookupError:
+            pass
     for path in stale["cgroups"]:
         # processes still inside (ranks orphaned by a killed launcher) go to the parent group;
         # busy processes exit by themselves once their owner is gone

@@ -49,8 +49,10 @@ def quota_period(cpus: float) -> tuple[int, int]:
     return max(MIN_QUOTA_US, int(round(cpus * period))), period
 
 
-# the busy loop: pure interpreter work; leaves when its parent (the testbed owner) is gone
-_BUSY = ("import os\np=os.getppid()\nwhile os.getppid()==p:\n"
+# the busy loop: pure interpreter work; leaves when its parent (the testbed owner, passed as
+# argv[1] -- reading getppid() at start would race with an owner that dies during our start-up)
+# is gone
+_BUSY = ("import os, sys\np=int(sys.argv[1])\nwhile os.getppid()==p:\n"
          "    for _ in range(100000): pass\n")
 
 
@@ -238,7 +240,7 @@ class CpuGroup:
             self._stop(self._busy.pop())
         while len(self._busy) < procs:
             tag = f"# {self.path.name} busy\n"
-            p = subprocess.Popen([sys.executable, "-S", "-c", tag + _BUSY],
+            p = subprocess.Popen([sys.executable, "-S", "-c", tag + _BUSY, str(os.getpid())],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
             self._busy.append(p)

@@ -43,7 +43,9 @@ class Testbed:
         self.nproc = cfg.nproc
         self.mtu = cfg.mtu
         self.events = events
-        self.faults: list[Fault] = [parse_fault(s, cfg.nproc, cfg.testbed) for s in cfg.faults]
+        # identical specs are one fault (a set of active faults cannot hold both)
+        self.faults: list[Fault] = list(dict.fromkeys(
+            parse_fault(s, cfg.nproc, cfg.testbed) for s in cfg.faults))
         self._tag = next_tag()
         self._owner = os.getpid()
         self._pids: dict[int, int] = {}
@@ -86,8 +88,7 @@ class Testbed:
         new = [f for f in self.faults if f in desired and f not in self._logged]
         if not gone and not new:
             return
-        mech = self._apply(desired, {f.kind for f in gone + new},
-                           {t for f in gone + new for t in self._targets(f)})
+        mech = self._apply(desired, {t for f in gone + new for t in self._targets(f)})
         for f in gone:
             self._log("fault_removed", f, step, self._logged.pop(f), at_close)
         for f in new:
@@ -113,8 +114,7 @@ class Testbed:
         except OSError:
             pass  # the run's event log was closed first; nothing else to tell
 
-    def _apply(self, desired: set[Fault], kinds: set[str],
-               targets: set[tuple[str, Any]]) -> dict[Fault, str]:
+    def _apply(self, desired: set[Fault], targets: set[tuple[str, Any]]) -> dict[Fault, str]:
         """Make the kernel state match `desired` for the touched targets; returns the
         mechanism description of each desired fault."""
         mech: dict[Fault, str] = {}
