@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stalwart.config import ConfigError, RunConfig
 from stalwart.testbed import parse_fault, parse_rate
@@ -78,3 +80,30 @@ def test_runconfig_validate_rejects_a_bad_fault() -> None:
     cfg = RunConfig(nproc=2, testbed="local", faults=["loss:host=0,p=0.1"])
     with pytest.raises(ConfigError, match="needs --testbed netns"):
         cfg.validate()
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+@given(nproc=st.integers(1, 16), data=st.data())
+def test_valid_specs_round_trip(nproc: int, data: st.DataObject) -> None:
+    rank = data.draw(st.integers(0, nproc - 1))
+    start = data.draw(st.integers(0, 1000))
+    end = data.draw(st.one_of(st.none(), st.integers(start + 1, start + 1000)))
+    window = f",start={start}" + ("" if end is None else f",end={end}")
+    factor = data.draw(st.floats(1.0, 100.0, allow_nan=False))
+    f = parse_fault(f"compute:rank={rank},factor={factor!r}{window}", nproc, "local")
+    assert (f.rank, f.factor, f.start, f.end) == (rank, factor, start, end)
+    p = data.draw(st.floats(0.0, 0.999, allow_nan=False))
+    g = parse_fault(f"loss:host={rank},p={p!r}{window}", nproc, "netns")
+    assert (g.hosts, g.p, g.start, g.end) == ((rank,), p, start, end)
+    assert all(g.active_at(s) == (start <= s and (end is None or s < end))
+               for s in (start - 1, start, start + 1, (end or 0) - 1, end or 10**6))
+
+
+@given(st.text(max_size=60))
+def test_arbitrary_text_is_parsed_or_rejected_with_config_error(text: str) -> None:
+    for testbed in ("local", "netns"):
+        try:
+            parse_fault(text, 4, testbed)
+        except ConfigError as e:
+            assert "\n" not in str(e)
