@@ -60,22 +60,25 @@ class BOCPD:
         self.alpha = np.empty(0)
         self.beta = np.empty(0)
         self.posterior = np.empty(0)
+        # lgamma terms of the Student-t depend only on alpha = alpha0 + r/2, i.e. on the run
+        # length: tabulate them once instead of per sample and run length
+        nus = 2.0 * (alpha0 + 0.5 * np.arange(max_run + 2))
+        self._lg = np.array([math.lgamma((n + 1) / 2) - math.lgamma(n / 2) for n in nus])
 
-    @staticmethod
-    def _logpdf_t(x: float, mu: np.ndarray, kappa: np.ndarray, alpha: np.ndarray,
-                  beta: np.ndarray) -> np.ndarray:
+    def _logpdf_t(self, x: float, mu: np.ndarray, kappa: np.ndarray, alpha: np.ndarray,
+                  beta: np.ndarray, lg: np.ndarray) -> np.ndarray:
         nu = 2.0 * alpha
         var = beta * (kappa + 1.0) / (alpha * kappa)
-        lg = np.array([math.lgamma((n + 1) / 2) - math.lgamma(n / 2) for n in np.atleast_1d(nu)])
         return lg - 0.5 * np.log(nu * math.pi * var) - (nu + 1) / 2 * np.log1p(
             (x - mu) ** 2 / (nu * var))
 
     def update(self, x: float) -> np.ndarray:
         mu0, k0, a0, b0 = self.prior
         lp_new = float(self._logpdf_t(x, np.array([mu0]), np.array([k0]), np.array([a0]),
-                                      np.array([b0]))[0])
+                                      np.array([b0]), self._lg[:1])[0])
         if len(self.posterior):
-            lp = self._logpdf_t(x, self.mu, self.kappa, self.alpha, self.beta)
+            lp = self._logpdf_t(x, self.mu, self.kappa, self.alpha, self.beta,
+                                self._lg[1:len(self.mu) + 1])
             with np.errstate(divide="ignore"):
                 grow = np.log(self.posterior) + np.log1p(-self.hazard) + lp
             logs = np.concatenate(([math.log(self.hazard) + lp_new], grow))

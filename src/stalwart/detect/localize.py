@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-COMPUTE_RATIO = 1.2
+COMPUTE_RATIO = 1.15
 LINK_RATIO = 1.5
 PROFILE_RATIO = 1.15
 

@@ -6,8 +6,10 @@ per rank):
 2. the iteration-time series comes from ``monitor.step(step, metrics)`` hints when the loop
    gives them, otherwise from the op sequence's period (period.py) -- no call needed;
 3. rank 0 runs BOCD+V on it (changepoint.py); at every check point (each step hint, or each
-   iteration boundary found from the op sequence) rank 0 broadcasts its decision with a
-   3-number broadcast, so all ranks pause at the same collective boundary;
+   iteration boundary found from the op sequence) rank 0 broadcasts its decision with an
+   asynchronous 3-number broadcast on the monitor's own gloo group, read by every rank at the
+   next check point, so all ranks pause at the same collective boundary without ever
+   blocking on the decision;
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
    profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
    it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the iteration time
@@ -81,7 +83,7 @@ class Monitor:
     def __init__(self, run_dir: Path | None = None, rank: int | None = None,
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
                  check_every: int = 1, validate_on_detect: bool = True,
-                 compute_reps: int = 96, link_bytes: int = 1 << 20,
+                 compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
@@ -101,6 +103,8 @@ class Monitor:
         self._active: Finding | None = None  # the slowdown in progress, if any
         self._healthy: float | None = None  # iteration time before it began
         self._pending = (NONE, 0, 0.0)  # rank 0's decision, sent at the next check
+        self._inflight: tuple[Any, torch.Tensor] | None = None  # the decision being sent
+        self._pg: Any = None
         self._hinted = False
         self._last_hint: float | None = None
         self._iter = 0
@@ -191,8 +195,20 @@ class Monitor:
                 1.0 + self.detector.min_shift):
             self._pending = (RECOVER, ch.onset, ch.after / self._healthy)
 
+    def _group(self) -> Any:
+        """The monitor's own gloo group: its traffic never queues behind training's."""
+        if self._pg is None:
+            # collective, but every rank reaches its first check at the same point
+            self._pg = dist.new_group(backend="gloo")
+        return self._pg
+
     def _check(self) -> None:
-        """Collective: rank 0's decision reaches every rank; act on it together."""
+        """Collective: rank 0's decision reaches every rank; act on it together.
+
+        The decision travels by an asynchronous broadcast issued at one check and read at the
+        next, so no rank ever blocks on it (it is long complete by then): a decision costs one
+        step of latency instead of a synchronisation every step.
+        """
         self._checks += 1
         if self._checks % self.check_every:
             return
@@ -203,8 +219,13 @@ class Monitor:
             msg = torch.tensor([float(action), float(onset), float(severity)],
                                dtype=torch.float64)
             with self.tracker.internal():
-                dist.broadcast(msg, src=0)
-            action, onset, severity = int(msg[0]), int(msg[1]), float(msg[2])
+                prev = self._inflight
+                self._inflight = (dist.broadcast(msg, src=0, group=self._group(),
+                                                 async_op=True), msg)
+                if prev is None:
+                    return
+                prev[0].wait()
+            action, onset, severity = int(prev[1][0]), int(prev[1][1]), float(prev[1][2])
         if action == NONE:
             return
         decided = self.samples[-1].key if self.samples else onset
@@ -229,10 +250,11 @@ class Monitor:
         t0 = time.perf_counter()
         if distributed and self.validate_on_detect:
             with self.tracker.internal():
-                ev.compute_test = validate.compute_test(reps=self.compute_reps)
+                pg = self._group()
+                ev.compute_test = validate.compute_test(reps=self.compute_reps, group=pg)
                 ring = validate.ring_pair_passes(self.world)
                 ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
-                    ring, self.rank, self.link_bytes).items()}
+                    ring, self.rank, self.link_bytes, group=pg).items()}
                 gathered = self._gather(ev)
                 finding = decide(gathered, onset, decided, severity)
                 tested = {p for ps in ring for p in ps}
@@ -240,7 +262,7 @@ class Monitor:
                 if finding.kind == "unknown" and extra and self.world <= 16:
                     # a slow link between hosts that are not ring neighbours
                     ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
-                        extra, self.rank, self.link_bytes).items()})
+                        extra, self.rank, self.link_bytes, group=pg).items()})
                     finding = decide(self._gather(ev), onset, decided, severity)
         else:
             finding = decide([ev], onset, decided, severity)
@@ -255,7 +277,7 @@ class Monitor:
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, asdict(ev))
+        dist.all_gather_object(out, asdict(ev), group=self._group())
         return [RankEvidence(**d) for d in out]
 
     def _on_recover(self, onset: int, decided: int, level: float) -> None:
@@ -286,6 +308,11 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        if self._inflight is not None:
+            # every rank issued it: completing it keeps the group's op order intact
+            with self.tracker.internal():
+                self._inflight[0].wait()
+            self._inflight = None
         uninstall(self.tracker)
         if self._events is not None:
             self._events.close()

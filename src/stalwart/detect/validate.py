@@ -12,16 +12,19 @@ runs short tests whose answer does not depend on the training job:
   optional round-robin schedule of the remaining pairs (n-1 or n passes), used when the ring
   finds nothing.
 
-Guarantees: every function here is collective over the default group and must be called by
-all ranks with the same arguments; each pass ends with a barrier, so passes never overlap;
+Guarantees: every function here is collective over ``group`` (default: the default group;
+ranks are global ranks, the group must hold them all) and must be called by all ranks with
+the same arguments; each pass ends with a barrier, so passes never overlap;
 message sizes are equal in every pair and both directions are timed (a one-way slow link
 shows).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from itertools import combinations
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,21 +71,28 @@ def all_pairs(n: int) -> set[Pair]:
     return set(combinations(range(n), 2))
 
 
-def compute_test(size: int = 256, reps: int = 96) -> float:
-    """Seconds for ``reps`` (size x size) float32 matmuls, started together on all ranks."""
+def compute_test(size: int = 256, reps: int = 64, rounds: int = 3, group: Any = None) -> float:
+    """Median over ``rounds`` of the seconds for ``reps`` (size x size) float32 matmuls.
+
+    Each round starts on all ranks together (barrier); the median of rounds keeps one
+    scheduling hiccup from naming a healthy rank.
+    """
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g)
     b = torch.randn(size, size, generator=g)
     torch.mm(a, b)  # first-touch and kernel selection outside the timed region
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    return time.perf_counter() - t0
+    times = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 20,
-              reps: int = 3) -> dict[Pair, float]:
+def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 18,
+              reps: int = 3, group: Any = None) -> dict[Pair, float]:
     """Round-trip seconds (best of ``reps``) of ``nbytes`` each way, for this rank's pairs.
 
     Only the lower rank of a pair reports its time; the result is this rank's part.
@@ -99,13 +109,13 @@ def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 20,
             for _ in range(reps):
                 t0 = time.perf_counter()
                 if rank == a:
-                    dist.send(buf_out, peer)
-                    dist.recv(buf_in, peer)
+                    dist.send(buf_out, peer, group=group)
+                    dist.recv(buf_in, peer, group=group)
                 else:
-                    dist.recv(buf_in, peer)
-                    dist.send(buf_out, peer)
+                    dist.recv(buf_in, peer, group=group)
+                    dist.send(buf_out, peer, group=group)
                 best = min(best, time.perf_counter() - t0)
             if rank == a:
                 out[(a, b)] = best
-        dist.barrier()
+        dist.barrier(group=group)
     return out
