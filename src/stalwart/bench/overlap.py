@@ -115,7 +115,14 @@ def figures(ranks: list[dict[str, Any]], suffix: str = "") -> tuple[dict[str, fl
     detail["profile_time_s"] = ranks[0]["profile_time"]
     detail["bytes_allreduced_per_step"] = ranks[0]["steps"]["off"][0]["bytes"]
     detail["reps"] = ranks[0]["reps"]
-    detail["micro_batches"] = ranks[0]["micro_batches"]
+    M = detail["micro_batches"] = ranks[0]["micro_batches"]
+    plan = ranks[0]["plan"]
+    if plan is not None:
+        # the profile's model of one step: F(0) alone, M-1 interleaved pass pairs, B(M-1) alone
+        alone_f, alone_b = sum(plan["profile"]["fwd"]), sum(plan["profile"]["bwd"])
+        pred_si = alone_f + (M - 1) * plan["predicted_time"] + alone_b
+        detail["model_predicted_speedup"] = M * (alone_f + alone_b) / pred_si
+        detail["measured_speedup"] = detail["off"]["wall"] / detail["si"]["wall"]
     return fig, detail
 
 
@@ -132,7 +139,7 @@ def _calibrate(workdir: Path, nproc: int, micro: int) -> tuple[float, dict[str, 
 def run(quick: bool, workdir: Path) -> BenchResult:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    reps, micro = (3, 6) if quick else (5, 8)
+    reps, micro = (4, 8) if quick else (5, 12)
     command = "stalwart bench overlap" + (" --quick" if quick else "")
     why = _why_not_netns()
     if why is not None:
@@ -146,7 +153,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         suffix = "" if nproc == 2 else f"_tp{nproc}"
         rate, cal = _calibrate(workdir, nproc, micro=2)
         ranks = _launch(workdir, f"overlap-main-tp{nproc}", nproc, rate,
-                        [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=3"])
+                        [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=5"])
         f, d = figures(ranks, suffix)
         figs.update(f)
         details[f"tp{nproc}"] = {"calibration": cal, **d}

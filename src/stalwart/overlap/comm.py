@@ -158,3 +158,4 @@ class TPComm:
     def wait(self, p: Pending) -> None:
         """Block until `p` is complete (used by the profiler to put a barrier after a step)."""
         self._wait(p)
+

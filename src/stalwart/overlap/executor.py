@@ -59,7 +59,7 @@ class Interleaved:
     def __init__(self, model: nn.Module, comm: TPComm, schedule: str = "si",
                  loss_fn: LossFn | None = None, dp_group: dist.ProcessGroup | None = None,
                  plan: str | Plan = "auto", plan_path: Path | None = None,
-                 profile_reps: int = 2, max_extra_memory: float | None = 0.05) -> None:
+                 profile_reps: int = 3, max_extra_memory: float | None = 0.05) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         self.model = model

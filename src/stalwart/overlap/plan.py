@@ -61,6 +61,31 @@ class Profile:
     bwd_after_f: list[list[float]]
     fwd_bytes: list[float] = field(default_factory=list)
     bwd_bytes: list[float] = field(default_factory=list)
+    # the per-segment measurements a profile was derived from (``from_segments``), if any
+    segments: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_segments(cls, fc: list[float], fm: list[float], bc: list[float], bm: list[float],
+                      **kw: Any) -> Profile:
+        """Tables from each segment's compute time c and collective time m, measured alone.
+
+        A segment waits for its own strand's previous collective, then computes. Right after a
+        segment of the other strand, that collective has had the other segment's compute to
+        hide behind: f_i after b_{j-1} costs max(0, fm[i-1] - bc[j-1]) + fc[i]; after f_{i-1}
+        it costs fm[i-1] + fc[i]. (Symmetrically for the backward strand.)
+        """
+        m, n = len(fc), len(bc)
+        fprev = [0.0, *fm[:-1]]  # the collective f_i waits for (none before f_0)
+        bprev = [0.0, *bm[:-1]]
+        fwd = [fprev[i] + fc[i] for i in range(m)]
+        bwd = [bprev[j] + bc[j] for j in range(n)]
+        fa = [[fwd[i]] + [max(0.0, fprev[i] - bc[j - 1]) + fc[i] for j in range(1, n + 1)]
+              for i in range(m)]
+        ba = [[bwd[j] for j in range(n)]] + [
+            [max(0.0, bprev[j] - fc[i - 1]) + bc[j] for j in range(n)] for i in range(1, m + 1)]
+        seg = {"fwd_compute": list(fc), "fwd_comm": list(fm), "bwd_compute": list(bc),
+               "bwd_comm": list(bm)}
+        return cls(fwd, bwd, fa, ba, segments=seg, **kw)
 
     def validate(self) -> None:
         m, n = len(self.fwd), len(self.bwd)

@@ -1,17 +1,20 @@
-"""Pairwise overlap profiler: what each segment costs next to each segment of the other strand.
+"""Overlap profiler: each segment's compute and collective time, and the co-execution tables.
 
-Mechanism (DHelix's operator-pair profiling, arXiv 2411.15871), measured the way the executor
-runs: a segment's time is from its resume to its park -- first waiting for its own strand's
-previous collective, then computing up to its own collective (issued, left in flight). Run
-right after a segment of its own strand, it waits for that segment's whole collective; run
-right after the other strand's segment, that collective had the other segment's compute to
-hide behind. So we measure, on the real model and group:
+Mechanism (DHelix's pair profiling, arXiv 2411.15871, adapted to one compute thread per rank):
+a segment runs from its resume to its park -- first waiting for its own strand's previous
+collective, then computing up to its own collective (issued, left in flight). On real passes
+of the real model over the real group, run alone (forward pass, then its backward), we measure
+per segment its compute time c (resume to park, minus the time blocked on the previous
+collective) and its collective's time m (issue to completion, with nothing else running). The
+pair tables of ``Profile`` follow from them (``Profile.from_segments``): a segment right after
+the other strand's segment waits only for what of its own collective the other's compute did
+not cover.
 
-* fwd[i], bwd[j]: each segment after its own predecessor (a pass run alone);
-* fwd_after_b[i][j]: f_i right after b_{j-1}; bwd_after_f[i][j]: b_j right after f_{i-1}
-  (passes that alternate the two strands along one diagonal of the (i, j) grid: advance one
-  strand alone to the diagonal's start, then alternate backward-first; m + n diagonals cover
-  every cell).
+Why not time every pair directly, as DHelix does on GPUs: we did (alternating passes along each
+diagonal of the (i, j) grid); at 5-30 ms per segment on a shared two-core machine the samples'
+noise was as large as the overlap being priced, and the plans it produced ran slower than plain
+alternation (see docs/overlap.md). Per-segment c and m are long, clean measurements; the
+benchmark checks the model's prediction against the measured interleaved step.
 
 The minimum over repetitions (interference from other processes only ever adds time, so the
 least sample is the least noisy estimate), then the element-wise maximum over the TP group, so
@@ -29,15 +32,27 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from stalwart.overlap.comm import TPComm
+from stalwart.overlap.comm import Pending, TPComm
 from stalwart.overlap.plan import Profile
 from stalwart.overlap.strands import Strand
 
 
-def _timed(s: Strand) -> float:
-    t0 = time.perf_counter()
-    s.resume()
-    return time.perf_counter() - t0
+def _measure_pass(comm: TPComm, s: Strand, compute: list[list[float]],
+                  collective: list[list[float]], nbytes: list[float],
+                  live: Callable[[], int], sign: float) -> None:
+    """Run a pass alone, segment by segment, recording c, m and bytes of each segment."""
+    prev: Pending | None = None
+    while not s.done:
+        k, before, blocked = s.segments, live(), comm.ledger.exposed
+        t0 = time.perf_counter()
+        s.resume()
+        dt = time.perf_counter() - t0
+        compute[k].append(max(dt - (comm.ledger.exposed - blocked), 0.0))
+        nbytes[k] = sign * float(live() - before)
+        if prev is not None and prev.t_done is not None:
+            collective[k - 1].append(prev.t_done - prev.t_issue)
+        prev = s.pending
+    s.join()
 
 
 def count_segments(fwd: Callable[[], Strand], bwd: Callable[[torch.Tensor], Strand]
@@ -54,71 +69,33 @@ def count_segments(fwd: Callable[[], Strand], bwd: Callable[[torch.Tensor], Stra
 def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
                   bwd: Callable[[torch.Tensor], Strand], m: int, n: int, reps: int = 2,
                   live_bytes: Callable[[], int] | None = None) -> Profile:
-    """Measure the four tables of ``Profile`` (see the module docstring).
+    """Measure c and m of every segment (alone), max-reduce, build the ``Profile``.
 
     With `live_bytes` (the activation meter), also the bytes each forward segment saves and
-    each backward segment frees (measured on the passes run alone).
+    each backward segment frees.
     """
     live = live_bytes or (lambda: 0)
-    fbytes = [0.0] * m
-    bbytes = [0.0] * n
-    fs: list[list[float]] = [[] for _ in range(m)]
-    bs: list[list[float]] = [[] for _ in range(n)]
-    fa: list[list[list[float]]] = [[[] for _ in range(n + 1)] for _ in range(m)]
-    ba: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(m + 1)]
-    for _ in range(reps):
-        for d in range(-m, n):
-            # a completed forward gives the backward strand a graph (times: forward alone)
-            first = fwd()
-            while not first.done:
-                i, before = first.segments, live()
-                fs[i].append(_timed(first))
-                fbytes[i] = float(live() - before)
-            first.join()
-            f, b = fwd(), bwd(first.result)
-            last = ""
-            while not (f.done and b.done):
-                i, j = f.segments, b.segments
-                if f.done or (not b.done and j - i <= d):
-                    (ba[i][j] if last == "F" else bs[j]).append(_timed(b))
-                    last = "B"
-                else:
-                    (fa[i][j] if last == "B" else fs[i]).append(_timed(f))
-                    last = "F"
-            f.join()
-            b.join()
-            rest = bwd(f.result)  # frees the second forward's graph (times: backward alone)
-            while not rest.done:
-                j, before = rest.segments, live()
-                bs[j].append(_timed(rest))
-                bbytes[j] = float(before - live())
-            rest.join()
-    fwd_t = [min(x) for x in fs]
-    bwd_t = [min(x) for x in bs]
-    # a cell no walk reached (none should be) falls back to "no overlap"
-    prof = Profile(
-        fwd=fwd_t, bwd=bwd_t,
-        fwd_after_b=[[min(c) if c else fwd_t[i] for c in row] for i, row in enumerate(fa)],
-        bwd_after_f=[[min(c) if c else bwd_t[j] for j, c in enumerate(row)] for row in ba],
-        fwd_bytes=fbytes if live_bytes else [],
-        bwd_bytes=bbytes if live_bytes else [],
-    )
-    return max_over_group(prof, comm)
-
-
-def max_over_group(prof: Profile, comm: TPComm) -> Profile:
-    m, n = len(prof.fwd), len(prof.bwd)
-    parts = [prof.fwd, prof.bwd, [x for r in prof.fwd_after_b for x in r],
-             [x for r in prof.bwd_after_f for x in r], prof.fwd_bytes, prof.bwd_bytes]
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.float64)
+    fc: list[list[float]] = [[] for _ in range(m)]
+    bc: list[list[float]] = [[] for _ in range(n)]
+    # the last segment of each pass issues no collective: m = 0
+    fm: list[list[float]] = [[] for _ in range(m - 1)] + [[0.0]]
+    bm: list[list[float]] = [[] for _ in range(n - 1)] + [[0.0]]
+    fbytes, bbytes = [0.0] * m, [0.0] * n
+    for rep in range(reps + 1):  # the first repetition warms up and is discarded
+        f = fwd()
+        _measure_pass(comm, f, fc, fm, fbytes, live, 1.0)
+        b = bwd(f.result)
+        _measure_pass(comm, b, bc, bm, bbytes, live, -1.0)
+        if rep == 0:
+            for lst in (*fc, *bc, *fm[:-1], *bm[:-1]):
+                lst.clear()
+    vals = [min(x) if x else 0.0 for x in (*fc, *fm, *bc, *bm)]
+    vals += fbytes + bbytes if live_bytes else []
+    flat = torch.tensor(vals, dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=comm.group)
     v = flat.tolist()
-    out = []
-    for p in parts:
-        out.append(v[:len(p)])
-        v = v[len(p):]
-    return Profile(fwd=out[0], bwd=out[1],
-                   fwd_after_b=[out[2][i * (n + 1):(i + 1) * (n + 1)] for i in range(m)],
-                   bwd_after_f=[out[3][i * n:(i + 1) * n] for i in range(m + 1)],
-                   fwd_bytes=out[4], bwd_bytes=out[5])
+    cut = [0, m, 2 * m, 2 * m + n, 2 * m + 2 * n]
+    fc_, fm_, bc_, bm_ = (v[cut[k]:cut[k + 1]] for k in range(4))
+    rest = v[cut[4]:]
+    return Profile.from_segments(fc_, fm_, bc_, bm_, fwd_bytes=rest[:m], bwd_bytes=rest[m:])
