@@ -7,13 +7,17 @@ matmul on every rank (compute) and equal-size transfers over disjoint pairs (lin
 
 Rules of ``decide`` (thresholds are ratios to the healthy level, i.e. the median of the faster
 half of the ranks or pairs -- a fault that slows more than half the job is not a straggler):
-1. compute test: ranks at >= ``COMPUTE_RATIO`` x the healthy level -> kind "compute";
-2. else link test: pairs at >= ``LINK_RATIO`` x -> kind "link"; when several slow pairs share
-   one rank, that rank's own link (its host's uplink) is the culprit and it is named in
-   ``ranks``;
-3. else profiling alone: one rank whose compute time between collectives grew by >=
-   ``PROFILE_RATIO`` while its peers' waits grew -> "compute" with lower confidence;
-4. else "unknown" (a job-wide slowdown, or a fault that ended before validation).
+- compute suspects: ranks whose validation matmul took >= ``COMPUTE_RATIO`` x the healthy
+  level (only the slowest if it stands ``STANDOUT`` x above the next);
+- slow links: pairs whose equal-size round trip took >= ``LINK_RATIO`` x; several slow pairs
+  sharing one rank mean that rank's own link (its host's uplink) is the culprit;
+- both at once is common -- a throttled rank also moves its bytes slowly -- so the profile
+  taken during training arbitrates: if the suspect's compute between collectives grew, or
+  every slow pair touches the suspect, the verdict is "compute"; if no rank's compute grew
+  (the slowdown was all communication), it is "link";
+- profiling alone (one rank's compute grew by >= ``PROFILE_RATIO`` while its peers waited
+  longer) gives "compute" with lower confidence; otherwise "unknown" (a job-wide slowdown, or
+  a fault that ended before validation).
 The evidence dict of the verdict carries the measured ratios so a human can check it.
 """
 
@@ -23,7 +27,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-COMPUTE_RATIO = 1.15
+COMPUTE_RATIO = 1.2
+STANDOUT = 1.15  # the slowest rank must be this much slower than the next to stand alone
 LINK_RATIO = 1.5
 PROFILE_RATIO = 1.15
 
@@ -106,37 +111,53 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float) 
     evidence: dict[str, Any] = {}
     suspect, prof = _profile_suspect(ev)
     evidence["profile_compute_ratio"] = {str(r): round(v, 3) for r, v in prof.items()}
+    compute_flat = bool(prof) and all(v < PROFILE_RATIO for v in prof.values())
 
+    # compute test: one rank (or a minority) clearly above the healthy level
+    slow: list[int] = []
+    cr: dict[int, float] = {}
     tests = {e.rank: e.compute_test for e in ev if e.compute_test is not None}
     if len(tests) >= 2:
         ref = healthy_level(list(tests.values()))
         cr = {r: t / ref for r, t in tests.items()}
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
         slow = sorted((r for r, v in cr.items() if v >= COMPUTE_RATIO), key=lambda r: -cr[r])
-        if slow and len(slow) <= len(ev) // 2:
-            conf = 0.6 + (0.2 if cr[slow[0]] >= 1.4 else 0.0) + (
-                0.2 if suspect == slow[0] else 0.0)
-            return Finding("compute", onset_step, step, severity, conf, ranks=slow,
-                           evidence=evidence)
+        if len(slow) > len(ev) // 2:
+            slow = []  # most of the job is slow: not a straggler
+        elif len(slow) > 1 and cr[slow[0]] >= STANDOUT * cr[slow[1]]:
+            slow = slow[:1]  # one rank stands out; the others are noise
 
+    # link test: a minority of pairs clearly slower than the healthy level
     links: dict[str, float] = {}
     for e in ev:
         links.update(e.links)
+    slow_links: list[str] = []
+    lr: dict[str, float] = {}
     if len(links) >= 2:
         ref = healthy_level(list(links.values()))
         lr = {k: t / ref for k, t in links.items()}
         evidence["link_test_ratio"] = {k: round(v, 3) for k, v in lr.items()}
         slow_links = sorted((k for k, v in lr.items() if v >= LINK_RATIO), key=lambda k: -lr[k])
-        if slow_links and len(slow_links) <= (len(links) + 1) // 2:
-            pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
-            common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
-            ranks = sorted(common) if len(common) == 1 else []
-            compute_flat = all(v < PROFILE_RATIO for v in prof.values()) if prof else False
-            conf = 0.6 + (0.2 if lr[slow_links[0]] >= 2.0 else 0.0) + (
-                0.2 if compute_flat else 0.0)
-            return Finding("link", onset_step, step, severity, conf, ranks=ranks,
-                           link=list(pairs[0]), evidence=evidence)
+        if len(slow_links) > (len(links) + 1) // 2:
+            slow_links = []
+    # a throttled rank also moves its own bytes slowly: slow pairs that all touch the compute
+    # suspect are explained by it, unless its compute did not grow during training
+    touches = bool(slow) and all(str(slow[0]) in k.split("-") for k in slow_links)
 
+    if slow and (not slow_links or (touches and not compute_flat) or suspect == slow[0]):
+        conf = 0.6 + (0.2 if cr[slow[0]] >= 1.4 else 0.0) + (0.2 if suspect == slow[0] else 0.0)
+        return Finding("compute", onset_step, step, severity, conf, ranks=slow,
+                       evidence=evidence)
+    if slow_links:
+        pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
+        common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
+        ranks = sorted(common) if len(common) == 1 else []
+        conf = 0.6 + (0.2 if lr[slow_links[0]] >= 2.0 else 0.0) + (0.2 if compute_flat else 0.0)
+        return Finding("link", onset_step, step, severity, conf, ranks=ranks,
+                       link=list(pairs[0]), evidence=evidence)
+    if slow:
+        return Finding("compute", onset_step, step, severity, 0.5, ranks=slow,
+                       evidence=evidence)
     if suspect is not None:
         return Finding("compute", onset_step, step, severity, 0.4, ranks=[suspect],
                        evidence=evidence)

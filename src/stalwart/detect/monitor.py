@@ -83,7 +83,7 @@ class Monitor:
     def __init__(self, run_dir: Path | None = None, rank: int | None = None,
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
                  check_every: int = 1, validate_on_detect: bool = True,
-                 compute_reps: int = 64, link_bytes: int = 1 << 18,
+                 compute_reps: int = 48, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (

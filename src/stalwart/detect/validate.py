@@ -71,7 +71,7 @@ def all_pairs(n: int) -> set[Pair]:
     return set(combinations(range(n), 2))
 
 
-def compute_test(size: int = 256, reps: int = 64, rounds: int = 3, group: Any = None) -> float:
+def compute_test(size: int = 256, reps: int = 48, rounds: int = 5, group: Any = None) -> float:
     """Median over ``rounds`` of the seconds for ``reps`` (size x size) float32 matmuls.
 
     Each round starts on all ranks together (barrier); the median of rounds keeps one
