@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,21 +272,27 @@ def remove_group(path: Path, origin: dict[int, Path] | None = None) -> bool:
     """Move every process out of `path` (back where it came from, else to the parent) and
     remove the directory. Returns True when it is gone."""
     origin = origin or {}
-    for _ in range(3):  # a process may fork while we move its siblings
+    # A process that is still exiting (e.g. a rank SIGKILLed with its killed launcher) cannot
+    # be moved but keeps the group busy until the kernel has reaped it: retry for a moment.
+    deadline = time.monotonic() + 5.0
+    while True:
+        for _ in range(3):  # a process may fork while we move its siblings
+            try:
+                pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
+            except OSError:
+                break
+            if not pids:
+                break
+            for pid in pids:
+                dest = origin.get(pid, path.parent)
+                if not _move(pid, dest) and dest != path.parent:
+                    _move(pid, path.parent)
         try:
-            pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
         except OSError:
-            break
-        if not pids:
-            break
-        for pid in pids:
-            dest = origin.get(pid, path.parent)
-            if not _move(pid, dest) and dest != path.parent:
-                _move(pid, path.parent)
-    try:
-        path.rmdir()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
