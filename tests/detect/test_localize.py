@@ -80,3 +80,31 @@ def test_round_robin_covers_the_remaining_pairs_in_disjoint_passes() -> None:
         for p in passes:
             nodes = [x for pair in p for x in pair]
             assert len(nodes) == len(set(nodes))
+
+
+def test_throttled_rank_that_also_slows_its_links_is_compute() -> None:
+    # a CPU-throttled rank moves its bytes slowly too: its pairs look slow in the link test
+    links = dict(RING4, **{"2-3": 0.02, "0-3": 0.02})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(3)]
+    es.append(ev(3, comp=(0.05, 0.09), test=0.4, links=per.get(3)))
+    f = decide(es, 40, 44, 1.6)
+    assert f.kind == "compute" and f.ranks == [3]
+
+
+def test_link_fault_with_a_noisy_compute_test_is_still_a_link() -> None:
+    # compute-test noise names rank 2, but no rank's compute grew while training and the slow
+    # pairs do not touch rank 2: the slowdown was communication
+    links = dict(RING4, **{"0-1": 0.03, "1-2": 0.03})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.06), links=per.get(r), test=0.27 if r == 2 else 0.2)
+          for r in range(4)]
+    f = decide(es, 40, 44, 2.0)
+    assert f.kind == "link" and f.ranks == [1]
+
+
+def test_two_noisy_ranks_do_not_make_a_compute_verdict_for_both_when_one_stands_out() -> None:
+    es = [ev(0, test=0.2), ev(1, test=0.25), ev(2, test=0.2),
+          ev(3, comp=(0.05, 0.09), test=0.4)]
+    f = decide(es, 40, 44, 1.5)
+    assert f.kind == "compute" and f.ranks == [3]

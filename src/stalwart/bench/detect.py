@@ -125,14 +125,17 @@ def match(dets: list[dict[str, Any]], t: Truth, last_step: int) -> dict[str, Any
 
 def score(runs: list[tuple[Scenario, list[dict], list[Truth], int]]) -> dict[str, Any]:
     """runs: (scenario, detections, truths, last step) -> figures for one detector."""
-    fp = early = detected = right = faults = 0
+    fp = early = detected = right = faults = unexplained = 0
     lat: list[int] = []
     rows = []
     for sc, dets, truths, last in runs:
         found = [d for d in dets if d.get("event") == "straggler_detected"]
         if not sc.faults:
             fp += len(found)
-            rows.append({"scenario": sc.name, "detections": len(found)})
+            n_unexp = sum(d.get("event") == "slowdown_unexplained" for d in dets)
+            unexplained += n_unexp
+            rows.append({"scenario": sc.name, "detections": len(found),
+                         "unexplained_slowdowns": n_unexp})
             continue
         for t in truths:
             faults += 1
@@ -150,6 +153,7 @@ def score(runs: list[tuple[Scenario, list[dict], list[Truth], int]]) -> dict[str
                 row["missed"] = True
             rows.append(row)
     return {"false_positives": fp, "early_detections": early, "faults": faults,
+            "clean_unexplained_slowdowns": unexplained,
             "detected": detected,
             "detection_rate": detected / faults if faults else None,
             "localization_accuracy": right / detected if detected else None,
@@ -192,12 +196,15 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     ours, base, failed = [], [], []
     for sc in scenarios(quick):
         data, rc = run_scenario(sc, workdir, tag)
+        if rc == 130:
+            raise KeyboardInterrupt
         if rc != 0:
             failed.append(sc.name)
             continue
         truths = ground_truth(data.events)
         last = max((m["step"] for m in data.metrics), default=0)
-        found = data.events_of("straggler_detected", "straggler_recovered")
+        found = data.events_of("straggler_detected", "straggler_recovered",
+                               "slowdown_unexplained")
         ours.append((sc, found, truths, last))
         base.append((sc, threshold_detector(data.step_table("step_time")), truths, last))
     ov = measure_overhead(workdir, tag, 160 if quick else 600)
@@ -228,6 +235,17 @@ def run(quick: bool, workdir: Path) -> BenchResult:
 
 
 # ---- the overhead worker (one rank) ---------------------------------------------------------
+def _paired(xs: list[tuple[bool, float]]) -> tuple[float, float]:
+    """Mean log(on/off) over consecutive (on, off) / (off, on) pairs, and its 95% half-width."""
+    logs = []
+    for i in range(0, len(xs) - 1, 2):
+        (a_on, a), (_, b) = xs[i], xs[i + 1]
+        if a > 0 and b > 0:
+            logs.append(math.log(a / b) if a_on else math.log(b / a))
+    mean = statistics.fmean(logs)
+    return mean, 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+
+
 def overhead_worker(cfg_path: Path, steps: int) -> int:
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
@@ -262,12 +280,14 @@ def overhead_worker(cfg_path: Path, steps: int) -> int:
     warm = 12
     pattern = (True, False, False, True)  # ABBA: a linear drift cancels within 4 steps
     dts: list[tuple[bool, float]] = []
+    cpus: list[tuple[bool, float]] = []
     in_step: list[float] = []
     for step in range(warm + steps):
         on = step < warm or pattern[(step - warm) % 4]
         mon.enabled = on
         x, y = train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, rank, 0)
         t0 = time.perf_counter()
+        c0 = time.process_time()
         _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -275,21 +295,23 @@ def overhead_worker(cfg_path: Path, steps: int) -> int:
         t1 = time.perf_counter()
         mon.step(step, {"step_time": t1 - t0})
         t2 = time.perf_counter()
+        c2 = time.process_time()
         if step >= warm:
             dts.append((on, t2 - t0))
+            cpus.append((on, c2 - c0))
             if on:
                 in_step.append(t2 - t1)
     mon.close()
     if rank == 0:
-        logs = []
-        for i in range(0, len(dts) - 1, 2):
-            (a_on, a), (_, b) = dts[i], dts[i + 1]
-            logs.append(math.log(a / b) if a_on else math.log(b / a))
-        mean = statistics.fmean(logs)
-        half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+        mean, half = _paired(dts)
+        cmean, chalf = _paired(cpus)
         on_times = [d for o, d in dts if o]
-        out = {"overhead": math.exp(mean) - 1.0, "pairs": len(logs),
+        out = {"overhead": math.exp(mean) - 1.0, "pairs": len(dts) // 2,
                "ci95": [math.exp(mean - half) - 1, math.exp(mean + half) - 1],
+               # the same pairing on this process's CPU time (all its threads): what the
+               # monitor adds in work, much less disturbed by other jobs on the machine
+               "cpu_overhead": math.exp(cmean) - 1.0,
+               "cpu_ci95": [math.exp(cmean - chalf) - 1, math.exp(cmean + chalf) - 1],
                "median_step_on": statistics.median(on_times),
                "median_step_off": statistics.median([d for o, d in dts if not o]),
                "monitor_step_s_median": statistics.median(in_step),

@@ -12,7 +12,7 @@ Guarantees of ``ChangeDetector``:
 - a change is reported only after ``confirm`` samples of the new regime, only if the level
   moved by >= ``min_shift`` (mean of the segment before with |z|>3 outliers removed vs the
   median of the new regime -- robust with only a few samples), only if that move is
-  significant for the series' noise (3 standard errors) with >= 75% of the new samples past
+  significant for the series' noise (2.5 standard errors) with >= 75% of the new samples past
   the midpoint of the two levels, and only ``min_spacing``
   samples or more after the previous accepted change -- so one outlier (an eval step, a GC
   pause) is never reported;
@@ -126,7 +126,7 @@ class ChangeDetector:
     def __init__(self, warmup: int = 10, min_baseline: int = 8, min_shift: float = 0.10,
                  min_spacing: int = 10, threshold: float = 0.9, confirm: int = 3,
                  max_lag: int = 12, hazard: float = 1 / 200, min_scale: float = 0.01,
-                 history: int = 400, z_sig: float = 3.0, clip: float = 4.0) -> None:
+                 history: int = 400, z_sig: float = 2.5, clip: float = 4.0) -> None:
         self.clip = clip
         self.z_sig = z_sig
         self.warmup = warmup

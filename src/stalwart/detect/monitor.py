@@ -13,7 +13,9 @@ per rank):
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
    profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
    it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the iteration time
-   returns to within 10% of the healthy level, ``straggler_recovered``.
+   returns to within 10% of the healthy level, ``straggler_recovered``. A slowdown that
+   validation pins on no rank or link (kind "unknown") is logged as
+   ``slowdown_unexplained`` instead: a job-wide slowdown is not a straggler.
 
 Guarantees: bounded memory; no change to the training loop beyond creating the monitor (the
 step hint is optional); the monitor's own collectives are never tracked and are issued in
@@ -83,7 +85,7 @@ class Monitor:
     def __init__(self, run_dir: Path | None = None, rank: int | None = None,
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
                  check_every: int = 1, validate_on_detect: bool = True,
-                 compute_reps: int = 48, link_bytes: int = 1 << 18,
+                 compute_reps: int = 24, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
@@ -273,7 +275,10 @@ class Monitor:
         if self._events is not None:
             fields = finding.event_fields()
             fields["evidence"] = dict(fields["evidence"], validation_s=pause)
-            self._events.log("straggler_detected", **fields)
+            # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
+            # or link, the job as a whole slowed (load from elsewhere, a fault already gone).
+            name = "straggler_detected" if finding.kind != "unknown" else "slowdown_unexplained"
+            self._events.log(name, **fields)
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         out: list[Any] = [None] * self.world
@@ -286,7 +291,7 @@ class Monitor:
         if f is None:
             return
         f.recovered_step = onset
-        if self._events is not None:
+        if self._events is not None and f.kind != "unknown":
             fields = {"step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
                       "detected_step": f.step, "detected_onset_step": f.onset_step,
                       "severity": round(level, 3)}

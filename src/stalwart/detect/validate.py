@@ -71,7 +71,7 @@ def all_pairs(n: int) -> set[Pair]:
     return set(combinations(range(n), 2))
 
 
-def compute_test(size: int = 256, reps: int = 48, rounds: int = 5, group: Any = None) -> float:
+def compute_test(size: int = 256, reps: int = 24, rounds: int = 9, group: Any = None) -> float:
     """Median over ``rounds`` of the seconds for ``reps`` (size x size) float32 matmuls.
 
     Each round starts on all ranks together (barrier); the median of rounds keeps one
@@ -95,27 +95,28 @@ def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 18,
               reps: int = 3, group: Any = None) -> dict[Pair, float]:
     """Round-trip seconds (best of ``reps``) of ``nbytes`` each way, for this rank's pairs.
 
+    The repetitions go round all passes (pass 1, pass 2, pass 1, pass 2, ...) rather than
+    repeating each pass in place, so a burst of load from elsewhere spoils one round of every
+    pass instead of every round of one pass -- the best of the rounds stays clean.
     Only the lower rank of a pair reports its time; the result is this rank's part.
     """
     buf_out = torch.ones(nbytes // 4, dtype=torch.float32)
     buf_in = torch.empty_like(buf_out)
     out: dict[Pair, float] = {}
-    for pairs in passes:
-        for a, b in pairs:
-            if rank not in (a, b):
-                continue
-            peer = b if rank == a else a
-            best = float("inf")
-            for _ in range(reps):
+    for _ in range(reps):
+        for pairs in passes:
+            for a, b in pairs:
+                if rank not in (a, b):
+                    continue
+                peer = b if rank == a else a
                 t0 = time.perf_counter()
                 if rank == a:
                     dist.send(buf_out, peer, group=group)
                     dist.recv(buf_in, peer, group=group)
+                    dt = time.perf_counter() - t0
+                    out[(a, b)] = min(out.get((a, b), dt), dt)
                 else:
                     dist.recv(buf_in, peer, group=group)
                     dist.send(buf_out, peer, group=group)
-                best = min(best, time.perf_counter() - t0)
-            if rank == a:
-                out[(a, b)] = best
-        dist.barrier(group=group)
+            dist.barrier(group=group)
     return out
