@@ -2,7 +2,7 @@
 
 Mechanism: OptiReduce's bounded-time transport (NSDI '25) as used by "Distributed Training
 under Packet Loss". A phase ends as soon as every expected packet arrived, or every live sender's
-end-of-phase marker arrived plus a short grace (10% of the elapsed time, at least ``min_grace``),
+end-of-phase marker arrived plus a short grace (5% of the elapsed time, at least ``min_grace``),
 or at the hard deadline -- whichever comes first. Nothing is ever retransmitted.
 
 The hard deadline adapts: after each phase a rank proposes ``margin * elapsed / completion``
@@ -28,8 +28,8 @@ class AdaptiveDeadline:
     floor: float = 0.25
     cap: float = 5.0
     margin: float = 2.0  # headroom over the projected full-phase time
-    min_grace: float = 0.002
-    grace_frac: float = 0.1
+    min_grace: float = 0.001
+    grace_frac: float = 0.05
     proposals: dict[int, float] = field(default_factory=dict)  # rank -> latest proposal (s)
 
     def current(self) -> float:

@@ -164,6 +164,8 @@ class ShardedLossyOptimizer:
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),
             "comm_time": (time.perf_counter() - t0),
+            # per phase (reduce-scatter, [norm exchange,] broadcast): where the time went
+            "phase_times": [round(p.elapsed, 6) for p in phases],
         }
 
     def flat_model_shard(self) -> np.ndarray:

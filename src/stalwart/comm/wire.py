@@ -171,11 +171,14 @@ class Wire:
         reasons[live & ~ok] = R["bad_range"]
         live = reasons == 0
         # payload must be finite (a NaN from a broken or hostile peer would poison the average)
-        for i in np.flatnonzero(live & ~is_end).tolist():
-            L = int(length[i])
-            pay = rows[i, HEADER_BYTES: HEADER_BYTES + 4 * L].view("<f4")
-            if not np.isfinite(pay).all():
-                reasons[i] = R["nonfinite"]
+        check = live & ~is_end
+        if check.any():
+            idx = np.flatnonzero(check)
+            width = (slot - HEADER_BYTES) // 4
+            pay = rows[idx, HEADER_BYTES: HEADER_BYTES + 4 * width].view("<f4")
+            beyond = np.arange(width)[None, :] >= length[idx, None]  # not part of the payload
+            finite = (np.isfinite(pay) | beyond).all(axis=1)
+            reasons[idx[~finite]] = R["nonfinite"]
         return hdr, reasons
 
     def check_one(self, data: bytes, src: int | None, cur_round: int,

@@ -1,0 +1,178 @@
+"""`stalwart bench lossy`: the loss-tolerant transport against gloo on 4 testbed hosts.
+
+What it measures (all with real random loss from nftables on the hosts' input path):
+- all-reduce of 16 MiB, ours vs gloo, interleaved iteration by iteration in the same processes,
+  at 0%, 1% and 5% loss; an iteration's time is the slowest rank's. MTU 9000 and 1500.
+- full training runs through ``stalwart.launch`` (4 ranks, tiny GPT, same seed and steps):
+  reliable (gloo) vs lossy (``--comm lossy``) at 0/1/5/10% loss: final validation loss and
+  job throughput (tokens/s).
+- replica drift at 10% UDP loss, exactly (a lossless gloo probe after every step), with the
+  parameter broadcast and with the naive gradient broadcast; constant learning rate so a
+  decaying schedule cannot make drift look bounded.
+Figure names are those of issue 4; ``_mtu1500`` variants are the same at MTU 1500.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from stalwart.bench import BenchResult
+
+NUMEL = 4 * 1024 * 1024  # 16 MiB of float32
+TARGETS = {
+    "allreduce_median_ratio_loss0": "<= 1.5",
+    "allreduce_p99_ratio_loss1": "<= 0.5",
+    "allreduce_median_ratio_loss5": "<= 0.1",
+    "val_loss_rel_change_loss1": "<= 0.002",
+    "val_loss_rel_change_loss10": "<= 0.005",
+    "drift_growth_loss10": "<= 1.5",
+    "naive_drift_growth_loss10": "> 1.5",
+    "tokens_per_s_ratio_loss5": ">= 2",
+    "tokens_per_s_kept_loss5": ">= 0.9",
+}
+
+
+def _p(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path) -> dict:
+    """Per loss level: per-iteration times (slowest rank), ours and gloo."""
+    from stalwart.bench.lossy_net import run_on_hosts
+    from stalwart.testbed import Hosts
+
+    levels = sorted(iters)
+    with Hosts(4, mtu=mtu) as h:
+        args = {"numel": NUMEL, "levels": levels, "iters": [iters[p] for p in levels],
+                "warmup": 2, "netns": [h.ns(i) for i in range(4)]}
+        recs = run_on_hosts(h, "stalwart.bench.lossy_worker", ["allreduce", json.dumps(args)],
+                            workdir / f"allreduce-mtu{mtu}", timeout=1200)
+    out = {}
+    for p in levels:
+        k = str(p)
+        ours = np.max([r["levels"][k]["ours"] for r in recs], axis=0).tolist()
+        gloo = np.max([r["levels"][k]["gloo"] for r in recs], axis=0).tolist()
+        lost = float(np.mean([r["levels"][k]["lost_frac"] for r in recs]))
+        out[k] = {"ours": ours, "gloo": gloo, "lost_frac": lost,
+                  "deadline_hits": int(np.sum([r["levels"][k]["deadline_hits"] for r in recs]))}
+    out["rejected"] = [r["rejected"] for r in recs]
+    return out
+
+
+def bench_drift(steps: int, workdir: Path) -> dict:
+    from stalwart.bench.lossy_net import run_on_hosts, set_udp_loss
+    from stalwart.testbed import Hosts
+
+    res = {}
+    with Hosts(4, mtu=9000) as h:
+        for i in range(4):
+            set_udp_loss(h.ns(i), 0.10)
+        for mode in ("params", "naive"):
+            args = {"mode": mode, "steps": steps, "lr": 3e-3, "seed": 0, "preset": "tiny"}
+            recs = run_on_hosts(h, "stalwart.bench.lossy_worker", ["drift", json.dumps(args)],
+                                workdir / f"drift-{mode}", timeout=1200)
+            res[mode] = {"drift": recs[0]["drift"],
+                         "lost_frac": float(np.mean([r["lost_frac"] for r in recs]))}
+    return res
+
+
+def growth(drift: list[float]) -> float:
+    """max drift over the last quarter of steps / max over the second quarter."""
+    n = len(drift)
+    q2 = drift[n // 4: n // 2]
+    q4 = drift[3 * n // 4:]
+    return max(q4) / max(max(q2), 1e-12)
+
+
+def bench_training(mtu: int, steps: int, workdir: Path) -> dict:
+    from stalwart.config import RunConfig
+    from stalwart.launch import launch
+    from stalwart.rundir import RunData
+
+    runs = [("reliable", 0.0), ("lossy", 0.0), ("reliable", 0.05), ("lossy", 0.05),
+            ("lossy", 0.01), ("lossy", 0.10)]
+    out = {}
+    for comm, p in runs:
+        name = f"{comm}-loss{int(p * 100)}-mtu{mtu}"
+        cfg = RunConfig(nproc=4, testbed="netns", comm=comm, steps=steps, seed=0,
+                        faults=[f"loss:host=all,p={p}"] if p > 0 else [],
+                        out=str(workdir / "runs"), name=name, mtu=mtu, detect=False,
+                        eval_every=steps, ckpt_every=10**6)
+        t = time.time()
+        rc = launch(cfg, show_progress=False, on_line=lambda s: None)
+        if rc != 0:
+            raise RuntimeError(f"training run {name} failed (exit {rc}); see {cfg.run_dir}")
+        d = RunData.load(cfg.run_dir)
+        lost = [m.get("pkts_lost", 0) / max(1, m.get("pkts_lost", 0) + m.get("pkts_recv", 0))
+                for m in d.metrics if "pkts_recv" in m]
+        out[f"{comm}{p}"] = {"val_loss": d.final_val_loss(),
+                             "tokens_per_s": d.total_tokens_per_s(),
+                             "lost_frac": float(np.mean(lost)) if lost else None,
+                             "deadline_hits": sum(m.get("deadline_hits", 0) for m in d.metrics),
+                             "wall_s": time.time() - t}
+    return out
+
+
+def run(quick: bool, workdir: Path) -> BenchResult:
+    workdir = Path(workdir)
+    figures: dict[str, float | None] = {}
+    details: dict = {"quick": quick}
+    if quick:
+        ar_iters = {0.0: 4, 0.01: 8, 0.05: 3}
+        steps, drift_steps, train_mtus = 30, 40, (9000,)
+    else:
+        ar_iters = {0.0: 15, 0.01: 40, 0.05: 12}
+        steps, drift_steps, train_mtus = 200, 200, (9000, 1500)
+    for mtu in (9000, 1500):
+        sfx = "" if mtu == 9000 else "_mtu1500"
+        ar = bench_allreduce(mtu, ar_iters, workdir)
+        details[f"allreduce{sfx}"] = {
+            k: ({"ours_median": _p(v["ours"], 50), "gloo_median": _p(v["gloo"], 50),
+                 "ours_p99": _p(v["ours"], 99), "gloo_p99": _p(v["gloo"], 99),
+                 "lost_frac": v["lost_frac"], "deadline_hits": v["deadline_hits"],
+                 "n": len(v["ours"])} if k != "rejected" else v)
+            for k, v in ar.items()}
+        figures[f"allreduce_median_ratio_loss0{sfx}"] = (
+            _p(ar["0.0"]["ours"], 50) / _p(ar["0.0"]["gloo"], 50))
+        figures[f"allreduce_p99_ratio_loss1{sfx}"] = (
+            _p(ar["0.01"]["ours"], 99) / _p(ar["0.01"]["gloo"], 99))
+        figures[f"allreduce_median_ratio_loss5{sfx}"] = (
+            _p(ar["0.05"]["ours"], 50) / _p(ar["0.05"]["gloo"], 50))
+    for mtu in (9000, 1500):
+        sfx = "" if mtu == 9000 else "_mtu1500"
+        if mtu not in train_mtus:
+            for k in ("val_loss_rel_change_loss1", "val_loss_rel_change_loss10",
+                      "tokens_per_s_ratio_loss5", "tokens_per_s_kept_loss5"):
+                figures[k + sfx] = None
+            continue
+        tr = bench_training(mtu, steps, workdir)
+        details[f"training{sfx}"] = tr
+        ref = tr["reliable0.0"]["val_loss"]
+        for p, tag in ((0.01, "loss1"), (0.10, "loss10")):
+            got = tr[f"lossy{p}"]["val_loss"]
+            figures[f"val_loss_rel_change_{tag}{sfx}"] = abs(got - ref) / ref
+        figures[f"tokens_per_s_ratio_loss5{sfx}"] = (
+            tr["lossy0.05"]["tokens_per_s"] / tr["reliable0.05"]["tokens_per_s"])
+        figures[f"tokens_per_s_kept_loss5{sfx}"] = (
+            tr["lossy0.05"]["tokens_per_s"] / tr["lossy0.0"]["tokens_per_s"])
+    dr = bench_drift(drift_steps, workdir)
+    details["drift"] = {m: {"growth": growth(v["drift"]), "max": max(v["drift"]),
+                            "lost_frac": v["lost_frac"], "series": v["drift"]}
+                        for m, v in dr.items()}
+    figures["drift_growth_loss10"] = growth(dr["params"]["drift"])
+    figures["naive_drift_growth_loss10"] = growth(dr["naive"]["drift"])
+    # informational: how far apart the two schemes' replicas end up (last quarter's max drift)
+    n = len(dr["params"]["drift"])
+    figures["naive_over_params_drift_loss10"] = (
+        max(dr["naive"]["drift"][3 * n // 4:]) / max(max(dr["params"]["drift"][3 * n // 4:]),
+                                                      1e-12))
+    targets = dict(TARGETS)
+    for k, v in TARGETS.items():
+        if k.startswith(("allreduce_", "val_loss_", "tokens_")):
+            targets[k + "_mtu1500"] = v
+    return BenchResult(suite="lossy", figures=figures, targets=targets, details=details,
+                       command="stalwart bench lossy" + (" --quick" if quick else ""))

@@ -1,0 +1,129 @@
+"""One rank of the lossy benchmark (started by stalwart.bench.lossy inside a testbed host).
+
+``allreduce``: 16 MiB all-reduce, gloo and ours interleaved iteration by iteration, at each loss
+level in turn (each rank sets the loss of its own host through the testbed's nftables helper,
+between barriers). ``drift``: the tiny GPT trained with ``comm.attach`` in mode ``params`` or
+``naive`` under UDP loss set by the parent; after every step an exact drift probe (a reliable
+gloo all-gather, outside the timed path) measures max |replica - owners' parameters|.
+
+Usage: python -m stalwart.bench.lossy_worker OUT_DIR KIND JSON_ARGS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warmup: int,
+              netns: list[str]) -> dict:
+    from stalwart.comm.collective import LossyCollective
+    from stalwart.testbed.loss import set_loss
+
+    rank = dist.get_rank()
+    coll = LossyCollective(numel)
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal(numel).astype(np.float32)
+    res: dict = {"levels": {}}
+    try:
+        for p, n in zip(levels, iters, strict=True):
+            _barrier()
+            set_loss(netns[rank], p)
+            _barrier()
+            ours, gloo, lost, hits, cpu = [], [], [], [], []
+            for it in range(warmup + n):
+                t = torch.from_numpy(x.copy())
+                _barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                tg = time.perf_counter() - t0
+                _barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                _, ps = coll.allreduce(x)
+                to = time.perf_counter() - t0
+                cpu.append(time.process_time() - c0)
+                if it >= warmup:
+                    gloo.append(tg)
+                    ours.append(to)
+                    lost.append(sum(q.lost for q in ps) / max(1, sum(q.lost + q.recv for q in ps)))
+                    hits.append(sum(int(q.deadline_hit) for q in ps))
+            res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost_frac": lost,
+                                     "deadline_hits": hits, "cpu": cpu[warmup:]}
+        _barrier()
+        set_loss(netns[rank], 0.0)
+        res["rejected"] = coll.rejected_counts()
+        res["rcvbuf"] = coll.transport.rcvbuf
+    finally:
+        coll.close()
+    return res
+
+
+def drift(out: Path, mode: str, steps: int, lr: float, seed: int, preset: str,
+          optim: str = "adamw") -> dict:
+    import stalwart.comm
+    from stalwart.train.data import load_corpus, train_batch
+    from stalwart.train.model import GPT, PRESETS
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mcfg = PRESETS[preset]["model"]
+    bs = PRESETS[preset]["batch_size"]
+    torch.manual_seed(seed)
+    model = GPT(mcfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if optim == "sgd":
+        opt = stalwart.comm.attach(ddp, torch.optim.SGD, mode=mode, max_grad_norm=1.0, lr=lr)
+    else:
+        opt = stalwart.comm.attach(ddp, torch.optim.AdamW, mode=mode, max_grad_norm=1.0,
+                                   lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    corpus = load_corpus(None, 4 * 1024 * 1024)
+    lay = opt.coll.layout
+    drifts, lost = [], []
+    try:
+        for step in range(steps):
+            x, y = train_batch(corpus, bs, mcfg.block_size, seed, step, rank, 0)
+            _, loss = ddp(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            st = opt.stats()
+            lost.append(st["pkts_lost"] / max(1, st["pkts_lost"] + st["pkts_recv"]))
+            # exact drift: every rank's replica against the owners' own shards (gloo, lossless)
+            mine = torch.cat([p.detach().reshape(-1) for p in opt.params])
+            allp = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(allp, mine)
+            owners = torch.cat([allp[s][lay.shard(s)[0]: lay.shard(s)[1]] for s in range(world)])
+            d = torch.tensor([(mine - owners).abs().max().item()])
+            dist.all_reduce(d, op=dist.ReduceOp.MAX)
+            drifts.append(float(d))
+    finally:
+        opt.close()
+    return {"drift": drifts, "lost_frac": lost}
+
+
+def main() -> None:
+    out, kind, args = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        res = allreduce(out, **args) if kind == "allreduce" else drift(out, **args)
+        (out / f"rank-{rank}.json").write_text(json.dumps(res))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # do not wait for daemon threads of torch/gloo at interpreter exit
+
+
+if __name__ == "__main__":
+    main()
