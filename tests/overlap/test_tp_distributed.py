@@ -213,3 +213,26 @@ def _trainer_step(rank: int, world: int, out: str) -> None:
 @pytest.mark.slow
 def test_build_tp_trainer_seam(tmp_path: Path) -> None:
     _spawn(_trainer_step, 2, str(tmp_path))
+
+
+def _data_parallel(rank: int, world: int, out: str) -> None:
+    # TP groups of one rank each, one DP group of both: gradients averaged over the replicas
+    singles = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(0)
+    trainer = build_tp_trainer(CFG, singles[rank], dist.group.WORLD, "si", None)
+    all_mbs = [_batches(2, seed=10 + r) for r in range(world)]
+    trainer.forward_backward(all_mbs[rank])
+    torch.manual_seed(0)
+    gpt = GPT(CFG)  # rank 0's initial weights, which the trainer broadcast
+    for mbs in all_mbs:
+        for x, y in mbs:
+            (gpt(x, y)[1] / (len(mbs) * world)).backward()
+    ref = {n: p.grad for n, p in gpt.named_parameters()}
+    got = {n: p.grad for n, p in trainer.model.named_parameters()}
+    err = _max_err(got, ref)
+    assert err <= TOL, f"rank {rank}: DP-averaged gradients differ by {err}"
+
+
+@pytest.mark.slow
+def test_gradients_are_averaged_over_the_data_parallel_group(tmp_path: Path) -> None:
+    _spawn(_data_parallel, 2, str(tmp_path))
