@@ -116,6 +116,7 @@ class Interleaved:
         shapes = [list(t.shape) for t in mb_a]
         if self.plan is not None and self._plan_shapes == shapes:
             return self.plan
+        self.comm.mode = "async"  # strands park at their collectives only when not "sync"
         m, n = count_segments(lambda: self._fwd_strand(mb_a), self._bwd_strand)
         sig = self.signature(mb_a, m, n)
         self._plan_shapes = shapes
