@@ -108,3 +108,35 @@ def test_the_same_rank_entry_point_runs_under_torchrun(tmp_path: Path) -> None:
     assert run.ranks == [0, 1]
     assert run.final_val_loss() < run.initial_val_loss()
     assert (tmp_path / "tr" / "report.html").exists()
+
+
+def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "stalwart.cli", "run", "--nproc", "2", "--steps", "100000",
+         "--out", str(tmp_path), "--name", "i", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        metrics = tmp_path / "i" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        ranks = _rank_pids(launcher.pid)
+        assert len(ranks) == 2
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C on the terminal sends
+        out, _ = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, out
+    assert "interrupted" in out
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), pid
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
