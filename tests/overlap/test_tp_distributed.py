@@ -197,6 +197,16 @@ def _trainer_step(rank: int, world: int, out: str) -> None:
         full0 = trainer.model.full_state_dict()
         loss, timings = trainer.forward_backward(_batches(2, seed=3))
         results[sched] = (loss, trainer.model.full_grads(), full0)
+    # clipping by the global norm: same coefficient on both TP ranks, replicas stay identical
+    norm = trainer.clip_grad_norm_(0.01)
+    assert norm > 0.01
+    after = tp_grad_norm(list(trainer.model.parameters()), trainer.comm).item()
+    assert abs(after - 0.01) <= 1e-6
+    rep = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()
+                     if not getattr(p, "tp_sharded", False)])
+    other = rep.clone()
+    dist.broadcast(other, src=0)
+    assert torch.equal(rep, other)
     loss_off, g_off, w_off = results["off"]
     loss_si, g_si, w_si = results["si"]
     assert _max_err(w_off, w_si) == 0.0
