@@ -81,11 +81,13 @@ def drift(out: Path, mode: str, steps: int, lr: float, seed: int, preset: str,
     torch.manual_seed(seed)
     model = GPT(mcfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # copies=1: the bare mechanism at the full loss rate (no forward error protection)
     if optim == "sgd":
-        opt = stalwart.comm.attach(ddp, torch.optim.SGD, mode=mode, max_grad_norm=1.0, lr=lr)
+        opt = stalwart.comm.attach(ddp, torch.optim.SGD, mode=mode, max_grad_norm=1.0, lr=lr,
+                                   copies=1)
     else:
         opt = stalwart.comm.attach(ddp, torch.optim.AdamW, mode=mode, max_grad_norm=1.0,
-                                   lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+                                   lr=lr, betas=(0.9, 0.95), weight_decay=0.0, copies=1)
     corpus = load_corpus(None, 4 * 1024 * 1024)
     lay = opt.coll.layout
     drifts, lost = [], []

@@ -96,10 +96,16 @@ class LossyCollective:
                  mtu: int | None = None, deadline: AdaptiveDeadline | None = None,
                  pace_bytes_per_s: float = 0.0, key: bytes | None = None,
                  world: int | None = None, rank: int | None = None,
-                 exchange=None) -> None:
+                 exchange=None, value_copies: int = 1, grad_copies: int = 1) -> None:
         import torch.distributed as dist
 
         self.group = group
+        # Forward error protection of the broadcast (no retransmission: every chunk is simply
+        # sent value_copies times): a missed parameter chunk makes a replica compute its next
+        # gradient at a stale point -- a delayed-gradient effect that costs accuracy at high
+        # learning rates -- while the copies cost only bandwidth. Loss p -> p**value_copies.
+        self.value_copies = max(1, int(value_copies))
+        self.grad_copies = max(1, int(grad_copies))  # same for contributions to the owners
         if world is None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank = int(world), int(rank)
@@ -169,7 +175,12 @@ class LossyCollective:
             return R["old_round"] if rnd < self.round else R["future_round"]
         is_end = flags & FLAG_END
         if st.closed[ph]:
-            return 0 if is_end else R["late"]  # a spare marker copy after the phase: harmless
+            # a spare copy (end marker, norm, a data chunk already placed) after the phase is
+            # harmless; a chunk that had not arrived before the phase ended is late
+            if is_end or ph == PHASE_NORM:
+                return 0
+            seen = st.acc.seen[s] if ph == PHASE_GRAD else st.vseen[s]
+            return 0 if seen[off // C] else R["late"]
         if is_end:
             st.marker[ph, s] = off
             self.deadline.hear(s, hint / 1e6)
@@ -180,13 +191,13 @@ class LossyCollective:
                 return 0  # one of the deliberate copies
             st.norm[s] = float(pay[0])
         elif ph == PHASE_GRAD:
-            if not st.acc.add(s, off, pay):
-                return R["duplicate"]
+            if not st.acc.add(s, off, pay):  # never counted twice
+                return 0 if self.grad_copies > 1 else R["duplicate"]
         else:
             seen = st.vseen[s]
             c = off // C
-            if seen[c]:
-                return R["duplicate"]
+            if seen[c]:  # an identical copy of values already written: ignore, never harmful
+                return 0 if self.value_copies > 1 else R["duplicate"]
             seen[c] = True
             lo = bounds[s] + off
             st.vals[lo: lo + n] = pay
@@ -335,7 +346,9 @@ class LossyCollective:
             rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint)
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
-        sent = self._send(plan)
+        sent = 0
+        for _ in range(self.grad_copies):
+            sent += self._send(plan)
         sent += self._send_markers(PHASE_GRAD, counts, hint)
         out = self._wait(PHASE_GRAD, t0)
         out.sent = sent
@@ -351,7 +364,9 @@ class LossyCollective:
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
         rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-        sent = self._send([(rows, lengths, d) for d in peers])
+        sent = 0
+        for _ in range(self.value_copies):
+            sent += self._send([(rows, lengths, d) for d in peers])
         sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint)
         ps = self._wait(PHASE_VALUE, t0)
         ps.sent = sent

@@ -35,7 +35,7 @@ def _keep_local(_state, bucket):  # noqa: ANN001 -- DDP rejects string annotatio
 def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], *,
            mode: str = "params", mtu: int | None = None, host: str | None = None,
            group: Any = None, deadline: AdaptiveDeadline | None = None,
-           max_grad_norm: float | None = None,
+           max_grad_norm: float | None = None, copies: int = 2,
            **optimizer_kwargs: Any) -> ShardedLossyOptimizer:
     """Switch a DDP model to the loss-tolerant transport; returns its optimizer.
 
@@ -43,12 +43,16 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     plain module too (then there is no DDP all-reduce to disable). ``max_grad_norm`` clips the
     averaged gradient by its global norm inside ``step()`` (what ``clip_grad_norm_`` after a
     reliable all-reduce does); leave it None if the script clips local gradients itself.
+    ``copies``: every gradient and parameter packet is sent this many times (forward error
+    protection, never a retransmission): a loss rate p acts like p**copies on training, for
+    ``copies`` times the bandwidth. 1 is the bare algorithm.
     """
     if hasattr(ddp_model, "register_comm_hook"):
         ddp_model.register_comm_hook(None, _keep_local)
     module = getattr(ddp_model, "module", ddp_model)
     params = [p for p in module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline)
+    coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline,
+                           value_copies=copies, grad_copies=copies)
     return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode,
                                  max_grad_norm=max_grad_norm, **optimizer_kwargs)
