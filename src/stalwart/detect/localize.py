@@ -11,6 +11,8 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
   level (only the slowest if it stands ``STANDOUT`` x above the next);
 - slow links: pairs whose equal-size round trip took >= ``LINK_RATIO`` x; several slow pairs
   sharing one rank mean that rank's own link (its host's uplink) is the culprit;
+- a pair >= ``STRONG_LINK`` x slower decides "link" outright (measured here: shaped links
+  100x and more, a CPU-throttled rank's pairs 2-6x);
 - both at once is common -- a throttled rank also moves its bytes slowly -- so the profile
   taken during training arbitrates: if the suspect's compute between collectives grew, or
   every slow pair touches the suspect, the verdict is "compute"; if no rank's compute grew
@@ -30,6 +32,7 @@ from typing import Any
 COMPUTE_RATIO = 1.2
 STANDOUT = 1.15  # the slowest rank must be this much slower than the next to stand alone
 LINK_RATIO = 3.0  # equal transfers: a shaped link is many times slower, noise is not
+STRONG_LINK = 10.0  # a pair this much slower is a link fault whatever the compute test says
 PROFILE_RATIO = 1.15
 
 
@@ -144,6 +147,8 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float) 
     # suspect are explained by it, unless its compute did not grow during training
     touches = bool(slow) and all(str(slow[0]) in k.split("-") for k in slow_links)
 
+    if slow_links and lr[slow_links[0]] >= STRONG_LINK:
+        slow = []  # a shaped link is tens of times slower; a throttled rank's pairs are not
     if slow and (not slow_links or (touches and not compute_flat) or suspect == slow[0]):
         conf = 0.6 + (0.2 if cr[slow[0]] >= 1.4 else 0.0) + (0.2 if suspect == slow[0] else 0.0)
         return Finding("compute", onset_step, step, severity, conf, ranks=slow,

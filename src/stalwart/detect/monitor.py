@@ -5,15 +5,16 @@ per rank):
 1. ``Tracker`` records every collective and DDP bucket all-reduce (tracking.py);
 2. the iteration-time series comes from ``monitor.step(step, metrics)`` hints when the loop
    gives them, otherwise from the op sequence's period (period.py) -- no call needed;
-3. rank 0 runs BOCD+V on it (changepoint.py); at every check point (each step hint, or each
-   iteration boundary found from the op sequence) rank 0 broadcasts its decision with an
-   asynchronous 3-number broadcast on the monitor's own gloo group, read by every rank at the
-   next check point, so all ranks pause at the same collective boundary without ever
-   blocking on the decision;
+3. rank 0 runs BOCD+V on it (changepoint.py), and on per-rank channels: each rank's compute
+   time relative to the job's median (NVIDIA-style relative score), gathered each step; at
+   every check point (each step hint, or each iteration boundary found from the op
+   sequence) every rank contributes a 5-number row (rank 0's decision, its own compute time)
+   to an asynchronous all-gather on the monitor's own gloo group, read at the next check
+   point, so all ranks pause at the same collective boundary without ever blocking on it;
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
    profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
-   it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the iteration time
-   returns to within 10% of the healthy level, ``straggler_recovered``. A slowdown that
+   it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the channel that found
+   it returns to within 10% of its healthy level, ``straggler_recovered``. A slowdown that
    validation pins on no rank or link (kind "unknown") is logged as
    ``slowdown_unexplained`` instead: a job-wide slowdown is not a straggler.
 
@@ -28,6 +29,7 @@ DDP; call ``step`` on all ranks or on none.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -85,7 +87,7 @@ class Monitor:
     def __init__(self, run_dir: Path | None = None, rank: int | None = None,
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
                  check_every: int = 1, validate_on_detect: bool = True,
-                 compute_reps: int = 24, link_bytes: int = 1 << 18,
+                 compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
@@ -100,12 +102,15 @@ class Monitor:
         self.tracker.track_ddp = track_ddp  # read by the DDP patch
         self.periods = PeriodTracker()
         self.detector = ChangeDetector(warmup=warmup)
+        # per-rank compute channels (rank 0): each rank's compute / the job's median, per step
+        self.rel_detectors: dict[int, ChangeDetector] = {}
+        self._channel = "iteration"  # which channel found the slowdown in progress
         self.samples: deque[IterSample] = deque(maxlen=history)
         self.findings: list[Finding] = []
         self._active: Finding | None = None  # the slowdown in progress, if any
         self._healthy: float | None = None  # iteration time before it began
         self._pending = (NONE, 0, 0.0)  # rank 0's decision, sent at the next check
-        self._inflight: tuple[Any, torch.Tensor] | None = None  # the decision being sent
+        self._inflight: tuple[Any, list[torch.Tensor]] | None = None  # the row being sent
         self._pg: Any = None
         self._hinted = False
         self._last_hint: float | None = None
@@ -184,18 +189,43 @@ class Monitor:
         if ch is not None:
             self._classify(ch)
 
-    def _classify(self, ch: Change) -> None:
+    def _classify(self, ch: Change, channel: str = "iteration") -> None:
+        if self._pending[0] != NONE:
+            return  # a decision is already on its way
         if self._active is None:
             if ch.ratio > 1.0:
                 self._healthy = ch.before
+                self._channel = channel
                 self._pending = (DETECT, ch.onset, ch.ratio)
             # a speed-up while healthy just moves the baseline
             return
+        if channel != self._channel:
+            return  # the slowdown in progress is followed on the channel that found it
         if ch.ratio > 1.0:
             self._pending = (DETECT, ch.onset, ch.after / (self._healthy or ch.before))
         elif self._healthy is not None and ch.after <= self._healthy * (
                 1.0 + self.detector.min_shift):
             self._pending = (RECOVER, ch.onset, ch.after / self._healthy)
+
+    def _relative(self, rows: list[torch.Tensor]) -> None:
+        """Rank 0: each rank's compute time relative to the job's median, per step.
+
+        A rank whose compute grows while its peers' does not is a compute straggler even when
+        the job's iteration time moves little (its peers were waiting anyway, or got the CPU
+        it lost): the per-rank relative score of NVIDIA's straggler detection, here fed to the
+        same BOCD+V as the iteration time, one detector per rank.
+        """
+        comps = [float(r[4]) for r in rows]
+        if any(not c > 0 or not math.isfinite(c) for c in comps):
+            return
+        med = statistics.median(comps)
+        key = int(rows[0][3])
+        for r, c in enumerate(comps):
+            det = self.rel_detectors.setdefault(
+                r, ChangeDetector(warmup=self.detector.warmup, min_shift=0.15))
+            ch = det.add(key, c / med)
+            if ch is not None:
+                self._classify(ch, f"rank{r}")
 
     def _group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""
@@ -207,9 +237,10 @@ class Monitor:
     def _check(self) -> None:
         """Collective: rank 0's decision reaches every rank; act on it together.
 
-        The decision travels by an asynchronous broadcast issued at one check and read at the
-        next, so no rank ever blocks on it (it is long complete by then): a decision costs one
-        step of latency instead of a synchronisation every step.
+        Every rank contributes one small row -- rank 0's pending decision, and each rank's
+        compute time of this step -- to an asynchronous all-gather on the monitor's own group,
+        issued at one check and read at the next: no rank ever blocks on it (it is long
+        complete by then), at the price of one step of decision latency.
         """
         self._checks += 1
         if self._checks % self.check_every:
@@ -218,16 +249,23 @@ class Monitor:
         self._pending = (NONE, 0, 0.0)
         distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         if distributed:
-            msg = torch.tensor([float(action), float(onset), float(severity)],
+            last = self.samples[-1] if self.samples else None
+            msg = torch.tensor([float(action), float(onset), float(severity),
+                                float(last.key if last else -1),
+                                float(last.compute if last and last.compute else 0.0)],
                                dtype=torch.float64)
+            rows = [torch.empty(5, dtype=torch.float64) for _ in range(self.world)]
             with self.tracker.internal():
                 prev = self._inflight
-                self._inflight = (dist.broadcast(msg, src=0, group=self._group(),
-                                                 async_op=True), msg)
+                self._inflight = (dist.all_gather(rows, msg, group=self._group(),
+                                                  async_op=True), rows)
                 if prev is None:
                     return
                 prev[0].wait()
-            action, onset, severity = int(prev[1][0]), int(prev[1][1]), float(prev[1][2])
+            got = prev[1]
+            action, onset, severity = int(got[0][0]), int(got[0][1]), float(got[0][2])
+            if self.rank == 0:
+                self._relative(got)
         if action == NONE:
             return
         decided = self.samples[-1].key if self.samples else onset

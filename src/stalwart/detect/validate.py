@@ -71,11 +71,12 @@ def all_pairs(n: int) -> set[Pair]:
     return set(combinations(range(n), 2))
 
 
-def compute_test(size: int = 256, reps: int = 24, rounds: int = 9, group: Any = None) -> float:
+def compute_test(size: int = 256, reps: int = 64, rounds: int = 3, group: Any = None) -> float:
     """Median over ``rounds`` of the seconds for ``reps`` (size x size) float32 matmuls.
 
-    Each round starts on all ranks together (barrier); the median of rounds keeps one
-    scheduling hiccup from naming a healthy rank.
+    Each round starts on all ranks together (barrier). Rounds are long enough (tens of ms of
+    CPU) for a rank's share of the CPU to average out over many scheduler slices; the median
+    of rounds keeps one hiccup from naming a healthy rank.
     """
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g)
