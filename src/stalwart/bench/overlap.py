@@ -123,10 +123,11 @@ def figures(ranks: list[dict[str, Any]], suffix: str = "") -> tuple[dict[str, fl
     M = detail["micro_batches"] = ranks[0]["micro_batches"]
     plan = ranks[0]["plan"]
     if plan is not None:
-        # the profile's model of one step: F(0) alone, M-1 interleaved pass pairs, B(M-1) alone
+        # the profile's model of one step (F(0) alone, then the whole-step stream plan)
         alone_f, alone_b = sum(plan["profile"]["fwd"]), sum(plan["profile"]["bwd"])
-        pred_si = alone_f + (M - 1) * plan["predicted_time"] + alone_b
-        detail["model_predicted_speedup"] = M * (alone_f + alone_b) / pred_si
+        pred_si = plan.get("predicted_step_time")
+        if pred_si:
+            detail["model_predicted_speedup"] = M * (alone_f + alone_b) / pred_si
         detail["measured_speedup"] = detail["off"]["wall"] / detail["si"]["wall"]
     return fig, detail
 

@@ -84,13 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                 steps[s].append({"wall": wall, "loss": loss, "bytes": comm.ledger.bytes,
                                  **timings})
         plan = execs["si"].plan if "si" in execs else None
+        stream = execs["si"].stream_steps(a.micro_batches) if "si" in execs else None
+        predicted = execs["si"].predicted_step_time(a.micro_batches) if "si" in execs else None
         out = {
             "rank": rank, "world": world, "model": cfg.to_dict(), "batch": a.batch,
             "micro_batches": a.micro_batches, "reps": a.reps, "profile_time": profile_time,
             "plan": None if plan is None else {"steps": plan.steps,
                                                "predicted_time": plan.predicted_time,
                                                "sequential_time": plan.sequential_time,
-                                               "profile": plan.profile},
+                                               "profile": plan.profile,
+                                               "stream_steps": stream,
+                                               "predicted_step_time": predicted},
             "steps": steps,
         }
         (run_dir / f"{a.tag}-rank-{rank}.json").write_text(json.dumps(out))

@@ -30,9 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from stalwart.overlap.comm import TPComm
+from stalwart.overlap.comm import TPComm, current_strand
 from stalwart.overlap.memory import SavedTensorMeter
-from stalwart.overlap.plan import Plan, load_plan, make_plan, save_plan
+from stalwart.overlap.plan import (
+    Plan,
+    Profile,
+    load_plan,
+    make_plan,
+    save_plan,
+    search,
+    stream_profile,
+)
 from stalwart.overlap.profiler import count_segments, profile_pairs
 from stalwart.overlap.strands import Strand, run_plan
 
@@ -74,6 +82,7 @@ class Interleaved:
         self.profile_reps = profile_reps
         self.max_extra_memory = max_extra_memory
         self._plan_shapes: list[list[int]] | None = None
+        self._stream: dict[int, tuple[list[str], float]] = {}
         self.meter = SavedTensorMeter(exclude=list(model.parameters()))
 
     # ---- strands ------------------------------------------------------------------------
@@ -123,6 +132,7 @@ class Interleaved:
         if self.plan is not None and self.plan.signature == sig:
             return self.plan
         stored = load_plan(self.plan_path, sig) if self.plan_path is not None else None
+        self._stream.clear()
         if self._agree(stored):
             self.plan, self.plan_source = stored, "loaded"
             return stored
@@ -182,6 +192,37 @@ class Interleaved:
                 out.append(loss.item())
             return out
         assert self.plan is not None
+        steps = self.stream_steps(len(mbs))
+        if steps is None:
+            return [t.item() for t in self._run_pairs(mbs, scale)]
+        # F(0) has no partner and runs alone; then one forward strand for F(1..M-1) and one
+        # backward strand for B(0..M-1), each running its passes back to back
+        losses: list[torch.Tensor | None] = [self.loss_fn(self.model, *mbs[0])]
+        losses += [None] * (len(mbs) - 1)
+
+        def forwards() -> None:
+            for k in range(1, len(mbs)):
+                if k > 1:
+                    current_strand().yield_()  # a pass ends a segment (see stream_profile)
+                losses[k] = self.loss_fn(self.model, *mbs[k])
+
+        def backwards() -> None:
+            for k in range(len(losses)):
+                if k:
+                    current_strand().yield_()
+                loss = losses[k]  # read after the yield: F(k) may have finished meanwhile
+                if loss is None:  # the plan search guarantees F(k) before B(k)
+                    raise RuntimeError("plan started a backward before its forward")
+                torch.autograd.backward(loss * scale)
+
+        f = Strand("F", forwards, setup=self.meter.tracking)
+        b = Strand("B", backwards, setup=self.meter.tracking)
+        run_plan(steps, f, b)
+        return [t.item() for t in losses]  # type: ignore[union-attr]
+
+    def _run_pairs(self, mbs: Sequence[MicroBatch], scale: float) -> list[torch.Tensor]:
+        """Pass pairs one after the other (for plans without per-segment measurements)."""
+        assert self.plan is not None
         loss = self.loss_fn(self.model, *mbs[0])  # no partner: runs alone
         losses = [loss]
         for k in range(1, len(mbs)):
@@ -190,7 +231,24 @@ class Interleaved:
             run_plan(self.plan.steps, f, b)
             losses.append(f.result)
         (losses[-1] * scale).backward()  # no partner either
-        return [t.item() for t in losses]
+        return losses
+
+    def stream_steps(self, micro_batches: int) -> list[str] | None:
+        """The whole-step plan for this many micro-batches (None: run pass pairs instead)."""
+        if self.plan is None or not self.plan.profile.get("segments"):
+            return None
+        if micro_batches not in self._stream:
+            prof, b_ready = stream_profile(Profile(**self.plan.profile), micro_batches)
+            steps, t = search(prof, self.max_extra_memory, b_ready)
+            alone_f0 = sum(self.plan.profile["fwd"])
+            self._stream[micro_batches] = (steps, t + alone_f0)
+        return self._stream[micro_batches][0]
+
+    def predicted_step_time(self, micro_batches: int) -> float | None:
+        """The profile's model of one interleaved step (F(0) alone + the stream plan)."""
+        if self.stream_steps(micro_batches) is None:
+            return None
+        return self._stream[micro_batches][1]
 
     def _reduce_dp(self) -> float:
         if self.dp_world == 1:

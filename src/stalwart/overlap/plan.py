@@ -63,6 +63,10 @@ class Profile:
     bwd_bytes: list[float] = field(default_factory=list)
     # the per-segment measurements a profile was derived from (``from_segments``), if any
     segments: dict[str, list[float]] = field(default_factory=dict)
+    # live bytes at (0, 0) (default: sum of bwd_bytes) and one micro-batch's activations, the
+    # unit of the memory budget (default: the larger of the two sums)
+    base_bytes: float | None = None
+    unit_bytes: float | None = None
 
     @classmethod
     def from_segments(cls, fc: list[float], fm: list[float], bc: list[float], bm: list[float],
@@ -131,28 +135,38 @@ class Profile:
             return None
         sf = [0.0, *itertools.accumulate(self.fwd_bytes)]
         fb = [0.0, *itertools.accumulate(self.bwd_bytes)]
-        total = fb[-1]
-        return lambda i, j: total + sf[i] - fb[j]
+        base = fb[-1] if self.base_bytes is None else self.base_bytes
+        return lambda i, j: base + sf[i] - fb[j]
+
+    def unit(self) -> float:
+        if self.unit_bytes is not None:
+            return self.unit_bytes
+        return max(sum(self.fwd_bytes), sum(self.bwd_bytes))
 
 
-def search(profile: Profile, max_extra_memory: float | None = None
-           ) -> tuple[list[str], float]:
+def search(profile: Profile, max_extra_memory: float | None = None,
+           b_ready: Callable[[int, int], bool] | None = None) -> tuple[list[str], float]:
     """The optimal step sequence and its predicted time.
 
     With `max_extra_memory` (and a byte profile), states whose live activations exceed
     (1 + max_extra_memory) x one micro-batch's are forbidden -- the forward strand may not run
-    too far ahead of the backward strand's freeing. Running all of the backward first is always
-    feasible, so a plan always exists.
+    too far ahead of the backward strand's freeing. `b_ready(i, j)`: may backward segment j
+    run once i forward segments are done (a dependency between the strands, see
+    ``stream_profile``). Backward first wherever allowed keeps memory at its floor, so a plan
+    exists whenever the backward strand's dependencies can be met.
     """
     profile.validate()
     m, n = len(profile.fwd), len(profile.bwd)
     live = profile.live_bytes() if max_extra_memory is not None else None
     budget = 0.0
     if live is not None:
-        budget = (1.0 + max_extra_memory) * max(sum(profile.fwd_bytes), sum(profile.bwd_bytes))
+        budget = (1.0 + max_extra_memory) * profile.unit()
 
     def ok(i: int, j: int) -> bool:
         return live is None or live(i, j) <= budget * (1 + 1e-9)
+
+    def ready(i: int, j: int) -> bool:
+        return b_ready is None or b_ready(i, j)
 
     inf = float("inf")
     T = [[[inf] * 3 for _ in range(n + 1)] for _ in range(m + 1)]
@@ -175,13 +189,15 @@ def search(profile: Profile, max_extra_memory: float | None = None
                 if T[i][j][last] == inf:
                     continue
                 src = (i, j, last)
-                if i < m and j < n and ok(i, j + 1) and ok(i + 1, j + 1):
+                if i < m and j < n and ready(i, j) and ok(i, j + 1) and ok(i + 1, j + 1):
                     relax(src, (i + 1, j + 1, _F), profile.pair(i, j, last), "FB", 0)
                 if i < m and ok(i + 1, j):
                     relax(src, (i + 1, j, _F), profile.cost_f(i, j, last), "F", 1)
-                if j < n and ok(i, j + 1):
+                if j < n and ready(i, j) and ok(i, j + 1):
                     relax(src, (i, j + 1, _B), profile.cost_b(i, j, last), "B", 2)
     end = min((_F, _B, _NONE), key=lambda k: T[m][n][k])
+    if T[m][n][end] == inf:
+        raise ValueError("no plan satisfies the memory budget and the strands' dependencies")
     steps: list[str] = []
     node = (m, n, end)
     while node != (0, 0, _NONE):
@@ -190,6 +206,42 @@ def search(profile: Profile, max_extra_memory: float | None = None
         node = (i, j, last)
     steps.reverse()
     return steps, T[m][n][end]
+
+
+def stream_profile(prof: Profile, micro_batches: int
+                   ) -> tuple[Profile, Callable[[int, int], bool]]:
+    """One grid for a whole step: the forward strand runs F(1..M-1) back to back, the backward
+    strand B(0..M-1) back to back (F(0) runs alone before).
+
+    A strand yields at the end of each pass (a segment that issues no collective), so the
+    search may run the next forward pass's first segment before the backward strand moves on
+    -- keeping a collective in flight across the micro-batch boundary -- or the backward
+    first, to free memory. The returned ``b_ready`` encodes the one dependency: B(k) may start
+    only once F(k) is done. Needs a profile made by ``Profile.from_segments``.
+    """
+    if not prof.segments:
+        raise ValueError("stream_profile needs per-segment measurements (from_segments)")
+    M = micro_batches
+    seg = prof.segments
+    m, n = len(seg["fwd_compute"]), len(seg["bwd_compute"])
+    if M < 2:
+        raise ValueError("stream_profile needs >= 2 micro-batches")
+    fb = prof.fwd_bytes or [0.0] * m
+    bb = prof.bwd_bytes or [0.0] * n
+    stream = Profile.from_segments(
+        seg["fwd_compute"] * (M - 1), seg["fwd_comm"] * (M - 1),
+        seg["bwd_compute"] * M, seg["bwd_comm"] * M,
+        fwd_bytes=fb * (M - 1) if prof.fwd_bytes else [],
+        bwd_bytes=bb * M if prof.bwd_bytes else [],
+        base_bytes=sum(fb), unit_bytes=max(sum(fb), sum(bb)))
+
+    def b_ready(i: int, j: int) -> bool:
+        # backward segment j = k*n starts B(k); F(k) is the strand's (k-1)-th pass, done
+        # once i >= k*m forward segments have run
+        k, r = divmod(j, n)
+        return r != 0 or k == 0 or i >= k * m
+
+    return stream, b_ready
 
 
 def plan_time(steps: list[str], profile: Profile) -> float:

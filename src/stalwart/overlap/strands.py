@@ -64,7 +64,11 @@ class Strand:
             self._parked.release()
 
     # ---- called on the strand's thread ----------------------------------------------------
-    def park(self, pending: Pending) -> None:
+    def yield_(self) -> None:
+        """End the current segment without a collective in flight (e.g. at a pass boundary)."""
+        self.park(None)
+
+    def park(self, pending: Pending | None) -> None:
         """End the current segment with `pending` in flight; block until resumed."""
         self.pending = pending
         self._parked.release()
