@@ -2,9 +2,11 @@
 
 Mechanism (DHelix strand interleaving, arXiv 2411.15871): with micro-batches 0..M-1, the
 forward of micro-batch k+1 is co-executed with the backward of micro-batch k (two strands,
-``strands.py``), segment pairs chosen by the plan (``plan.py``) from a pairwise profile
-(``profiler.py``); the first forward and the last backward have no partner and run alone. The
-schedules, all over the same model object (one copy of the weights):
+``strands.py``). F(0) has no partner and runs alone; then a forward strand runs F(1..M-1) and a
+backward strand B(0..M-1), each pass after pass, in the segment order the plan search chose
+for the whole step (``plan.stream_profile`` + ``plan.search``, from the per-pass profile of
+``profiler.py``; B(k) never starts before F(k) is done). The schedules, all over the same
+model object (one copy of the weights):
 
 * ``"off"``   -- micro-batches one after the other, every collective waited at once;
 * ``"async"`` -- one after the other, each layer overlapping its own collective with its own
