@@ -34,3 +34,9 @@ def test_nothing_arrived_backs_off_up_to_the_cap() -> None:
     d = AdaptiveDeadline(initial=0.5, floor=0.1, cap=3.0)
     seen = [d.observe(0, 0.5, 0.0) for _ in range(5)]
     assert seen == sorted(seen) and seen[-1] == 3.0
+
+
+def test_one_fast_phase_does_not_shrink_the_deadline_below_recent_slow_ones() -> None:
+    d = AdaptiveDeadline(floor=0.01, cap=10.0, margin=2.0)
+    d.observe(0, 0.5, 1.0)  # a slow phase (machine busy)
+    assert abs(d.observe(0, 0.05, 1.0) - 1.0) < 1e-9  # still 2 x the slow one

@@ -6,7 +6,8 @@ end-of-phase marker arrived plus a short grace (5% of the elapsed time, at least
 or at the hard deadline -- whichever comes first. Nothing is ever retransmitted.
 
 The hard deadline adapts: after each phase a rank proposes ``margin * elapsed / completion``
-(the time the whole phase would have taken at the observed rate), clipped to [floor, cap]. The
+(the time the whole phase would have taken at the observed rate; the largest of the last
+``HISTORY`` phases), clipped to [floor, cap]. The
 proposal travels in every end-of-phase marker's ``hint``; each rank uses the median of the
 latest proposals it holds (its own and its peers'), so ranks agree without a reliable channel
 and one rank's outlier cannot stretch everybody's deadline. The cap bounds what a silent rank
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+HISTORY = 8  # phases remembered for the proposal
 
 
 @dataclass
@@ -31,6 +34,7 @@ class AdaptiveDeadline:
     min_grace: float = 0.001
     grace_frac: float = 0.05
     proposals: dict[int, float] = field(default_factory=dict)  # rank -> latest proposal (s)
+    _recent: list[float] = field(default_factory=list)  # this rank's projected phase times
 
     def current(self) -> float:
         """The agreed hard deadline for the next phase (seconds after it starts)."""
@@ -41,8 +45,12 @@ class AdaptiveDeadline:
     def observe(self, me: int, elapsed: float, completion: float) -> float:
         """Record this rank's phase outcome; returns its new proposal (seconds)."""
         if completion > 0:
-            projected = elapsed / min(completion, 1.0)
-            prop = min(max(self.margin * projected, self.floor), self.cap)
+            # the slowest of the recent phases, not the last one: phase times on a shared
+            # machine jump by 2x from one step to the next, and a deadline that fires on a
+            # healthy phase turns every packet still in flight into a loss
+            self._recent.append(elapsed / min(completion, 1.0))
+            del self._recent[:-HISTORY]
+            prop = min(max(self.margin * max(self._recent), self.floor), self.cap)
         else:  # nothing arrived: the deadline was too short or everyone is silent; back off
             prop = min(max(2 * self.current(), self.floor), self.cap)
         self.proposals[me] = prop
