@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 CLIP = 0.05  # small enough that clipping is active on every step of the tiny model
 
 
