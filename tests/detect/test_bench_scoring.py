@@ -43,7 +43,7 @@ def test_score_counts_false_positives_detections_latency_and_accuracy() -> None:
     t = [Truth("compute", 30, None, 2, [])]
     det = {"event": "straggler_detected", "step": 33, "onset_step": 30, "kind": "compute",
            "ranks": [2]}
-    early = dict(det, step=12, onset_step=10)
+    early = dict(det, step=12, onset_step=10)  # decided before the fault: not a detection
     s = score([(clean, [det], [], 70), (faulty, [early, det], t, 70)])
     assert s["false_positives"] == 1 and s["early_detections"] == 1
     assert s["detection_rate"] == 1.0 and s["localization_accuracy"] == 1.0

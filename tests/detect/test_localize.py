@@ -108,3 +108,10 @@ def test_two_noisy_ranks_do_not_make_a_compute_verdict_for_both_when_one_stands_
           ev(3, comp=(0.05, 0.09), test=0.4)]
     f = decide(es, 40, 44, 1.5)
     assert f.kind == "compute" and f.ranks == [3]
+
+
+def test_a_rank_found_by_its_own_compute_channel_must_be_confirmed_by_the_test() -> None:
+    es = [ev(0, test=0.2), ev(1, test=0.2), ev(2, test=0.26), ev(3, test=0.2)]
+    assert decide(es, 40, 44, 1.3, suspect_rank=2).ranks == [2]  # 1.3x: confirmed
+    es[2] = ev(2, test=0.21)
+    assert decide(es, 40, 44, 1.3, suspect_rank=2).kind == "unknown"  # not confirmed

@@ -7,12 +7,13 @@ matmul on every rank (compute) and equal-size transfers over disjoint pairs (lin
 
 Rules of ``decide`` (thresholds are ratios to the healthy level, i.e. the median of the faster
 half of the ranks or pairs -- a fault that slows more than half the job is not a straggler):
-- compute suspects: ranks whose validation matmul took >= ``COMPUTE_RATIO`` x the healthy
-  level (only the slowest if it stands ``STANDOUT`` x above the next);
+- compute suspects: when the detection came from one rank's own compute channel, that rank
+  if its validation matmul took >= ``COMPUTE_RATIO`` x the healthy level; otherwise ranks at
+  >= ``COMPUTE_ALONE`` x (only the slowest if it stands ``STANDOUT`` x above the next);
 - slow links: pairs whose equal-size round trip took >= ``LINK_RATIO`` x; several slow pairs
   sharing one rank mean that rank's own link (its host's uplink) is the culprit;
 - a pair >= ``STRONG_LINK`` x slower decides "link" outright (measured here: shaped links
-  100x and more, a CPU-throttled rank's pairs 2-6x);
+  100x and more, a CPU-throttled rank's pairs 2-6x, noise up to ~4.5x);
 - both at once is common -- a throttled rank also moves its bytes slowly -- so the profile
   taken during training arbitrates: if the suspect's compute between collectives grew, or
   every slow pair touches the suspect, the verdict is "compute"; if no rank's compute grew
@@ -29,9 +30,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-COMPUTE_RATIO = 1.2
+COMPUTE_RATIO = 1.2  # confirms the rank a per-rank channel pointed at
+COMPUTE_ALONE = 1.3  # names a rank on the compute test alone (iteration-time detections)
 STANDOUT = 1.15  # the slowest rank must be this much slower than the next to stand alone
-LINK_RATIO = 3.0  # equal transfers: a shaped link is many times slower, noise is not
+LINK_RATIO = 5.0  # equal transfers: a shaped link is many times slower, noise is not
 STRONG_LINK = 10.0  # a pair this much slower is a link fault whatever the compute test says
 PROFILE_RATIO = 1.15
 
@@ -108,8 +110,13 @@ def _profile_suspect(ev: list[RankEvidence]) -> tuple[int | None, dict[int, floa
     return top, ratios
 
 
-def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float) -> Finding:
-    """Combine every rank's evidence into one verdict (pure: same input, same answer)."""
+def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
+           suspect_rank: int | None = None) -> Finding:
+    """Combine every rank's evidence into one verdict (pure: same input, same answer).
+
+    ``suspect_rank``: the rank whose own compute time (relative to its peers) triggered the
+    detection, if that is how it was found; the compute test must then confirm that rank.
+    """
     ev = sorted(ev, key=lambda e: e.rank)
     evidence: dict[str, Any] = {}
     suspect, prof = _profile_suspect(ev)
@@ -124,11 +131,17 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float) 
         ref = healthy_level(list(tests.values()))
         cr = {r: t / ref for r, t in tests.items()}
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
-        slow = sorted((r for r, v in cr.items() if v >= COMPUTE_RATIO), key=lambda r: -cr[r])
-        if len(slow) > len(ev) // 2:
-            slow = []  # most of the job is slow: not a straggler
-        elif len(slow) > 1 and cr[slow[0]] >= STANDOUT * cr[slow[1]]:
-            slow = slow[:1]  # one rank stands out; the others are noise
+        order = sorted(cr, key=lambda r: -cr[r])
+        if suspect_rank is not None and suspect_rank in cr:
+            # found by its own compute channel: the test must confirm that very rank
+            slow = [suspect_rank] if cr[suspect_rank] >= COMPUTE_RATIO else []
+        elif cr[order[0]] >= COMPUTE_ALONE and (
+                len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]):
+            slow = [order[0]]  # one rank stands out
+        else:
+            slow = [r for r in order if cr[r] >= COMPUTE_ALONE]
+            if len(slow) > len(ev) // 2:
+                slow = []  # most of the job is slow: not a straggler
 
     # link test: a minority of pairs clearly slower than the healthy level
     links: dict[str, float] = {}

@@ -8,7 +8,7 @@ per rank):
 3. rank 0 runs BOCD+V on it (changepoint.py), and on per-rank channels: each rank's compute
    time relative to the job's median (NVIDIA-style relative score), gathered each step; at
    every check point (each step hint, or each iteration boundary found from the op
-   sequence) every rank contributes a 5-number row (rank 0's decision, its own compute time)
+   sequence) every rank contributes a 6-number row (rank 0's decision, its own compute time)
    to an asynchronous all-gather on the monitor's own gloo group, read at the next check
    point, so all ranks pause at the same collective boundary without ever blocking on it;
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
@@ -48,6 +48,11 @@ from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
 NONE, DETECT, RECOVER = 0, 1, 2
+
+
+def _suspect(channel: str) -> int:
+    """The rank a per-rank channel ("rank3") points at; -1 for the iteration-time channel."""
+    return int(channel[4:]) if channel.startswith("rank") else -1
 MIN_PERIOD_NUMEL = 1024  # FALCON skips tiny ops (control traffic: losses, flags, barriers)
 
 
@@ -109,7 +114,8 @@ class Monitor:
         self.findings: list[Finding] = []
         self._active: Finding | None = None  # the slowdown in progress, if any
         self._healthy: float | None = None  # iteration time before it began
-        self._pending = (NONE, 0, 0.0)  # rank 0's decision, sent at the next check
+        # rank 0's decision, sent at the next check: (action, onset, severity, suspect rank)
+        self._pending: tuple[int, int, float, int] = (NONE, 0, 0.0, -1)
         self._inflight: tuple[Any, list[torch.Tensor]] | None = None  # the row being sent
         self._pg: Any = None
         self._hinted = False
@@ -196,16 +202,17 @@ class Monitor:
             if ch.ratio > 1.0:
                 self._healthy = ch.before
                 self._channel = channel
-                self._pending = (DETECT, ch.onset, ch.ratio)
+                self._pending = (DETECT, ch.onset, ch.ratio, _suspect(channel))
             # a speed-up while healthy just moves the baseline
             return
         if channel != self._channel:
             return  # the slowdown in progress is followed on the channel that found it
         if ch.ratio > 1.0:
-            self._pending = (DETECT, ch.onset, ch.after / (self._healthy or ch.before))
+            self._pending = (DETECT, ch.onset, ch.after / (self._healthy or ch.before),
+                             _suspect(channel))
         elif self._healthy is not None and ch.after <= self._healthy * (
                 1.0 + self.detector.min_shift):
-            self._pending = (RECOVER, ch.onset, ch.after / self._healthy)
+            self._pending = (RECOVER, ch.onset, ch.after / self._healthy, -1)
 
     def _relative(self, rows: list[torch.Tensor]) -> None:
         """Rank 0: each rank's compute time relative to the job's median, per step.
@@ -215,11 +222,11 @@ class Monitor:
         it lost): the per-rank relative score of NVIDIA's straggler detection, here fed to the
         same BOCD+V as the iteration time, one detector per rank.
         """
-        comps = [float(r[4]) for r in rows]
+        comps = [float(r[5]) for r in rows]
         if any(not c > 0 or not math.isfinite(c) for c in comps):
             return
         med = statistics.median(comps)
-        key = int(rows[0][3])
+        key = int(rows[0][4])
         for r, c in enumerate(comps):
             det = self.rel_detectors.setdefault(
                 r, ChangeDetector(warmup=self.detector.warmup, min_shift=0.15))
@@ -245,16 +252,16 @@ class Monitor:
         self._checks += 1
         if self._checks % self.check_every:
             return
-        action, onset, severity = self._pending
-        self._pending = (NONE, 0, 0.0)
+        action, onset, severity, suspect = self._pending
+        self._pending = (NONE, 0, 0.0, -1)
         distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         if distributed:
             last = self.samples[-1] if self.samples else None
-            msg = torch.tensor([float(action), float(onset), float(severity),
+            msg = torch.tensor([float(action), float(onset), float(severity), float(suspect),
                                 float(last.key if last else -1),
                                 float(last.compute if last and last.compute else 0.0)],
                                dtype=torch.float64)
-            rows = [torch.empty(5, dtype=torch.float64) for _ in range(self.world)]
+            rows = [torch.empty(6, dtype=torch.float64) for _ in range(self.world)]
             with self.tracker.internal():
                 prev = self._inflight
                 self._inflight = (dist.all_gather(rows, msg, group=self._group(),
@@ -264,13 +271,15 @@ class Monitor:
                 prev[0].wait()
             got = prev[1]
             action, onset, severity = int(got[0][0]), int(got[0][1]), float(got[0][2])
+            suspect = int(got[0][3])
             if self.rank == 0:
                 self._relative(got)
         if action == NONE:
             return
         decided = self.samples[-1].key if self.samples else onset
         if action == DETECT:
-            self._on_detect(onset, decided, severity, distributed)
+            self._on_detect(onset, decided, severity, distributed,
+                            suspect if suspect >= 0 else None)
         else:
             self._on_recover(onset, decided, severity)
 
@@ -285,7 +294,8 @@ class Monitor:
         return RankEvidence(self.rank, med(before, "compute"), med(after, "compute"),
                             med(before, "comm"), med(after, "comm"))
 
-    def _on_detect(self, onset: int, decided: int, severity: float, distributed: bool) -> None:
+    def _on_detect(self, onset: int, decided: int, severity: float, distributed: bool,
+                   suspect: int | None = None) -> None:
         ev = self._evidence(onset, decided)
         t0 = time.perf_counter()
         if distributed and self.validate_on_detect:
@@ -296,16 +306,16 @@ class Monitor:
                 ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
                     ring, self.rank, self.link_bytes, group=pg).items()}
                 gathered = self._gather(ev)
-                finding = decide(gathered, onset, decided, severity)
+                finding = decide(gathered, onset, decided, severity, suspect)
                 tested = {p for ps in ring for p in ps}
                 extra = validate.round_robin_passes(self.world, tested)
                 if finding.kind == "unknown" and extra and self.world <= 16:
                     # a slow link between hosts that are not ring neighbours
                     ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
                         extra, self.rank, self.link_bytes, group=pg).items()})
-                    finding = decide(self._gather(ev), onset, decided, severity)
+                    finding = decide(self._gather(ev), onset, decided, severity, suspect)
         else:
-            finding = decide([ev], onset, decided, severity)
+            finding = decide([ev], onset, decided, severity, suspect)
         pause = round(time.perf_counter() - t0, 3)
         self._skip_next = not self._hinted  # this iteration holds the pause
         self.findings.append(finding)
