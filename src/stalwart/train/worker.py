@@ -199,7 +199,8 @@ def train(cfg: RunConfig) -> int:
     if cfg.comm == "lossy":
         from stalwart.comm import attach
 
-        opt: Any = attach(stepper.ddp, torch.optim.AdamW, **opt_kw)
+        # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
+        opt: Any = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip, **opt_kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), **opt_kw)
 
@@ -234,7 +235,8 @@ def train(cfg: RunConfig) -> int:
         batches = [(x.to(device), y.to(device)) for x, y in batches]
         loss, timing = stepper.forward_backward(batches)
         t_opt = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
