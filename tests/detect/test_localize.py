@@ -32,7 +32,7 @@ def test_slow_compute_rank_is_named() -> None:
 
 
 def test_slow_pair_is_a_link_not_a_rank() -> None:
-    links = dict(RING4, **{"1-2": 0.03})
+    links = dict(RING4, **{"1-2": 0.3})  # a shaped link: ~100x the healthy pairs
     per = split(links)
     es = [ev(r, comm=(0.01, 0.05), links=per.get(r)) for r in range(4)]
     f = decide(es, 40, 44, 1.4)
@@ -40,18 +40,25 @@ def test_slow_pair_is_a_link_not_a_rank() -> None:
 
 
 def test_slow_host_link_names_the_host_shared_by_the_slow_pairs() -> None:
-    links = dict(RING4, **{"2-3": 0.02, "0-3": 0.025})
+    links = dict(RING4, **{"2-3": 0.4, "0-3": 0.5})
     per = split(links)
     es = [ev(r, comm=(0.01, 0.05), links=per.get(r)) for r in range(4)]
     f = decide(es, 40, 44, 1.4)
     assert f.kind == "link" and f.ranks == [3] and 3 in f.link
 
 
-def test_profile_alone_names_a_compute_straggler_with_low_confidence() -> None:
-    es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.04) for r in range(3)]
-    es.append(RankEvidence(3, 0.05, 0.09, 0.01, 0.01))
+def test_the_profile_names_the_rank_the_compute_test_must_confirm() -> None:
+    es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.04, 0.2) for r in range(3)]
+    es.append(RankEvidence(3, 0.05, 0.09, 0.01, 0.01, 0.25))
     f = decide(es, 40, 44, 1.5)
-    assert f.kind == "compute" and f.ranks == [3] and f.confidence < 0.6
+    assert f.kind == "compute" and f.ranks == [3]
+    es[3] = RankEvidence(3, 0.05, 0.09, 0.01, 0.01, 0.2)  # the test does not confirm it
+    assert decide(es, 40, 44, 1.5).kind == "unknown"
+
+
+def test_a_noisy_compute_test_alone_names_nobody() -> None:
+    es = [ev(0, test=0.2), ev(1, test=0.27), ev(2, test=0.2), ev(3, test=0.24)]
+    assert decide(es, 40, 44, 1.3).kind == "unknown"
 
 
 def test_uniform_slowdown_is_unknown() -> None:
@@ -84,7 +91,7 @@ def test_round_robin_covers_the_remaining_pairs_in_disjoint_passes() -> None:
 
 def test_throttled_rank_that_also_slows_its_links_is_compute() -> None:
     # a CPU-throttled rank moves its bytes slowly too: its pairs look slow in the link test
-    links = dict(RING4, **{"2-3": 0.02, "0-3": 0.02})
+    links = dict(RING4, **{"2-3": 0.024, "0-3": 0.024})
     per = split(links)
     es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(3)]
     es.append(ev(3, comp=(0.05, 0.09), test=0.4, links=per.get(3)))
@@ -95,7 +102,7 @@ def test_throttled_rank_that_also_slows_its_links_is_compute() -> None:
 def test_link_fault_with_a_noisy_compute_test_is_still_a_link() -> None:
     # compute-test noise names rank 2, but no rank's compute grew while training and the slow
     # pairs do not touch rank 2: the slowdown was communication
-    links = dict(RING4, **{"0-1": 0.03, "1-2": 0.03})
+    links = dict(RING4, **{"0-1": 0.4, "1-2": 0.4})
     per = split(links)
     es = [ev(r, comm=(0.01, 0.06), links=per.get(r), test=0.27 if r == 2 else 0.2)
           for r in range(4)]

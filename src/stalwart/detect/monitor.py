@@ -206,7 +206,11 @@ class Monitor:
             # a speed-up while healthy just moves the baseline
             return
         if channel != self._channel:
-            return  # the slowdown in progress is followed on the channel that found it
+            if ch.ratio > 1.0:  # another straggler while one is in progress
+                self._channel = channel
+                self._healthy = ch.before
+                self._pending = (DETECT, ch.onset, ch.ratio, _suspect(channel))
+            return  # recoveries are followed on the channel that found the slowdown
         if ch.ratio > 1.0:
             self._pending = (DETECT, ch.onset, ch.after / (self._healthy or ch.before),
                              _suspect(channel))
@@ -319,7 +323,8 @@ class Monitor:
         pause = round(time.perf_counter() - t0, 3)
         self._skip_next = not self._hinted  # this iteration holds the pause
         self.findings.append(finding)
-        self._active = finding
+        # an unexplained slowdown has no culprit to watch for recovery
+        self._active = finding if finding.kind != "unknown" else None
         if self._events is not None:
             fields = finding.event_fields()
             fields["evidence"] = dict(fields["evidence"], validation_s=pause)
