@@ -51,7 +51,8 @@ from stalwart.comm.wire import (
     max_floats_for_mtu,
 )
 
-_UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"])
+_UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
+_OLD, _LATE = R["old_round"], R["late"]
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
 
 
@@ -144,7 +145,7 @@ class LossyCollective:
 
     # ---- receiving thread -----------------------------------------------------------------
     def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
-        hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0))
+        hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0), self._placed)
         # plain Python ints once per batch: per-field numpy scalar access is what costs here
         why_l = reasons.tolist()
         snd_l = hdr["sender"].tolist()
@@ -164,9 +165,37 @@ class LossyCollective:
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
                                       len_l[i], hint_l[i], C, bounds)
+                elif why == _OLD and rnd_l[i] == self.round - 1:
+                    why = _LATE  # the round that just ended: a late packet or a spare copy
                 if why:
                     self.rejected[why] += 1
             self._cond.notify_all()
+
+    def _placed(self, hdr: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Which datagrams ``idx`` name a data chunk this rank already placed (read without the
+        lock: "seen" only goes from False to True within a round, and a packet misjudged
+        during a round change is of an old round, rejected anyway)."""
+        out = np.zeros(idx.size, bool)
+        if self.value_copies == 1 and self.grad_copies == 1:
+            return out  # no deliberate copies: keep counting replays as duplicates
+        h = hdr[idx]
+        C, me, world = self.chunk, self.rank, self.world
+        for j, (rnd, ph, fl, s, off) in enumerate(zip(
+                h["round"].tolist(), h["phase"].tolist(), h["flags"].tolist(),
+                h["sender"].tolist(), h["offset"].tolist(), strict=True)):
+            st = self._rounds[rnd % 2]
+            if fl or st.rnd != rnd or s >= world or s == me:
+                continue
+            c = off // C
+            if ph == PHASE_GRAD:
+                seen = st.acc.seen[s]
+            elif ph == PHASE_VALUE:
+                seen = st.vseen[s]
+            else:
+                continue
+            if c < seen.size and seen[c]:
+                out[j] = True
+        return out
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
                hint: int, C: int, bounds: list[int]) -> int:
@@ -421,6 +450,11 @@ class LossyCollective:
             out = np.array(flat, dtype=np.float32, copy=True)
         _, p2 = self.broadcast(avg, out)
         return out, [p1, p2]
+
+    def bad_packets(self) -> int:
+        """Rejected packets except late ones (authentic, merely after their phase ended --
+        already counted as lost by the phase, or spare copies)."""
+        return int(self.rejected.sum() - self.rejected[_LATE] - self.rejected[R["spare"]])
 
     def rejected_counts(self) -> dict[str, int]:
         return {REASONS[i]: int(v) for i, v in enumerate(self.rejected) if i and v}

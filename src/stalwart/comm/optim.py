@@ -17,7 +17,8 @@ squared norms in one tiny extra phase), i.e. the semantics of ``clip_grad_norm_`
 reliable all-reduce; the alternative, clipping each rank's LOCAL gradient before ``step()``,
 also works but is a different (per-rank) clipping rule.
 
-Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (both phases),
+Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (all phases;
+rejected = failed a check; authentic packets that came after their phase are pkts_late),
 deadline_hits, drift, stale_max, silent_ranks, comm_time. ``drift`` is the largest
 |replica - owner| this rank observed this step: for every chunk that landed, the gap between the
 stale local copy and the owner's value that replaced it (with no loss: one step's update);
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from stalwart.comm.collective import LossyCollective
+from stalwart.comm.wire import R
 
 MAX_EXTRAPOLATE = 4  # steps a missed chunk is moved along its last update before it freezes
 
@@ -166,11 +168,13 @@ class ShardedLossyOptimizer:
             self.age += 1
             self.age[mask] = 0
         self._scatter_params()
-        rej = int(coll.rejected.sum())
+        rej = coll.bad_packets()
+        late = int(coll.rejected[R["late"]])
         self._stats = {
             "pkts_sent": sum(p.sent for p in phases), "pkts_recv": sum(p.recv for p in phases),
             "pkts_lost": sum(p.lost for p in phases),
             "pkts_rejected": rej - self._stats.get("_rej_total", 0), "_rej_total": rej,
+            "pkts_late": late - self._stats.get("_late_total", 0), "_late_total": late,
             "deadline_hits": sum(int(p.deadline_hit) for p in phases),
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),

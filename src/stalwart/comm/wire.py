@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 
 import numpy as np
 
@@ -51,7 +52,9 @@ FLAG_END = 1
 # reject reasons (index into REASONS); 0 = accepted
 OK = 0
 REASONS = ("ok", "malformed", "bad_tag", "unknown_sender", "old_round", "future_round",
-           "bad_range", "nonfinite", "duplicate", "late")
+           "bad_range", "nonfinite", "duplicate", "late", "spare")
+# "spare": names a chunk that is already placed (a deliberate extra copy, or a replay): dropped
+# before its tag is even computed -- it could not change anything, so it costs no hashing
 R = {name: i for i, name in enumerate(REASONS)}
 
 
@@ -113,12 +116,15 @@ class Wire:
 
     # ---- receiving ------------------------------------------------------------------------
     def check(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray,
-              cur_round: int) -> tuple[np.ndarray, np.ndarray]:
+              cur_round: int, placed: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Check n received datagrams; returns (headers (n,) HEADER, reasons (n,) uint8).
 
         ``rows``: (n, slot) uint8 with datagram i in ``rows[i, :sizes[i]]``; ``src_ok[i, s]``
         says whether datagram i's source address is sender s's registered address. Reason 0
-        means accepted. Never raises, never writes into ``rows``.
+        means accepted. Never raises, never writes into ``rows``. ``placed(hdr, idx)`` (optional)
+        says which of the well-formed datagrams ``idx`` name a chunk that is already placed;
+        those are dropped as "spare" without computing their tag.
         """
         n = rows.shape[0]
         reasons = np.zeros(n, np.uint8)
@@ -134,6 +140,10 @@ class Wire:
         bad |= (hdr["job"] != self.job) | (length > slot)
         bad |= sizes != OVERHEAD + 4 * length
         reasons[bad] = R["malformed"]
+        if placed is not None:
+            idx = np.flatnonzero(reasons == 0)
+            if idx.size:
+                reasons[idx[placed(hdr, idx)]] = R["spare"]
         # the tag: per packet, only for well-formed ones (rejects garbage before hashing it)
         mv = memoryview(np.ascontiguousarray(rows)).cast("B")
         for i in np.flatnonzero(reasons == 0).tolist():
