@@ -1,18 +1,19 @@
 """Two strands -- the forward of one micro-batch and the backward of another -- run in turns.
 
-Mechanism (DHelix strand interleaving, arXiv 2411.15871): a strand is one pass (a forward, or
-an autograd backward) running on its own thread. The passes are split into *segments* at their
-collectives: every ``TPComm.finish`` inside a strand issues nothing new -- it parks the strand
-(its collective already in flight) and hands the baton back to the scheduler, which resumes
-the other strand. So while strand A's all-reduce travels, strand B computes, and vice versa.
-Only one strand computes at a time (a baton, not free threading), so the order of every
-collective is fixed by the plan and identical on all TP ranks -- gloo requires that -- and
-the arithmetic of each pass is exactly the arithmetic of running it alone: one copy of the
-weights, the same gradients.
+Mechanism (DHelix strand interleaving, arXiv 2411.15871): a strand is a thread running passes
+(forwards, or autograd backwards) one after another. The passes are split into *segments* at
+their collectives: every ``TPComm.finish`` inside a strand issues nothing new -- it parks the
+strand (its collective already in flight) and hands the baton back to the scheduler, which
+resumes the other strand; a strand also yields at the end of each pass (``yield_``). So
+while strand A's all-reduce travels, strand B computes, and vice versa. Only one strand
+computes at a time (a baton, not free threading), so the order of every collective is fixed
+by the plan and identical on all TP ranks -- gloo requires that -- and the arithmetic of each
+pass is exactly the arithmetic of running it alone: one copy of the weights, the same
+gradients.
 
 The backward is driven segment by segment through autograd itself: the backward strand calls
-``torch.autograd.backward`` once and parks inside each column-parallel layer's backward, at
-its input-gradient all-reduce (CPU autograd runs on the calling thread).
+``torch.autograd.backward`` once per pass and parks inside each column-parallel layer's
+backward, at its input-gradient all-reduce (CPU autograd runs on the calling thread).
 """
 
 from __future__ import annotations
