@@ -170,7 +170,8 @@ def search(profile: Profile, max_extra_memory: float | None = None,
 
     inf = float("inf")
     T = [[[inf] * 3 for _ in range(n + 1)] for _ in range(m + 1)]
-    back: dict[tuple[int, int, int], tuple[int, int, int, str]] = {}
+    # state -> (predecessor i, j, last, step, tie-break rank)
+    back: dict[tuple[int, int, int], tuple[int, int, int, str, int]] = {}
     T[0][0][_NONE] = 0.0
 
     def relax(src: tuple[int, int, int], dst: tuple[int, int, int], cost: float, step: str,
@@ -181,7 +182,7 @@ def search(profile: Profile, max_extra_memory: float | None = None,
         if t < T[i][j][last] - 1e-15 or (t <= T[i][j][last] + 1e-15
                                           and rank < back.get(dst, (0, 0, 0, "", 9))[4]):
             T[i][j][last] = t
-            back[dst] = (*src, step, rank)  # type: ignore[assignment]
+            back[dst] = (src[0], src[1], src[2], step, rank)
 
     for i in range(m + 1):
         for j in range(n + 1):
@@ -201,7 +202,7 @@ def search(profile: Profile, max_extra_memory: float | None = None,
     steps: list[str] = []
     node = (m, n, end)
     while node != (0, 0, _NONE):
-        i, j, last, step, _ = back[node]  # type: ignore[misc]
+        i, j, last, step, _ = back[node]
         steps.append(step)
         node = (i, j, last)
     steps.reverse()
