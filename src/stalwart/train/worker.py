@@ -73,6 +73,9 @@ class DataParallelStep:
         self.model = model
         self.clock = LocalComputeClock(model)
 
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
                          ) -> tuple[float, dict[str, float]]:
         t0 = time.perf_counter()
@@ -103,6 +106,11 @@ class TensorParallelStep:
                          ) -> tuple[float, dict[str, float]]:
         loss, timings = self.trainer.forward_backward(batches)
         return float(loss), dict(timings)
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        # the norm over the whole model, not this rank's shards: replicated weights must get
+        # the same coefficient on every TP rank or the replicas drift apart
+        self.trainer.clip_grad_norm_(max_norm)
 
 
 def make_groups(world: int, tp: int) -> tuple[Any, Any, int, int]:
@@ -236,7 +244,7 @@ def train(cfg: RunConfig) -> int:
         loss, timing = stepper.forward_backward(batches)
         t_opt = time.perf_counter()
         if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            stepper.clip_grad_norm_(cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
