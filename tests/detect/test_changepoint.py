@@ -64,3 +64,11 @@ def test_posterior_is_bounded_and_normalised() -> None:
     assert len(post) == 50
     assert abs(post.sum() - 1.0) < 1e-9
     assert post[-1] > 0.5  # the long run keeps its mass at the cap
+
+
+def test_a_brief_speed_up_does_not_hide_a_slowdown_right_after() -> None:
+    x = series(90, 0.03, 2)
+    x[40:46] *= 0.6  # a spurious speed-up (the machine got quieter for a moment)
+    x[46:] *= 2.5  # then a real slowdown, within min_spacing of the speed-up's onset
+    ch = run(x)
+    assert any(c.ratio > 1.5 and abs(c.onset - 46) <= 1 for c in ch), ch

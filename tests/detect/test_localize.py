@@ -122,3 +122,13 @@ def test_a_rank_found_by_its_own_compute_channel_must_be_confirmed_by_the_test()
     assert decide(es, 40, 44, 1.3, suspect_rank=2).ranks == [2]  # 1.3x: confirmed
     es[2] = ev(2, test=0.21)
     assert decide(es, 40, 44, 1.3, suspect_rank=2).kind == "unknown"  # not confirmed
+
+
+def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> None:
+    # busy processes in rank 2's cgroup starve its network threads too (measured 26x)
+    links = dict(RING4, **{"2-3": 0.1})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
+    es[2] = ev(2, comp=(0.05, 0.14), test=0.5, links=per.get(2))
+    f = decide(es, 40, 44, 2.0)
+    assert f.kind == "compute" and f.ranks == [2]

@@ -145,6 +145,7 @@ class ChangeDetector:
         self._scale: float | None = None  # noise scale in log space, from the first segment
         self._scale_n = 0  # samples the scale was estimated from
         self._last_onset_pos: int | None = None  # sample position of last accepted onset
+        self._last_up = False  # direction of the last accepted change
         self._pos = 0  # position of the next sample (counts samples after warm-up)
         self._seg_start_pos = 0
         self.changes: list[Change] = []
@@ -225,8 +226,6 @@ class ChangeDetector:
         if run < self.confirm:
             return None
         onset_pos = pos - run + 1
-        if self._last_onset_pos is not None and onset_pos - self._last_onset_pos < self.min_spacing:
-            return None
         vals = np.asarray(self._vals)
         before = drop_outliers(vals[:-run])
         after = vals[-run:]
@@ -246,10 +245,18 @@ class ChangeDetector:
         far = np.sum(after > mid) if la > lb else np.sum(after < mid)
         if far < 0.75 * run:
             return None
+        # Spacing applies to changes in the same direction (one ramp is one change). A change
+        # back the other way may follow sooner: otherwise a brief spurious speed-up would hide
+        # a real slowdown that starts a few iterations later.
+        up = la > lb
+        if self._last_onset_pos is not None and up == self._last_up and \
+                onset_pos - self._last_onset_pos < self.min_spacing:
+            return None
         keys = list(self._keys)
         change = Change(onset=keys[-run], decided=key, before=math.exp(lb), after=math.exp(la))
         self.changes.append(change)
         self._last_onset_pos = onset_pos
+        self._last_up = up
         # the new regime becomes the segment; the noise scale learnt at the start is kept
         new_keys, new_vals = keys[-run:], list(vals[-run:])
         self._keys.clear()

@@ -7,18 +7,18 @@ matmul on every rank (compute) and equal-size transfers over disjoint pairs (lin
 
 Rules of ``decide`` (thresholds are ratios to the healthy level, i.e. the median of the faster
 half of the ranks or pairs -- a fault that slows more than half the job is not a straggler):
-1. link test: pairs >= ``LINK_RATIO`` x slower -> "link"; several slow pairs sharing one
-   rank mean that rank's own link (its host's uplink) is the culprit;
-2. else the rank the training-time evidence points at -- the per-rank compute channel that
+1. the rank the training-time evidence points at -- the per-rank compute channel that
    fired, or the profile (one rank's compute between collectives grew >= ``PROFILE_RATIO``
    and ``PROFILE_STANDOUT`` x more than any other's, while its peers waited longer) -- is
-   "compute" if the compute test confirms it (>= ``COMPUTE_RATIO`` x);
+   "compute" if the compute test confirms it (>= ``COMPUTE_RATIO`` x) and every slow pair of
+   the link test (if any) has it as an end: a CPU-starved rank moves its bytes slowly too;
+2. else link test: pairs >= ``LINK_RATIO`` x slower -> "link"; several slow pairs sharing one
+   rank mean that rank's own link (its host's uplink) is the culprit;
 3. else the compute test alone names a rank only if it is >= ``COMPUTE_ALONE`` x and
    ``STANDOUT`` x slower than the next rank;
 4. else "unknown" (a job-wide slowdown, or a fault that ended before validation).
-A throttled rank also moves its bytes slowly (its pairs measured 2-6x), far below the link
-threshold; load from elsewhere makes single compute-test rounds noisy, hence the
-requirement that training-time evidence and test agree.
+Load from elsewhere makes single compute-test rounds noisy, hence the requirement that
+training-time evidence and test agree.
 The evidence dict of the verdict carries the measured ratios so a human can check it.
 """
 
@@ -142,7 +142,18 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         cr = {r: t / ref for r, t in tests.items()}
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
 
-    # 1. a link tens of times slower than its peers is a link fault, whatever else is seen
+    candidate = suspect_rank if suspect_rank is not None else profiled
+    confirmed = candidate is not None and cr.get(candidate, 0.0) >= COMPUTE_RATIO
+    # 1. a rank whose compute grew during training (its own channel, or the profile),
+    #    confirmed by the compute test -- also when its own pairs look slow: a starved rank
+    #    moves its bytes slowly too (measured up to 26x under CPU contention)
+    touches = all(str(candidate) in k.split("-") for k in slow_links)
+    if confirmed and (not slow_links or touches):
+        conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
+            0.1 if profiled == candidate else 0.0)
+        return Finding("compute", onset_step, step, severity, min(conf, 1.0),
+                       ranks=[candidate], evidence=evidence)
+    # 2. a link tens of times slower than its peers, not explained by a starved rank
     if slow_links:
         pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
         common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
@@ -150,14 +161,6 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         conf = 0.8 + (0.2 if compute_flat else 0.0)
         return Finding("link", onset_step, step, severity, conf, ranks=ranks,
                        link=list(pairs[0]), evidence=evidence)
-    # 2. a rank whose compute grew during training (its own channel, or the profile), confirmed
-    #    by the compute test
-    candidate = suspect_rank if suspect_rank is not None else profiled
-    if candidate is not None and cr.get(candidate, 0.0) >= COMPUTE_RATIO:
-        conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
-            0.1 if profiled == candidate else 0.0)
-        return Finding("compute", onset_step, step, severity, min(conf, 1.0),
-                       ranks=[candidate], evidence=evidence)
     # 3. the compute test alone, only when one rank stands far out
     if cr and suspect_rank is None:
         order = sorted(cr, key=lambda r: -cr[r])
