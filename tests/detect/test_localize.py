@@ -49,7 +49,7 @@ def test_slow_host_link_names_the_host_shared_by_the_slow_pairs() -> None:
 
 def test_the_profile_names_the_rank_the_compute_test_must_confirm() -> None:
     es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.04, 0.2) for r in range(3)]
-    es.append(RankEvidence(3, 0.05, 0.09, 0.01, 0.01, 0.25))
+    es.append(RankEvidence(3, 0.05, 0.09, 0.01, 0.01, 0.35))
     f = decide(es, 40, 44, 1.5)
     assert f.kind == "compute" and f.ranks == [3]
     es[3] = RankEvidence(3, 0.05, 0.09, 0.01, 0.01, 0.2)  # the test does not confirm it
@@ -118,10 +118,12 @@ def test_two_noisy_ranks_do_not_make_a_compute_verdict_for_both_when_one_stands_
 
 
 def test_a_rank_found_by_its_own_compute_channel_must_be_confirmed_by_the_test() -> None:
-    es = [ev(0, test=0.2), ev(1, test=0.2), ev(2, test=0.26), ev(3, test=0.2)]
-    assert decide(es, 40, 44, 1.3, suspect_rank=2).ranks == [2]  # 1.3x: confirmed
-    es[2] = ev(2, test=0.21)
-    assert decide(es, 40, 44, 1.3, suspect_rank=2).kind == "unknown"  # not confirmed
+    es = [ev(0, test=0.2), ev(1, test=0.2), ev(2, test=0.34), ev(3, test=0.2)]
+    assert decide(es, 40, 44, 1.3, suspect_rank=2).ranks == [2]  # 1.7x: confirmed
+    es[2] = ev(2, test=0.25)
+    assert decide(es, 40, 44, 1.3, suspect_rank=2).kind == "unknown"  # 1.25x: not confirmed
+    es[2], es[1] = ev(2, test=0.34), ev(1, test=0.4)
+    assert decide(es, 40, 44, 1.3, suspect_rank=2).kind == "unknown"  # another rank slower
 
 
 def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> None:
