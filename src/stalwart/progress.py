@@ -26,6 +26,8 @@ def _fmt_event(e: dict[str, Any]) -> str | None:
                else f"link {e.get('link')}")
         return (f"straggler: {e.get('kind')} {who} x{e.get('severity', 0):.2f} "
                 f"since step {e.get('onset_step')}")
+    if ev == "slowdown_unexplained":
+        return f"job slowed at step {e.get('step')}, no culprit rank or link found"
     if ev == "straggler_recovered":
         return f"straggler recovered at step {e.get('step')}"
     if ev in ("fault_applied", "fault_removed"):

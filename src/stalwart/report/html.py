@@ -10,6 +10,7 @@ from stalwart.report.plots import all_plots
 from stalwart.rundir import RunData, atomic_write_text
 
 SHOWN_EVENTS = ("fault_applied", "fault_removed", "straggler_detected", "straggler_recovered",
+                "slowdown_unexplained", "overlap_plan",
                 "rank_failed", "resumed", "halted", "run_finished")
 
 
