@@ -55,18 +55,26 @@ def test_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     assert a.final_val_loss() == pytest.approx(b.final_val_loss(), abs=1e-6)
 
 
-def test_a_killed_rank_stops_the_job_quickly_and_is_named(tmp_path: Path) -> None:
+def _start_endless_run(tmp_path: Path, nproc: int) -> subprocess.Popen[str]:
+    """`stalwart run` with far too many steps, returned once every rank is training."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc", "3", "--steps", "100000",
-         "--out", str(tmp_path), "--name", "k", "--no-progress"],
+        [sys.executable, "-m", "stalwart.cli", "run", "--nproc", str(nproc), "--steps",
+         "100000", "--out", str(tmp_path), "--name", "endless", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    metrics = tmp_path / "endless" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.kill()
+            raise AssertionError(f"run did not start: {launcher.communicate()[0]}")
+        time.sleep(0.2)
+    return launcher
+
+
+def test_a_killed_rank_stops_the_job_quickly_and_is_named(tmp_path: Path) -> None:
+    launcher = _start_endless_run(tmp_path, 3)
     try:
-        metrics = tmp_path / "k" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.stat().st_size > 0):
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.2)
         victim = _rank_pid(launcher.pid, 1)
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()
@@ -111,17 +119,8 @@ def test_the_same_rank_entry_point_runs_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc", "2", "--steps", "100000",
-         "--out", str(tmp_path), "--name", "i", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    launcher = _start_endless_run(tmp_path, 2)
     try:
-        metrics = tmp_path / "i" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.stat().st_size > 0):
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.2)
         ranks = _rank_pids(launcher.pid)
         assert len(ranks) == 2
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C on the terminal sends
