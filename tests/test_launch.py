@@ -139,3 +139,11 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_the_launcher_blames_the_rank_that_died_not_the_peers_that_aborted() -> None:
+    from stalwart.launch import _blame_order
+
+    assert min([(0, -signal.SIGABRT), (1, -signal.SIGKILL)], key=_blame_order)[0] == 1
+    assert min([(0, -signal.SIGABRT), (2, 1)], key=_blame_order)[0] == 2
+    assert min([(3, 1), (1, 1)], key=_blame_order)[0] == 1

@@ -92,6 +92,13 @@ def _describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
+def _blame_order(failure: tuple[int, int]) -> tuple[bool, bool, int]:
+    """Sort key over (rank, exit code): a rank killed by an outside signal first, then one that
+    exited with an error, and last a SIGABRT, which is how peers of a dead rank usually end."""
+    rank, code = failure
+    return (code == -signal.SIGABRT, code > 0, rank)
+
+
 def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
     live = [p for p in procs.values() if p.poll() is None]
     for p in live:
@@ -186,7 +193,9 @@ def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
         if failed:
-            r, code = failed[0]
+            # When one rank dies its peers abort soon after (gloo raises, torch calls abort()),
+            # and one poll may see several: name the likely cause, not the lowest rank.
+            r, code = min(failed, key=_blame_order)
             _stop_all(procs)
             progress.close()
             why = _last_error_line(run_dir / LOGS / f"rank-{r}.log")
