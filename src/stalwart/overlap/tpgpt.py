@@ -86,6 +86,7 @@ class TPGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight
+        self.drop = nn.Identity()  # TP training requires dropout 0; keeps GPT.forward usable
 
     @classmethod
     def from_full(cls, gpt: GPT, comm: TPComm) -> TPGPT:
@@ -93,21 +94,8 @@ class TPGPT(nn.Module):
         model.load_full_state_dict(gpt.state_dict())
         return model
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+    # the same embeddings -> blocks -> tied head -> loss as the full model; only the blocks differ
+    forward = GPT.forward
 
     # ---- sharding ---------------------------------------------------------------------------
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:

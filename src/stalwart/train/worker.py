@@ -68,7 +68,7 @@ class LocalComputeClock:
 class DataParallelStep:
     """Forward/backward over the step's micro-batches with DDP (reliable or lossy comm)."""
 
-    def __init__(self, model: GPT, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, model: GPT, device: torch.device) -> None:
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.model = model
         self.clock = LocalComputeClock(model)
@@ -200,7 +200,7 @@ def train(cfg: RunConfig) -> int:
         stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir)
     else:
         data_rank, data_parts = rank, world
-        stepper = DataParallelStep(GPT(mcfg).to(device), cfg, device)
+        stepper = DataParallelStep(GPT(mcfg).to(device), device)
     model = stepper.model
 
     opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
