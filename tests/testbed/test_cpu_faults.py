@@ -16,11 +16,14 @@ import pytest
 from stalwart.config import RunConfig
 from stalwart.rundir import EventLog, read_jsonl
 from stalwart.testbed import CpuGroup, find_backend, open_testbed
-from stalwart.testbed.probe import busy_loop_time
+from stalwart.testbed.probe import busy_loop_time, loop_for
 
 pytestmark = pytest.mark.root
 
-LOOP = 3_000_000  # ~0.3 s of pure-Python work on these machines
+# Wall seconds of the unthrottled loop: >= 20 CFS periods, so neither the phase of the first
+# period nor the scheduler tick's overrun (4 ms at HZ=250) decides the ratio. A fixed count ran
+# 0.13 s on one machine of this kind and measured 1.58x for factor 2 in CI.
+LOOP_S = 0.5
 
 
 @pytest.fixture
@@ -35,14 +38,16 @@ def group() -> Iterator[CpuGroup]:
     assert not g.path.exists()
 
 
-def _ratio(group: CpuGroup, factor: float, procs: int, rounds: int = 2) -> float:
+def _ratio(group: CpuGroup, factor: float, procs: int, rounds: int = 3) -> float:
     """Median slowdown of the busy loop in `group`, baseline and fault interleaved."""
     ratios = []
+    group.set_limit(1.0, 0)
+    n = loop_for(LOOP_S, group)
     for _ in range(rounds):
         group.set_limit(1.0, 0)
-        base = busy_loop_time(LOOP, group)
+        base = busy_loop_time(n, group)
         group.set_limit(factor, procs)
-        slow = busy_loop_time(LOOP, group)
+        slow = busy_loop_time(n, group)
         ratios.append(slow / base)
     group.set_limit(1.0, 0)
     return statistics.median(ratios)

@@ -14,7 +14,7 @@ from stalwart.config import ConfigError
 from stalwart.testbed._sys import TestbedError
 from stalwart.testbed.cpu import CpuGroup, find_backend
 from stalwart.testbed.hosts import Hosts
-from stalwart.testbed.probe import busy_loop_time, tcp_throughput, udp_loss
+from stalwart.testbed.probe import busy_loop_time, loop_for, tcp_throughput, udp_loss
 
 Row = tuple[str, bool, str]
 
@@ -64,9 +64,10 @@ def _cpu(kind: str, factor: float, procs: int) -> Row:
     backend = find_backend()
     g = CpuGroup(backend, f"stw-{os.getpid()}-99-r0", boost=64)
     try:
-        base = busy_loop_time(2_000_000, g)
+        n = loop_for(0.4, g)
+        base = busy_loop_time(n, g)
         mech = g.set_limit(factor, procs)
-        slow = busy_loop_time(2_000_000, g)
+        slow = busy_loop_time(n, g)
     finally:
         g.close()
     r = slow / base

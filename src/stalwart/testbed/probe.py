@@ -7,7 +7,10 @@ the emulated hosts (``ip netns exec``) and measures at the receiver:
                          the last datagram, so the receiver knows when the stream is complete);
 * ``tcp_throughput``  -- bulk TCP bytes over the receiver's first-to-last-byte time;
 * ``busy_loop_time``  -- wall time of a fixed pure-Python loop in a process placed in a cgroup
-                         before it starts timing.
+                         before it starts timing; ``loop_for`` sizes that loop to a wall time on
+                         this machine, because a CFS quota is only exact over many periods (a
+                         loop of a few periods sees the phase of the first one and the tick's
+                         overrun, and a fixed count is a different length on every machine).
 """
 
 from __future__ import annotations
@@ -148,3 +151,13 @@ def busy_loop_time(iterations: int, group: CpuGroup | None = None) -> float:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def loop_for(seconds: float, group: CpuGroup | None = None) -> int:
+    """Iterations of ``busy_loop_time``'s loop that take about `seconds` unthrottled here."""
+    n = 500_000
+    t = busy_loop_time(n, group)
+    while t < 0.05:  # too short to scale from
+        n *= 4
+        t = busy_loop_time(n, group)
+    return max(n, int(n * seconds / t))
