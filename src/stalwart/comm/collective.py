@@ -329,6 +329,12 @@ class LossyCollective:
             while True:
                 now = time.perf_counter()
                 live = [s for s in exp if s not in self.silent]
+                if not live:
+                    # every peer silent: it is THIS rank that is out of step (ahead after the
+                    # others lost a deadline to it, or cut off); finishing at once would let it
+                    # train alone, rounds ahead, with every packet rejected as out of round.
+                    # Wait for them instead: their packets of this round un-silence them.
+                    live = list(exp)
                 done = [s for s in live if st.got[phase, s] >= exp[s]]
                 if len(done) == len(live):
                     break

@@ -93,7 +93,15 @@ class Monitor:
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
                  check_every: int = 1, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
-                 capacity: int = 8192, history: int = 1000) -> None:
+                 capacity: int = 8192, history: int = 1000, lag: int = 1) -> None:
+        """``lag``: checks a decision row stays in flight before it is read (decision latency,
+        in exchanges). ``check_every``: steps per exchange (each exchange carries every step's
+        samples, so nothing is dropped). 1 and 1 suit reliable networks. Under packet loss
+        the monitor's small gloo all-gathers stall on TCP retransmission timeouts (>= 200 ms
+        each, one op after the other on the group) while training itself does not
+        (``--comm lossy``): one exchange per step would hold every rank to the group's
+        ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
+        jobs exchange every 8 steps with 2 exchanges in flight."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
             dist.get_rank() if ready else int(os.environ.get("RANK", "0")))
@@ -116,7 +124,14 @@ class Monitor:
         self._healthy: float | None = None  # iteration time before it began
         # rank 0's decision, sent at the next check: (action, onset, severity, suspect rank)
         self._pending: tuple[int, int, float, int] = (NONE, 0, 0.0, -1)
-        self._inflight: tuple[Any, list[torch.Tensor]] | None = None  # the row being sent
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1, got {lag}")
+        self.lag = lag
+        self._deciding = 0  # rank 0: rows in flight that carry a decision
+        self._unsent: list[tuple[float, float]] = []  # (step, compute) since the last exchange
+        self._last_key: int | None = None
+        # the rows being sent, oldest first: every rank issues and reads them in the same order
+        self._inflight: deque[tuple[Any, list[torch.Tensor]]] = deque()
         self._pg: Any = None
         self._hinted = False
         self._last_hint: float | None = None
@@ -196,7 +211,7 @@ class Monitor:
             self._classify(ch)
 
     def _classify(self, ch: Change, channel: str = "iteration") -> None:
-        if self._pending[0] != NONE:
+        if self._pending[0] != NONE or self._deciding:
             return  # a decision is already on its way
         if self._active is None:
             if ch.ratio > 1.0:
@@ -226,17 +241,19 @@ class Monitor:
         it lost): the per-rank relative score of NVIDIA's straggler detection, here fed to the
         same BOCD+V as the iteration time, one detector per rank.
         """
-        comps = [float(r[5]) for r in rows]
-        if any(not c > 0 or not math.isfinite(c) for c in comps):
-            return
-        med = statistics.median(comps)
-        key = int(rows[0][4])
-        for r, c in enumerate(comps):
-            det = self.rel_detectors.setdefault(
-                r, ChangeDetector(warmup=self.detector.warmup, min_shift=0.15))
-            ch = det.add(key, c / med)
-            if ch is not None:
-                self._classify(ch, f"rank{r}")
+        n = int(rows[0][4])
+        for j in range(n):
+            key = int(rows[0][5 + 2 * j])
+            comps = [float(r[6 + 2 * j]) for r in rows]
+            if any(not c > 0 or not math.isfinite(c) for c in comps):
+                continue
+            med = statistics.median(comps)
+            for r, c in enumerate(comps):
+                det = self.rel_detectors.setdefault(
+                    r, ChangeDetector(warmup=self.detector.warmup, min_shift=0.15))
+                ch = det.add(key, c / med)
+                if ch is not None:
+                    self._classify(ch, f"rank{r}")
 
     def _group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""
@@ -249,34 +266,49 @@ class Monitor:
         """Collective: rank 0's decision reaches every rank; act on it together.
 
         Every rank contributes one small row -- rank 0's pending decision, and each rank's
-        compute time of this step -- to an asynchronous all-gather on the monitor's own group,
-        issued at one check and read at the next: no rank ever blocks on it (it is long
-        complete by then), at the price of one step of decision latency.
+        compute time of every step since the last exchange -- to an asynchronous all-gather
+        on the monitor's own group, issued at one exchange and read ``lag`` exchanges later:
+        no rank ever blocks on it (it is long complete by then), at the price of
+        ``lag * check_every`` steps of decision latency.
         """
         self._checks += 1
+        last = self.samples[-1] if self.samples else None
+        if last is not None and last.compute and last.key != self._last_key:
+            self._last_key = last.key  # a skipped sample leaves the last one in place
+            self._unsent.append((float(last.key), float(last.compute)))
         if self._checks % self.check_every:
             return
         action, onset, severity, suspect = self._pending
         self._pending = (NONE, 0, 0.0, -1)
         distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         if distributed:
-            last = self.samples[-1] if self.samples else None
-            msg = torch.tensor([float(action), float(onset), float(severity), float(suspect),
-                                float(last.key if last else -1),
-                                float(last.compute if last and last.compute else 0.0)],
-                               dtype=torch.float64)
-            rows = [torch.empty(6, dtype=torch.float64) for _ in range(self.world)]
+            if action != NONE:
+                self._deciding += 1
+            # the same length on every rank; a rank with fewer samples sends fewer entries
+            # and rank 0 uses the entries every rank has
+            width = 5 + 2 * self.check_every
+            msg = torch.zeros(width, dtype=torch.float64)
+            unsent = self._unsent[-self.check_every:]
+            self._unsent.clear()
+            msg[:5] = torch.tensor([float(action), float(onset), float(severity),
+                                    float(suspect), float(len(unsent))], dtype=torch.float64)
+            for j, (key, comp) in enumerate(unsent):
+                msg[5 + 2 * j], msg[6 + 2 * j] = key, comp
+            rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
             with self.tracker.internal():
-                prev = self._inflight
-                self._inflight = (dist.all_gather(rows, msg, group=self._group(),
-                                                  async_op=True), rows)
-                if prev is None:
+                self._inflight.append((dist.all_gather(rows, msg, group=self._group(),
+                                                       async_op=True), rows))
+                if len(self._inflight) <= self.lag:
                     return
+                prev = self._inflight.popleft()
                 prev[0].wait()
             got = prev[1]
             action, onset, severity = int(got[0][0]), int(got[0][1]), float(got[0][2])
+            if action != NONE and self.rank == 0:
+                self._deciding -= 1
             suspect = int(got[0][3])
             if self.rank == 0:
+                got[0][4] = min(float(r[4]) for r in got)
                 self._relative(got)
         if action == NONE:
             return
@@ -366,11 +398,10 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        if self._inflight is not None:
-            # every rank issued it: completing it keeps the group's op order intact
-            with self.tracker.internal():
-                self._inflight[0].wait()
-            self._inflight = None
+        # every rank issued them: completing them keeps the group's op order intact
+        with self.tracker.internal():
+            while self._inflight:
+                self._inflight.popleft()[0].wait()
         uninstall(self.tracker)
         if self._events is not None:
             self._events.close()

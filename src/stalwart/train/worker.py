@@ -192,7 +192,8 @@ def train(cfg: RunConfig) -> int:
         from stalwart.detect import Monitor
 
         monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
-                          track_ddp=cfg.comm == "reliable")
+                          track_ddp=cfg.comm == "reliable",
+                          **({"check_every": 8, "lag": 2} if cfg.comm == "lossy" else {}))
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
