@@ -40,15 +40,19 @@ def test_allreduce_is_exact_without_loss(world: int, numel: int, mtu: int) -> No
         assert all(sum(x) == 0 for x in r["lost"]) and r["rejected"] == {}
 
 
-def test_a_silent_rank_costs_one_deadline_not_a_hang() -> None:
+def test_a_silent_rank_costs_at_most_one_cap_not_a_hang() -> None:
     recs = spawn("allreduce", 3, numel=3000, rounds=7, silent_rank=2, silent_from=3, cap=1.0,
                  floor=0.5)
     for r in recs[:2]:
         hits = [sum(h) for h in r["hits"]]
         assert len(hits) == 7  # every round completed
         assert hits[:3] == [0, 0, 0]
-        assert sum(hits[3:]) == 1  # the round it went silent: one deadline, then never again
-        assert all(2 in s for s in r["silent"][3:])  # and it is reported
+        # it is waited for until it has been quiet for one cap (1 s: two 0.5 s deadlines
+        # here), then never again
+        assert 1 <= sum(hits[3:]) <= 2, hits
+        assert hits[-2:] == [0, 0], hits
+        assert sum(r["elapsed"][3:]) < 2 * 1.0 + 1.0  # bounded: about one cap in all
+        assert all(2 in s for s in r["silent"][-2:])  # and it is reported
     assert len(recs[2]["hits"]) == 3
 
 
@@ -64,3 +68,8 @@ def test_ddp_attach_matches_reliable_ddp_without_loss() -> None:
         assert {"pkts_sent", "pkts_recv", "pkts_lost", "pkts_rejected", "deadline_hits",
                 "drift", "comm_time"} <= set(last)
         assert last["pkts_lost"] == 0 and last["pkts_rejected"] == 0 and last["pkts_recv"] > 0
+        # "auto" protection starts at 2 copies and drops to 1 once the peers report no loss
+        # (a marker copy delayed by a descheduled receiver can read as a brief loss and put
+        # one step back at 2: the test asks for the drop, not for every later step)
+        assert r["stats"][0]["copies"] == 2
+        assert min(s["copies"] for s in r["stats"][-3:]) == 1

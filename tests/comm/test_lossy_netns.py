@@ -79,6 +79,10 @@ def test_ddp_training_under_10pct_loss_keeps_replicas_close() -> None:
         assert rejected < sum(s["pkts_recv"] for s in r["stats"]), r["stats"]
     import numpy as np
 
+    # "auto" protection measured the 10% loss and raised the copies (0.1**3 = the target)
+    for r in recs:
+        assert 0.04 < r["stats"][-1]["loss_in"] < 0.3, r["stats"][-1]
+        assert r["stats"][-1]["copies"] >= 3
     p = [np.array(r["params"]) for r in recs]
     # replicas differ only by stale chunks: a handful of lr-sized updates at most (lr 1e-2)
     assert max(np.abs(x - p[0]).max() for x in p) < 0.2

@@ -16,11 +16,16 @@ draws the per-job secret and job id with ``os.urandom`` and broadcasts them; eve
 its socket to ``STALWART_HOST_ADDR`` and the addresses are exchanged with ``all_gather_object``.
 
 Rounds: every rank calls ``begin_round()`` once per step, in lockstep, so round numbers agree.
-The receiving thread keeps the current and the next round open (a faster peer may already be
-one round ahead); anything older is rejected as ``old_round`` -- that is also what makes a
-replay from an earlier step harmless. A peer that sent nothing in a phase that hit the deadline
+The receiving thread keeps the current and the next ``ROUNDS_OPEN - 1`` rounds open (a faster
+peer may already be several rounds ahead: its packets wait for this rank, which then catches up
+at once instead of losing them; with only the next round open, a pair of ranks two rounds ahead
+of the other pair -- seen after the two pairs left a slow gloo ``new_group`` 1 s apart at 10%
+loss -- lost everything to each other for the rest of the run); anything older is rejected as
+``old_round`` -- that is also what makes a replay from an earlier step harmless. Memory: each
+open round holds a full-size value buffer (``ROUNDS_OPEN`` x 4 bytes x parameters). A peer
+that sent nothing (of any round) for a deadline cap, in a phase that hit the deadline
 is marked silent and is not waited for until any authenticated packet from it arrives again:
-a dead rank costs its peers one deadline, not a hang.
+a dead rank costs its peers at most a deadline cap of waiting, not a hang.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stalwart.comm.aggregate import ShardAccumulator
+from stalwart.comm.copies import CopyPolicy, LossEstimator
 from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.layout import Layout
 from stalwart.comm.transport import UdpTransport, default_host, default_mtu
 from stalwart.comm.wire import (
+    FB_UNKNOWN,
     FLAG_END,
     HEADER,
     HEADER_BYTES,
@@ -54,6 +61,7 @@ from stalwart.comm.wire import (
 _UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
 _OLD, _LATE = R["old_round"], R["late"]
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
+ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
 
 @dataclass
@@ -88,6 +96,7 @@ class PhaseStats:
     deadline_hit: bool = False
     elapsed: float = 0.0
     silent: list[int] = field(default_factory=list)
+    copies: int = 1  # most copies of a data packet sent to any peer in this phase
 
 
 class LossyCollective:
@@ -97,7 +106,8 @@ class LossyCollective:
                  mtu: int | None = None, deadline: AdaptiveDeadline | None = None,
                  pace_bytes_per_s: float = 0.0, key: bytes | None = None,
                  world: int | None = None, rank: int | None = None,
-                 exchange=None, value_copies: int = 1, grad_copies: int = 1) -> None:
+                 exchange=None, value_copies: int = 1, grad_copies: int = 1,
+                 copies_target: float | None = None, max_copies: int = 3) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -107,9 +117,16 @@ class LossyCollective:
         # learning rates -- while the copies cost only bandwidth. Loss p -> p**value_copies.
         self.value_copies = max(1, int(value_copies))
         self.grad_copies = max(1, int(grad_copies))  # same for contributions to the owners
+        # copies_target set: the counts above are only where each link starts; then every
+        # link gets the fewest copies that bring its measured loss to the target (copies.py)
+        self._may_copy = (copies_target is not None or self.value_copies > 1
+                          or self.grad_copies > 1)
         if world is None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank = int(world), int(rank)
+        self._vpol = CopyPolicy(self.world, self.value_copies, copies_target, max_copies)
+        self._gpol = CopyPolicy(self.world, self.grad_copies, copies_target, max_copies)
+        self.loss_in = LossEstimator(self.world, MARKER_COPIES)
         mtu = mtu or default_mtu()
         self.chunk = max_floats_for_mtu(mtu)
         self.layout = Layout(int(numel), self.world, self.chunk)
@@ -122,13 +139,17 @@ class LossyCollective:
         self.transport = UdpTransport(host or default_host(), self.slot,
                                       pace_bytes_per_s=pace_bytes_per_s)
         self.transport.set_peers(ex.all_gather(self.transport.addr))
-        self.wire = Wire(secret, job, self.world, self.rank, self.layout.shard_lens, self.chunk)
+        self.wire = Wire(secret, job, self.world, self.rank, self.layout.shard_lens, self.chunk,
+                         rounds_open=ROUNDS_OPEN)
         self.deadline = deadline or AdaptiveDeadline()
         b = self.layout.bounds
         self._lo, self._hi = b[self.rank], b[self.rank + 1]
-        self._rounds = [self._new_round(0), self._new_round(1)]
+        self._rounds = [self._new_round(i) for i in range(ROUNDS_OPEN)]
         self.round = -1
         self.silent: set[int] = set()
+        # perf_counter of each peer's latest packet (start: now, so a peer that never speaks
+        # is given up on after one cap like any other)
+        self._heard = np.full(self.world, time.perf_counter())
         self.rejected = np.zeros(len(REASONS), np.int64)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -155,13 +176,23 @@ class LossyCollective:
         off_l = hdr["offset"].tolist()
         len_l = hdr["length"].tolist()
         hint_l = hdr["hint"].tolist()
+        fb_l = hdr["fb"].tolist()
         C = self.chunk
         bounds = self.layout.bounds
+        now = time.perf_counter()
         with self._cond:
             for i, why in enumerate(why_l):
                 s = snd_l[i]
-                if self.silent and why not in _UNAUTHENTICATED and s in self.silent:
-                    self.silent.discard(s)  # an authenticated packet: it is alive again
+                if why not in _UNAUTHENTICATED and s < self.world:
+                    self._heard[s] = now  # of any round: it is alive
+                    if s in self.silent:
+                        self.silent.discard(s)  # it speaks again: wait for it again
+                if fl_l[i] & FLAG_END and (why == 0 or why == _OLD) and s < self.world:
+                    # authenticated (the tag is checked before the round): a marker copy
+                    self.loss_in.heard_marker(s)
+                    if fb_l[i] != FB_UNKNOWN:
+                        self._vpol.feedback(s, fb_l[i])
+                        self._gpol.feedback(s, fb_l[i])
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
                                       len_l[i], hint_l[i], C, bounds)
@@ -176,14 +207,14 @@ class LossyCollective:
         lock: "seen" only goes from False to True within a round, and a packet misjudged
         during a round change is of an old round, rejected anyway)."""
         out = np.zeros(idx.size, bool)
-        if self.value_copies == 1 and self.grad_copies == 1:
+        if not self._may_copy:
             return out  # no deliberate copies: keep counting replays as duplicates
         h = hdr[idx]
         C, me, world = self.chunk, self.rank, self.world
         for j, (rnd, ph, fl, s, off) in enumerate(zip(
                 h["round"].tolist(), h["phase"].tolist(), h["flags"].tolist(),
                 h["sender"].tolist(), h["offset"].tolist(), strict=True)):
-            st = self._rounds[rnd % 2]
+            st = self._rounds[rnd % ROUNDS_OPEN]
             if fl or st.rnd != rnd or s >= world or s == me:
                 continue
             c = off // C
@@ -199,7 +230,7 @@ class LossyCollective:
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
                hint: int, C: int, bounds: list[int]) -> int:
-        st = self._rounds[rnd % 2]
+        st = self._rounds[rnd % ROUNDS_OPEN]
         if st.rnd != rnd:
             return R["old_round"] if rnd < self.round else R["future_round"]
         is_end = flags & FLAG_END
@@ -221,12 +252,12 @@ class LossyCollective:
             st.norm[s] = float(pay[0])
         elif ph == PHASE_GRAD:
             if not st.acc.add(s, off, pay):  # never counted twice
-                return 0 if self.grad_copies > 1 else R["duplicate"]
+                return 0 if self._may_copy else R["duplicate"]
         else:
             seen = st.vseen[s]
             c = off // C
             if seen[c]:  # an identical copy of values already written: ignore, never harmful
-                return 0 if self.value_copies > 1 else R["duplicate"]
+                return 0 if self._may_copy else R["duplicate"]
             seen[c] = True
             lo = bounds[s] + off
             st.vals[lo: lo + n] = pay
@@ -277,13 +308,27 @@ class LossyCollective:
         return self.transport.send_ptrs(ptrs[order], sizes[order], dests[order],
                                         keepalive=[r for r, _, _ in plan])
 
+    def _send_copies(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
+                     policy: CopyPolicy) -> tuple[int, int]:
+        """Send the plan, each destination's packets as many times as its policy says (all
+        first copies, then all second copies, ...: copies of one packet are spread in time,
+        so a burst of loss rarely takes all of them). Returns (sent, most copies)."""
+        want = {d: policy.copies(d) for _, _, d in plan}
+        most = max(want.values(), default=1)
+        sent = 0
+        for k in range(most):
+            sent += self._send([p for p in plan if want[p[2]] > k])
+        return sent, most
+
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int) -> int:
         pkts = []
         for d, c in counts.items():
             shard = d if phase == PHASE_GRAD else self.rank
+            est = self.loss_in.loss(d)  # what we measure on d's packets, fed back to d
+            fb = FB_UNKNOWN if est is None else int(round(est * 1e6))
             pkts.append((d, self.wire.packet(phase, self.round, shard, c,
                                              np.zeros(0, np.float32), flags=FLAG_END,
-                                             hint=hint_us)))
+                                             hint=hint_us, fb=fb)))
         if not pkts:
             return 0
         slot = max(len(p) for _, p in pkts)
@@ -302,12 +347,10 @@ class LossyCollective:
         with self._cond:
             self.round += 1
             r = self.round
-            cur = self._rounds[r % 2]
-            if cur.rnd != r:  # a round was skipped (cannot happen in lockstep; be safe)
-                cur.reset(r)
-            nxt = self._rounds[(r + 1) % 2]
-            if nxt.rnd != r + 1:  # round r-1 is over: recycle its state for round r+1
-                nxt.reset(r + 1)
+            for k in range(ROUNDS_OPEN):  # round r-1 is over: its state becomes r+OPEN-1's
+                st = self._rounds[(r + k) % ROUNDS_OPEN]
+                if st.rnd != r + k:
+                    st.reset(r + k)
         return r
 
     def _expected(self, phase: int) -> dict[int, int]:
@@ -319,7 +362,7 @@ class LossyCollective:
         return {s: self.layout.n_chunks(s) for s in range(self.world) if s != self.rank}
 
     def _wait(self, phase: int, t0: float, adapt: bool = True) -> PhaseStats:
-        st = self._rounds[self.round % 2]
+        st = self._rounds[self.round % ROUNDS_OPEN]
         exp = self._expected(phase)
         total = sum(exp.values())
         limit = self.deadline.current()
@@ -354,9 +397,21 @@ class LossyCollective:
             recv = int(st.got[phase].sum())
             out.recv = recv
             out.lost = total - recv
+            if phase != PHASE_NORM:  # every live peer owed us MARKER_COPIES marker copies
+                self.loss_in.phase_closed([s for s in exp if s not in self.silent])
             if out.deadline_hit:
                 for s in exp:
-                    if st.got[phase, s] == 0 and st.marker[phase, s] < 0 and exp[s] >= 0:
+                    # silent = nothing authenticated from it, of ANY round, for a whole
+                    # deadline cap. A peer that is merely stalled (a TCP retransmission in
+                    # the job's eval or checkpoint traffic holds a rank 0.2-1 s under loss)
+                    # or a round out of step is not dead: giving up on it after one short
+                    # deadline let the others run rounds ahead, beyond the rounds it buffers,
+                    # and the two groups never met again (seen at 10% loss: two pairs of
+                    # ranks, 13% of chunks lost for the rest of the run). A dead peer costs
+                    # at most one cap of deadlines, then is not waited for.
+                    quiet = time.perf_counter() - self._heard[s]
+                    if (st.got[phase, s] == 0 and st.marker[phase, s] < 0
+                            and quiet >= self.deadline.cap):
                         self.silent.add(s)
                 out.silent = sorted(self.silent)
         completion = recv / total if total else 1.0
@@ -369,7 +424,7 @@ class LossyCollective:
         contributions that arrived (its own always)."""
         flat = np.ascontiguousarray(flat, dtype=np.float32)
         t0 = time.perf_counter()
-        st = self._rounds[self.round % 2]
+        st = self._rounds[self.round % ROUNDS_OPEN]
         with self._cond:
             st.acc.add_own(flat[self._lo: self._hi])
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
@@ -381,12 +436,10 @@ class LossyCollective:
             rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint)
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
-        sent = 0
-        for _ in range(self.grad_copies):
-            sent += self._send(plan)
+        sent, most = self._send_copies(plan, self._gpol)
         sent += self._send_markers(PHASE_GRAD, counts, hint)
         out = self._wait(PHASE_GRAD, t0)
-        out.sent = sent
+        out.sent, out.copies = sent, most
         return st.acc.average(), out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray) -> tuple[np.ndarray,
@@ -399,13 +452,11 @@ class LossyCollective:
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
         rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-        sent = 0
-        for _ in range(self.value_copies):
-            sent += self._send([(rows, lengths, d) for d in peers])
+        sent, most = self._send_copies([(rows, lengths, d) for d in peers], self._vpol)
         sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint)
         ps = self._wait(PHASE_VALUE, t0)
-        ps.sent = sent
-        st = self._rounds[self.round % 2]
+        ps.sent, ps.copies = sent, most
+        st = self._rounds[self.round % ROUNDS_OPEN]
         mask = np.zeros(self.layout.numel, bool)
         b = self.layout.bounds
         for s in range(self.world):
@@ -435,7 +486,7 @@ class LossyCollective:
                                    np.array(peers * MARKER_COPIES))
         ps = self._wait(PHASE_NORM, t0, adapt=False)
         ps.sent = sent
-        st = self._rounds[self.round % 2]
+        st = self._rounds[self.round % ROUNDS_OPEN]
         lens = np.array(self.layout.shard_lens, np.float64)
         have = st.got[PHASE_NORM] > 0
         have[self.rank] = True

@@ -28,7 +28,10 @@ class AdaptiveDeadline:
     # Never below this: a phase's clock starts when THIS rank enters it, so the deadline must
     # also absorb compute skew between ranks, which the completion rate cannot see. Only a
     # late or silent rank (or all copies of an end marker lost) ever makes a phase wait this.
-    floor: float = 0.25
+    # 1 s, not less: the skew that matters comes from the job's other traffic on TCP (eval,
+    # checkpoint barriers, the monitor), which under loss stalls ranks for 0.2-1 s on
+    # retransmission timeouts; at 0.25 s every such stall cost a whole rank's contribution.
+    floor: float = 1.0
     cap: float = 5.0
     margin: float = 2.0  # headroom over the projected full-phase time
     min_grace: float = 0.001

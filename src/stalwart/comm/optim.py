@@ -19,9 +19,11 @@ also works but is a different (per-rank) clipping rule.
 
 Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (all phases;
 rejected = failed a check; authentic packets that came after their phase are pkts_late),
-deadline_hits, drift, stale_max, silent_ranks, comm_time. ``drift`` is the largest
-|replica - owner| this rank observed this step: for every chunk that landed, the gap between the
-stale local copy and the owner's value that replaced it (with no loss: one step's update);
+deadline_hits, copies (most copies of a packet sent this step), loss_in (the highest raw loss
+rate this rank measures on its incoming links), drift, stale_max, silent_ranks, comm_time.
+``drift`` is the largest |replica - owner| this rank observed this step: for every chunk that
+landed, the gap between the stale local copy and the owner's value that replaced it (with no
+loss: one step's update);
 ``stale_max`` is the age in steps of this replica's oldest chunk.
 """
 
@@ -176,6 +178,10 @@ class ShardedLossyOptimizer:
             "pkts_rejected": rej - self._stats.get("_rej_total", 0), "_rej_total": rej,
             "pkts_late": late - self._stats.get("_late_total", 0), "_late_total": late,
             "deadline_hits": sum(int(p.deadline_hit) for p in phases),
+            # forward error protection in force, and the worst incoming loss measured
+            "copies": max(p.copies for p in phases),
+            "loss_in": max((x for x in (coll.loss_in.loss(s) for s in range(coll.world)
+                                        if s != coll.rank) if x is not None), default=0.0),
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),
             "comm_time": (time.perf_counter() - t0),

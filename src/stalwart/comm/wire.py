@@ -9,19 +9,23 @@ payload with a per-job secret.
 Layout (little-endian)::
 
     magic u16 | phase u8 | flags u8 | job u32 | round u32 | sender u16 | shard u16 |
-    offset u32 | length u32 | hint u32 | payload: length x float32 | tag: 16 bytes
+    offset u32 | length u32 | hint u32 | fb u32 | payload: length x float32 | tag: 16 bytes
 
 ``offset``/``length`` count float32 elements inside the shard. A ``PHASE_NORM`` packet carries
 one float (the owner's squared norm of its averaged gradient shard) at offset 0. A packet with
 ``FLAG_END`` set is an end-of-phase marker: no payload, ``offset`` = how many data packets the
 sender sent to this receiver in that phase (so the receiver can count its losses exactly) and
 ``hint`` = the sender's deadline proposal in microseconds (how ranks agree on deadlines
-without a reliable channel).
+without a reliable channel) and ``fb`` = the packet loss rate the sender measures on what it
+receives FROM this receiver, in parts per million (``FB_UNKNOWN`` before it has measured): the
+feedback that sizes the receiver's forward error protection towards the sender
+(``copies.py``). Data packets carry ``fb`` = ``FB_UNKNOWN``.
 
 Guarantee of ``Wire.check``: it never raises and never writes anywhere but its own result
 arrays. Every packet it accepts has a valid tag under this job's key, comes from a known peer
-(claimed sender id and source address both match), belongs to the current or next round and a
-known phase, covers exactly one chunk of the right shard, and carries only finite floats.
+(claimed sender id and source address both match), belongs to the current round or one of
+the next ``rounds_open - 1`` and a known phase, covers exactly one chunk of the right shard,
+and carries only finite floats.
 Everything else is rejected with a reason code that the caller counts.
 """
 
@@ -37,10 +41,12 @@ MAGIC = 0x5357  # "WS"
 HEADER = np.dtype([
     ("magic", "<u2"), ("phase", "u1"), ("flags", "u1"), ("job", "<u4"), ("round", "<u4"),
     ("sender", "<u2"), ("shard", "<u2"), ("offset", "<u4"), ("length", "<u4"), ("hint", "<u4"),
+    ("fb", "<u4"),
 ])
-HEADER_BYTES = HEADER.itemsize  # 28
+HEADER_BYTES = HEADER.itemsize  # 32
+FB_UNKNOWN = 0xFFFFFFFF
 TAG_BYTES = 16
-OVERHEAD = HEADER_BYTES + TAG_BYTES  # 44
+OVERHEAD = HEADER_BYTES + TAG_BYTES  # 48
 IP_UDP_BYTES = 28  # IPv4 header (20) + UDP header (8)
 
 PHASE_GRAD = 0  # contributions to a shard, sent to its owner (reduce-scatter)
@@ -75,7 +81,7 @@ class Wire:
     """
 
     def __init__(self, key: bytes, job: int, world: int, me: int,
-                 shard_lens: list[int], chunk: int) -> None:
+                 shard_lens: list[int], chunk: int, rounds_open: int = 2) -> None:
         if len(key) < 16:
             raise ValueError("key must have at least 16 bytes")
         self.key = key
@@ -84,6 +90,7 @@ class Wire:
         self.me = me
         self.shard_lens = np.asarray(shard_lens, dtype=np.int64)
         self.chunk = int(chunk)
+        self.rounds_open = int(rounds_open)  # current round + this many - 1 ahead accepted
         self._mac = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
 
     # ---- sending --------------------------------------------------------------------------
@@ -105,12 +112,14 @@ class Wire:
             mv[base + n: base + n + TAG_BYTES] = tag(mv[base: base + n])
 
     def packet(self, phase: int, rnd: int, shard: int, offset: int, payload: np.ndarray,
-               flags: int = 0, hint: int = 0, sender: int | None = None) -> bytes:
+               flags: int = 0, hint: int = 0, sender: int | None = None,
+               fb: int = FB_UNKNOWN) -> bytes:
         """One sealed packet as bytes (for tests, markers and tools; the hot path uses rows)."""
         payload = np.ascontiguousarray(payload, dtype="<f4")
         hdr = np.zeros(1, HEADER)
         hdr[0] = (MAGIC, phase, flags, self.job, rnd & 0xFFFFFFFF,
-                  self.me if sender is None else sender, shard, offset, payload.size, hint)
+                  self.me if sender is None else sender, shard, offset, payload.size, hint,
+                  fb)
         body = hdr.tobytes() + payload.tobytes()
         return body + self.tag(body)
 
@@ -162,7 +171,7 @@ class Wire:
         rnd = hdr["round"].astype(np.int64)
         cur = int(cur_round) & 0xFFFFFFFF
         reasons[live & (rnd < cur)] = R["old_round"]
-        reasons[live & (rnd > cur + 1)] = R["future_round"]
+        reasons[live & (rnd > cur + self.rounds_open - 1)] = R["future_round"]
         live = reasons == 0
         # semantic range: phase, flags, shard, offset/length == exactly one chunk of that shard
         phase = hdr["phase"].astype(np.int64)

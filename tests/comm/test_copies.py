@@ -1,0 +1,57 @@
+"""Forward error protection sized to the measured loss (copies.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stalwart.comm.copies import MIN_OWED, CopyPolicy, LossEstimator, copies_for
+
+
+def test_copies_for_is_the_fewest_that_reach_the_target() -> None:
+    assert copies_for(0.0, 1e-3, 4) == 1
+    assert copies_for(0.001, 1e-3, 4) == 1
+    assert copies_for(0.01, 1e-3, 4) == 2
+    assert copies_for(0.05, 1e-3, 4) == 3
+    assert copies_for(0.1, 1e-3, 4) == 3  # 0.1**3 == 1e-3 exactly: no float round-up to 4
+    assert copies_for(0.3, 1e-3, 4) == 4  # capped
+    assert copies_for(1.0, 1e-3, 4) == 4
+    cs = [copies_for(float(p), 1e-3, 4) for p in np.linspace(0, 1, 101)]
+    assert cs == sorted(cs) and min(cs) >= 1 and max(cs) <= 4
+
+
+def test_loss_estimator_measures_the_rate_of_missing_marker_copies() -> None:
+    rng = np.random.default_rng(0)
+    est = LossEstimator(world=3, marker_copies=4)
+    assert est.loss(1) is None  # nothing owed yet: no estimate
+    for _ in range(400):  # peer 1 loses 10% of its packets to us, peer 2 none
+        for _ in range(4):
+            if rng.random() >= 0.10:
+                est.heard_marker(1)
+            est.heard_marker(2)
+        est.phase_closed([1, 2])
+    assert est.owed[1] >= MIN_OWED
+    assert abs(est.loss(1) - 0.10) < 0.05
+    assert est.loss(2) < 0.01
+
+
+def test_loss_estimator_waits_a_phase_for_markers_that_follow_the_data() -> None:
+    # a clean link whose markers always arrive just after the phase closed: no loss
+    est = LossEstimator(world=2, marker_copies=4)
+    for _ in range(50):
+        est.phase_closed([1])
+        for _ in range(4):
+            est.heard_marker(1)
+    assert est.loss(1) is not None and est.loss(1) < 0.01
+
+
+def test_policy_starts_at_initial_and_follows_feedback() -> None:
+    pol = CopyPolicy(world=3, initial=2, target=1e-3)
+    assert pol.copies(1) == 2  # not measured yet
+    pol.feedback(1, 100_000)  # the peer sees 10% loss from us
+    pol.feedback(2, 0)
+    assert pol.copies(1) == 3 and pol.copies(2) == 1
+    pol.feedback(1, 2_000_000)  # out of range (a broken peer): ignored
+    assert pol.copies(1) == 3
+    fixed = CopyPolicy(world=3, initial=2, target=None)
+    fixed.feedback(1, 0)
+    assert fixed.copies(1) == 2 and not fixed.adaptive
