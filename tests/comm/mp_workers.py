@@ -33,8 +33,8 @@ def _dump(out: str, rank: int, rec: dict) -> None:
 
 def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, out: str,
                      mtu: int = 1500, silent_rank: int = -1, silent_from: int = 10**9,
-                     cap: float = 5.0, floor: float | None = None, values: str = "random"
-                     ) -> None:
+                     cap: float = 5.0, floor: float | None = None, values: str = "random",
+                     copies: int = 1, copies_target: float | None = None) -> None:
     """``rounds`` all-reduces of random vectors; compares with gloo's exact average.
 
     ``silent_rank`` stops taking part from round ``silent_from`` on (it just sleeps until the
@@ -45,10 +45,11 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
 
     _init(rank, world, port)
     dl = AdaptiveDeadline(initial=cap, cap=cap, floor=cap if floor is None else floor)
-    coll = LossyCollective(numel, mtu=mtu, deadline=dl)
+    coll = LossyCollective(numel, mtu=mtu, deadline=dl, value_copies=copies, grad_copies=copies,
+                           copies_target=copies_target)
     rng = np.random.default_rng(1000 + rank)
     rec: dict = {"err": [], "hits": [], "lost": [], "recv": [], "silent": [], "elapsed": [],
-                 "out": []}
+                 "out": [], "copies": []}
     try:
         for r in range(rounds):
             x = rng.standard_normal(numel).astype(np.float32)
@@ -64,6 +65,7 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
                 dist.all_reduce(ref)
                 rec["err"].append(float(np.abs(got - ref.numpy() / world).max()))
             rec["hits"].append([int(p.deadline_hit) for p in ps])
+            rec["copies"].append([p.copies for p in ps])
             rec["lost"].append([p.lost for p in ps])
             rec["recv"].append([p.recv for p in ps])
             rec["silent"].append(sorted(coll.silent))

@@ -67,6 +67,17 @@ def test_slow_rank_is_found_with_step_hints(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_slow_rank_is_found_with_batched_exchanges(tmp_path: Path) -> None:
+    # what --comm lossy runs use: one exchange every few steps, carrying every step's
+    # sample, two in flight -- same verdict and onset, a few steps more latency
+    res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "30", "--steps", "70",
+                  "--check-every", "4", "--lag", "2")
+    first = check_slow_rank_found(res, 1)
+    assert 27 <= first["onset_step"] <= 34
+    assert first["step"] - first["onset_step"] <= 8 + 4 * 2
+
+
+@pytest.mark.slow
 def test_slow_rank_is_found_without_any_call_from_the_loop(tmp_path: Path) -> None:
     res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "30", "--steps", "60",
                   "--hint", "0")

@@ -43,6 +43,7 @@ from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.layout import Layout
 from stalwart.comm.transport import UdpTransport, default_host, default_mtu
 from stalwart.comm.wire import (
+    FB_SCALE,
     FB_UNKNOWN,
     FLAG_END,
     HEADER,
@@ -60,6 +61,11 @@ from stalwart.comm.wire import (
 
 _UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
 _OLD, _LATE = R["old_round"], R["late"]
+# data datagrams that count as arrived for the loss estimate: placed (or after its phase, in
+# an open round), or a copy of a placed chunk (dropped before its tag is checked: a forged one
+# could only lower the estimate). Not those of a closed round: their marker is not booked
+# either, and counting them made a 1% loss read as 0.0-0.3% (rounds are often one apart).
+_ARRIVED = (0, R["spare"], R["duplicate"])
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
@@ -107,7 +113,8 @@ class LossyCollective:
                  pace_bytes_per_s: float = 0.0, key: bytes | None = None,
                  world: int | None = None, rank: int | None = None,
                  exchange=None, value_copies: int = 1, grad_copies: int = 1,
-                 copies_target: float | None = None, max_copies: int = 3) -> None:
+                 copies_target: float | None = None, max_copies: int = 3,
+                 min_copies: int = 1) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -124,9 +131,11 @@ class LossyCollective:
         if world is None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank = int(world), int(rank)
-        self._vpol = CopyPolicy(self.world, self.value_copies, copies_target, max_copies)
-        self._gpol = CopyPolicy(self.world, self.grad_copies, copies_target, max_copies)
-        self.loss_in = LossEstimator(self.world, MARKER_COPIES)
+        self._vpol = CopyPolicy(self.world, self.value_copies, copies_target, max_copies,
+                                min_copies)
+        self._gpol = CopyPolicy(self.world, self.grad_copies, copies_target, max_copies,
+                                min_copies)
+        self.loss_in = LossEstimator(self.world)
         mtu = mtu or default_mtu()
         self.chunk = max_floats_for_mtu(mtu)
         self.layout = Layout(int(numel), self.world, self.chunk)
@@ -177,6 +186,7 @@ class LossyCollective:
         len_l = hdr["length"].tolist()
         hint_l = hdr["hint"].tolist()
         fb_l = hdr["fb"].tolist()
+        cp_l = hdr["copies"].tolist()
         C = self.chunk
         bounds = self.layout.bounds
         now = time.perf_counter()
@@ -187,15 +197,18 @@ class LossyCollective:
                     self._heard[s] = now  # of any round: it is alive
                     if s in self.silent:
                         self.silent.discard(s)  # it speaks again: wait for it again
-                if fl_l[i] & FLAG_END and (why == 0 or why == _OLD) and s < self.world:
-                    # authenticated (the tag is checked before the round): a marker copy
-                    self.loss_in.heard_marker(s)
-                    if fb_l[i] != FB_UNKNOWN:
-                        self._vpol.feedback(s, fb_l[i])
-                        self._gpol.feedback(s, fb_l[i])
+                if s < self.world and ph_l[i] != PHASE_NORM:
+                    if not fl_l[i] & FLAG_END:
+                        if why in _ARRIVED:  # a data datagram from s reached us
+                            self.loss_in.arrived(s)
+                    elif (why == 0 or why == _OLD) and fb_l[i] != FB_UNKNOWN:
+                        # an authenticated marker (the tag is checked before the round)
+                        rate = fb_l[i] / FB_SCALE
+                        self._vpol.feedback(s, rate)
+                        self._gpol.feedback(s, rate)
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
-                                      len_l[i], hint_l[i], C, bounds)
+                                      len_l[i], hint_l[i], C, bounds, cp_l[i])
                 elif why == _OLD and rnd_l[i] == self.round - 1:
                     why = _LATE  # the round that just ended: a late packet or a spare copy
                 if why:
@@ -229,11 +242,15 @@ class LossyCollective:
         return out
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
-               hint: int, C: int, bounds: list[int]) -> int:
+               hint: int, C: int, bounds: list[int], copies: int = 1) -> int:
         st = self._rounds[rnd % ROUNDS_OPEN]
         if st.rnd != rnd:
             return R["old_round"] if rnd < self.round else R["future_round"]
         is_end = flags & FLAG_END
+        if is_end and st.marker[ph, s] < 0:  # the first copy of s's marker for this phase
+            st.marker[ph, s] = off
+            if ph != PHASE_NORM:
+                self.loss_in.owe(s, off * min(max(copies, 1), 16))
         if st.closed[ph]:
             # a spare copy (end marker, norm, a data chunk already placed) after the phase is
             # harmless; a chunk that had not arrived before the phase ended is late
@@ -280,6 +297,7 @@ class LossyCollective:
         h = np.zeros(nc, HEADER)
         h["magic"], h["phase"], h["job"], h["round"] = MAGIC, phase, self.wire.job, self.round
         h["sender"], h["shard"], h["hint"] = self.rank, shard, hint_us
+        h["fb"] = FB_UNKNOWN
         h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
         rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
         C = self.chunk
@@ -309,26 +327,26 @@ class LossyCollective:
                                         keepalive=[r for r, _, _ in plan])
 
     def _send_copies(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
-                     policy: CopyPolicy) -> tuple[int, int]:
+                     policy: CopyPolicy) -> tuple[int, dict[int, int]]:
         """Send the plan, each destination's packets as many times as its policy says (all
         first copies, then all second copies, ...: copies of one packet are spread in time,
-        so a burst of loss rarely takes all of them). Returns (sent, most copies)."""
+        so a burst of loss rarely takes all of them). Returns (sent, copies per destination)."""
         want = {d: policy.copies(d) for _, _, d in plan}
-        most = max(want.values(), default=1)
         sent = 0
-        for k in range(most):
+        for k in range(max(want.values(), default=1)):
             sent += self._send([p for p in plan if want[p[2]] > k])
-        return sent, most
+        return sent, want
 
-    def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int) -> int:
+    def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,
+                      copies: dict[int, int]) -> int:
         pkts = []
         for d, c in counts.items():
             shard = d if phase == PHASE_GRAD else self.rank
             est = self.loss_in.loss(d)  # what we measure on d's packets, fed back to d
-            fb = FB_UNKNOWN if est is None else int(round(est * 1e6))
+            fb = FB_UNKNOWN if est is None else int(round(est * FB_SCALE))
             pkts.append((d, self.wire.packet(phase, self.round, shard, c,
                                              np.zeros(0, np.float32), flags=FLAG_END,
-                                             hint=hint_us, fb=fb)))
+                                             hint=hint_us, fb=fb, copies=copies.get(d, 1))))
         if not pkts:
             return 0
         slot = max(len(p) for _, p in pkts)
@@ -397,8 +415,6 @@ class LossyCollective:
             recv = int(st.got[phase].sum())
             out.recv = recv
             out.lost = total - recv
-            if phase != PHASE_NORM:  # every live peer owed us MARKER_COPIES marker copies
-                self.loss_in.phase_closed([s for s in exp if s not in self.silent])
             if out.deadline_hit:
                 for s in exp:
                     # silent = nothing authenticated from it, of ANY round, for a whole
@@ -436,10 +452,10 @@ class LossyCollective:
             rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint)
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
-        sent, most = self._send_copies(plan, self._gpol)
-        sent += self._send_markers(PHASE_GRAD, counts, hint)
+        sent, want = self._send_copies(plan, self._gpol)
+        sent += self._send_markers(PHASE_GRAD, counts, hint, want)
         out = self._wait(PHASE_GRAD, t0)
-        out.sent, out.copies = sent, most
+        out.sent, out.copies = sent, max(want.values(), default=1)
         return st.acc.average(), out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray) -> tuple[np.ndarray,
@@ -452,10 +468,10 @@ class LossyCollective:
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
         rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-        sent, most = self._send_copies([(rows, lengths, d) for d in peers], self._vpol)
-        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint)
+        sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol)
+        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint, want)
         ps = self._wait(PHASE_VALUE, t0)
-        ps.sent, ps.copies = sent, most
+        ps.sent, ps.copies = sent, max(want.values(), default=1)
         st = self._rounds[self.round % ROUNDS_OPEN]
         mask = np.zeros(self.layout.numel, bool)
         b = self.layout.bounds

@@ -50,13 +50,14 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     ``copies``: forward error protection, never a retransmission. An int: every gradient and
     parameter packet is sent that many times (a loss rate p acts like p**copies on training,
     for ``copies`` times the bandwidth; 1 is the bare algorithm). ``"auto"`` (default): each
-    link starts at 2 and then gets the fewest copies (1-3) that bring its measured loss rate
-    to ``copies_target`` (``copies.py``): 1 on a clean network, 3 at 10% loss.
+    link gets the fewest copies (2-3) that bring its measured loss rate to ``copies_target``
+    (``copies.py``): 2 on a clean or 1%-loss network, 3 at 5-10% loss.
     """
     if copies == "auto":
-        initial, target = 2, copies_target
+        initial, target, floor = 2, copies_target, 2
+
     elif isinstance(copies, int) and not isinstance(copies, bool) and copies >= 1:
-        initial, target = copies, None
+        initial, target, floor = copies, None, 1
     else:
         raise ValueError(f"copies must be 'auto' or an int >= 1, got {copies!r}")
     if hasattr(ddp_model, "register_comm_hook"):
@@ -65,6 +66,7 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     params = [p for p in module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline,
-                           value_copies=initial, grad_copies=initial, copies_target=target)
+                           value_copies=initial, grad_copies=initial, copies_target=target,
+                           min_copies=floor)
     return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode,
                                  max_grad_norm=max_grad_norm, **optimizer_kwargs)

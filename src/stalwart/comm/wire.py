@@ -9,17 +9,20 @@ payload with a per-job secret.
 Layout (little-endian)::
 
     magic u16 | phase u8 | flags u8 | job u32 | round u32 | sender u16 | shard u16 |
-    offset u32 | length u32 | hint u32 | fb u32 | payload: length x float32 | tag: 16 bytes
+    offset u32 | length u32 | hint u32 | fb u16 | copies u16 | payload: length x float32 |
+    tag: 16 bytes
 
 ``offset``/``length`` count float32 elements inside the shard. A ``PHASE_NORM`` packet carries
 one float (the owner's squared norm of its averaged gradient shard) at offset 0. A packet with
 ``FLAG_END`` set is an end-of-phase marker: no payload, ``offset`` = how many data packets the
 sender sent to this receiver in that phase (so the receiver can count its losses exactly) and
 ``hint`` = the sender's deadline proposal in microseconds (how ranks agree on deadlines
-without a reliable channel) and ``fb`` = the packet loss rate the sender measures on what it
-receives FROM this receiver, in parts per million (``FB_UNKNOWN`` before it has measured): the
-feedback that sizes the receiver's forward error protection towards the sender
-(``copies.py``). Data packets carry ``fb`` = ``FB_UNKNOWN``.
+without a reliable channel), ``copies`` = how many times the sender sent each of those data
+packets (so the receiver knows how many datagrams it was owed), and ``fb`` = the packet loss
+rate the sender measures on what it receives FROM this receiver, in units of 1e-4
+(``FB_UNKNOWN`` before it has measured): the feedback that sizes the receiver's forward error
+protection towards the sender (``copies.py``). Data packets carry ``fb`` = ``FB_UNKNOWN``
+and ``copies`` = 0.
 
 Guarantee of ``Wire.check``: it never raises and never writes anywhere but its own result
 arrays. Every packet it accepts has a valid tag under this job's key, comes from a known peer
@@ -41,10 +44,11 @@ MAGIC = 0x5357  # "WS"
 HEADER = np.dtype([
     ("magic", "<u2"), ("phase", "u1"), ("flags", "u1"), ("job", "<u4"), ("round", "<u4"),
     ("sender", "<u2"), ("shard", "<u2"), ("offset", "<u4"), ("length", "<u4"), ("hint", "<u4"),
-    ("fb", "<u4"),
+    ("fb", "<u2"), ("copies", "<u2"),
 ])
 HEADER_BYTES = HEADER.itemsize  # 32
-FB_UNKNOWN = 0xFFFFFFFF
+FB_UNKNOWN = 0xFFFF
+FB_SCALE = 10_000  # fb units per 1.0 of loss rate
 TAG_BYTES = 16
 OVERHEAD = HEADER_BYTES + TAG_BYTES  # 48
 IP_UDP_BYTES = 28  # IPv4 header (20) + UDP header (8)
@@ -113,13 +117,13 @@ class Wire:
 
     def packet(self, phase: int, rnd: int, shard: int, offset: int, payload: np.ndarray,
                flags: int = 0, hint: int = 0, sender: int | None = None,
-               fb: int = FB_UNKNOWN) -> bytes:
+               fb: int = FB_UNKNOWN, copies: int = 0) -> bytes:
         """One sealed packet as bytes (for tests, markers and tools; the hot path uses rows)."""
         payload = np.ascontiguousarray(payload, dtype="<f4")
         hdr = np.zeros(1, HEADER)
         hdr[0] = (MAGIC, phase, flags, self.job, rnd & 0xFFFFFFFF,
                   self.me if sender is None else sender, shard, offset, payload.size, hint,
-                  fb)
+                  fb, copies)
         body = hdr.tobytes() + payload.tobytes()
         return body + self.tag(body)
 
