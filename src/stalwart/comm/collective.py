@@ -61,11 +61,12 @@ from stalwart.comm.wire import (
 
 _UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
 _OLD, _LATE = R["old_round"], R["late"]
-# data datagrams that count as arrived for the loss estimate: placed (or after its phase, in
-# an open round), or a copy of a placed chunk (dropped before its tag is checked: a forged one
-# could only lower the estimate). Not those of a closed round: their marker is not booked
-# either, and counting them made a 1% loss read as 0.0-0.3% (rounds are often one apart).
-_ARRIVED = (0, R["spare"], R["duplicate"])
+# data datagrams that count as arrived for the loss estimate: placed, late, of a round that
+# already ended, or a copy of a placed chunk (dropped before its tag is checked: a forged one
+# could only lower the estimate). Markers are booked in the same cases, in time or not: when
+# only in-time markers were booked, copies that arrived after their round ended were counted
+# with no debt, and a real 1% loss read as 0.0-0.3%.
+_ARRIVED = (0, R["spare"], R["duplicate"], _OLD)
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
@@ -159,6 +160,7 @@ class LossyCollective:
         # perf_counter of each peer's latest packet (start: now, so a peer that never speaks
         # is given up on after one cap like any other)
         self._heard = np.full(self.world, time.perf_counter())
+        self._booked = np.full((3, self.world), -1, np.int64)  # last marker round booked
         self.rejected = np.zeros(len(REASONS), np.int64)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -201,14 +203,20 @@ class LossyCollective:
                     if not fl_l[i] & FLAG_END:
                         if why in _ARRIVED:  # a data datagram from s reached us
                             self.loss_in.arrived(s)
-                    elif (why == 0 or why == _OLD) and fb_l[i] != FB_UNKNOWN:
-                        # an authenticated marker (the tag is checked before the round)
-                        rate = fb_l[i] / FB_SCALE
-                        self._vpol.feedback(s, rate)
-                        self._gpol.feedback(s, rate)
+                    elif why == 0 or why == _OLD:
+                        # an authenticated marker (the tag is checked before the round), in
+                        # time or not: book its datagrams once (a sender's markers arrive in
+                        # round order, so the first copy of a newer round is the one to book)
+                        if rnd_l[i] > self._booked[ph_l[i], s]:
+                            self._booked[ph_l[i], s] = rnd_l[i]
+                            self.loss_in.owe(s, off_l[i] * min(max(cp_l[i], 1), 16))
+                        if fb_l[i] != FB_UNKNOWN:
+                            rate = fb_l[i] / FB_SCALE
+                            self._vpol.feedback(s, rate)
+                            self._gpol.feedback(s, rate)
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
-                                      len_l[i], hint_l[i], C, bounds, cp_l[i])
+                                      len_l[i], hint_l[i], C, bounds)
                 elif why == _OLD and rnd_l[i] == self.round - 1:
                     why = _LATE  # the round that just ended: a late packet or a spare copy
                 if why:
@@ -242,15 +250,11 @@ class LossyCollective:
         return out
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
-               hint: int, C: int, bounds: list[int], copies: int = 1) -> int:
+               hint: int, C: int, bounds: list[int]) -> int:
         st = self._rounds[rnd % ROUNDS_OPEN]
         if st.rnd != rnd:
             return R["old_round"] if rnd < self.round else R["future_round"]
         is_end = flags & FLAG_END
-        if is_end and st.marker[ph, s] < 0:  # the first copy of s's marker for this phase
-            st.marker[ph, s] = off
-            if ph != PHASE_NORM:
-                self.loss_in.owe(s, off * min(max(copies, 1), 16))
         if st.closed[ph]:
             # a spare copy (end marker, norm, a data chunk already placed) after the phase is
             # harmless; a chunk that had not arrived before the phase ended is late
