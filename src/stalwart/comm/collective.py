@@ -528,6 +528,11 @@ class LossyCollective:
         _, p2 = self.broadcast(avg, out)
         return out, [p1, p2]
 
+    def worst_loss_in(self) -> float:
+        """The highest loss rate measured on this rank's incoming links (0 if none yet)."""
+        est = [self.loss_in.loss(s) for s in range(self.world) if s != self.rank]
+        return max((x for x in est if x is not None), default=0.0)
+
     def bad_packets(self) -> int:
         """Rejected packets except late ones (authentic, merely after their phase ended --
         already counted as lost by the phase, or spare copies)."""

@@ -55,7 +55,6 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     """
     if copies == "auto":
         initial, target, floor = 2, copies_target, 2
-
     elif isinstance(copies, int) and not isinstance(copies, bool) and copies >= 1:
         initial, target, floor = copies, None, 1
     else:

@@ -180,8 +180,7 @@ class ShardedLossyOptimizer:
             "deadline_hits": sum(int(p.deadline_hit) for p in phases),
             # forward error protection in force, and the worst incoming loss measured
             "copies": max(p.copies for p in phases),
-            "loss_in": max((x for x in (coll.loss_in.loss(s) for s in range(coll.world)
-                                        if s != coll.rank) if x is not None), default=0.0),
+            "loss_in": coll.worst_loss_in(),
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),
             "comm_time": (time.perf_counter() - t0),

@@ -233,7 +233,7 @@ class Monitor:
                 1.0 + self.detector.min_shift):
             self._pending = (RECOVER, ch.onset, ch.after / self._healthy, -1)
 
-    def _relative(self, rows: list[torch.Tensor]) -> None:
+    def _relative(self, rows: list[torch.Tensor], n: int) -> None:
         """Rank 0: each rank's compute time relative to the job's median, per step.
 
         A rank whose compute grows while its peers' does not is a compute straggler even when
@@ -241,8 +241,7 @@ class Monitor:
         it lost): the per-rank relative score of NVIDIA's straggler detection, here fed to the
         same BOCD+V as the iteration time, one detector per rank.
         """
-        n = int(rows[0][4])
-        for j in range(n):
+        for j in range(n):  # the first n entries: every rank sent at least n
             key = int(rows[0][5 + 2 * j])
             comps = [float(r[6 + 2 * j]) for r in rows]
             if any(not c > 0 or not math.isfinite(c) for c in comps):
@@ -308,8 +307,7 @@ class Monitor:
                 self._deciding -= 1
             suspect = int(got[0][3])
             if self.rank == 0:
-                got[0][4] = min(float(r[4]) for r in got)
-                self._relative(got)
+                self._relative(got, min(int(r[4]) for r in got))
         if action == NONE:
             return
         decided = self.samples[-1].key if self.samples else onset
