@@ -48,7 +48,10 @@ def run_job(out: Path, world: int, *args: str) -> list[dict]:
 def check_slow_rank_found(res: list[dict], slow: int) -> dict:
     # every rank holds the same verdicts
     assert all(r["findings"] == res[0]["findings"] for r in res)
-    found = res[0]["findings"]
+    # a job-wide slowdown that validation pins on nobody (kind "unknown", logged as
+    # slowdown_unexplained) is by design not a straggler verdict: one before the fault made
+    # this test fail once in CI on a busy 2-core machine. The first straggler verdict counts.
+    found = [f for f in res[0]["findings"] if f["kind"] != "unknown"]
     assert found, f"nothing detected; iteration times (ms): {res[0]['samples_ms']}"
     first = found[0]
     assert first["kind"] == "compute" and first["ranks"] == [slow], first
