@@ -314,21 +314,31 @@ class LossyCollective:
         return rows, lengths
 
     def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]]) -> int:
-        """Send each (rows, lengths, dest), destinations interleaved packet by packet so that no
-        receiver gets a long burst; the rows are sent in place (no copy)."""
+        """Send each (rows, lengths, dest), destinations interleaved so that no receiver gets a
+        long burst; the rows are sent in place (no copy). With segmentation offload, runs of
+        ``gso_segments`` consecutive rows to one destination go as one message (every row but
+        a shard's last is exactly one slot, so a run is one contiguous buffer)."""
         plan = [p for p in plan if len(p[1])]
         if not plan:
             return 0
-        pos = np.concatenate([np.arange(len(lengths)) for _, lengths, _ in plan])
-        which = np.concatenate([np.full(len(lengths), j) for j, (_, lengths, _) in
-                                enumerate(plan)])
-        ptrs = np.concatenate([rows.ctypes.data + np.arange(len(lengths), dtype=np.uint64)
-                               * np.uint64(rows.shape[1]) for rows, lengths, _ in plan])
-        sizes = np.concatenate([OVERHEAD + 4 * lengths for _, lengths, _ in plan])
-        dests = np.concatenate([np.full(len(lengths), d) for _, lengths, d in plan])
-        order = np.lexsort((which, pos))  # by chunk index, then by destination
-        return self.transport.send_ptrs(ptrs[order], sizes[order], dests[order],
-                                        keepalive=[r for r, _, _ in plan])
+        g = self.transport.gso_segments
+        pos, which, ptrs, sizes, dests, counts = [], [], [], [], [], []
+        for j, (rows, lengths, d) in enumerate(plan):
+            nc = len(lengths)
+            first = np.arange(0, nc, g)
+            last = np.minimum(first + g, nc) - 1
+            pos.append(np.arange(first.size))
+            which.append(np.full(first.size, j))
+            ptrs.append(rows.ctypes.data + first.astype(np.uint64) * np.uint64(rows.shape[1]))
+            sizes.append((last - first) * self.slot + OVERHEAD + 4 * lengths[last])
+            dests.append(np.full(first.size, d))
+            counts.append(last - first + 1)
+        order = np.lexsort((np.concatenate(which), np.concatenate(pos)))  # by run, then dest
+        return self.transport.send_ptrs(np.concatenate(ptrs)[order],
+                                        np.concatenate(sizes)[order],
+                                        np.concatenate(dests)[order],
+                                        keepalive=[r for r, _, _ in plan],
+                                        counts=np.concatenate(counts)[order])
 
     def _send_copies(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
                      policy: CopyPolicy) -> tuple[int, dict[int, int]]:

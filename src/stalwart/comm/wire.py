@@ -3,14 +3,22 @@
 Mechanism: the packet of "Distributed Training under Packet Loss" (Weintraub et al., 2025) and
 OptiReduce (NSDI '25) -- a fixed-size chunk of one shard, tagged with (job, round, phase, shard,
 offset, sender) so that every datagram is self-describing and can be placed without any
-per-connection state -- plus a keyed BLAKE2b tag (``hashlib.blake2b(key=...)``) over header and
-payload with a per-job secret.
+per-connection state -- plus a 16-byte authentication tag over header and payload.
+
+The tag is GMAC: AES-256-GCM (pyca ``cryptography``, i.e. OpenSSL) with the whole packet as
+associated data and nothing encrypted. The key is derived from the per-job secret and the job
+id (keyed BLAKE2b, once). Why not HMAC/keyed BLAKE2b per packet: on these machines BLAKE2b
+costs 7.2 us per 9 KB packet against 0.8-1.2 us for GMAC on AES-NI + carry-less multiply, and
+the tag was 40% of the all-reduce's time. GMAC is only secure while no nonce repeats under one
+key; the nonce is (sender u16, 0 u16, seq u64) and ``seq`` is a per-``Wire`` counter that
+every sealed packet takes the next value of (the deliberate copies of one packet are the same
+sealed bytes, so they share it harmlessly). Keys differ per job, so two jobs never share one.
 
 Layout (little-endian)::
 
     magic u16 | phase u8 | flags u8 | job u32 | round u32 | sender u16 | shard u16 |
-    offset u32 | length u32 | hint u32 | fb u16 | copies u16 | payload: length x float32 |
-    tag: 16 bytes
+    offset u32 | length u32 | hint u32 | fb u16 | copies u16 | seq u64 |
+    payload: length x float32 | tag: 16 bytes
 
 ``offset``/``length`` count float32 elements inside the shard. A ``PHASE_NORM`` packet carries
 one float (the owner's squared norm of its averaged gradient shard) at offset 0. A packet with
@@ -39,18 +47,19 @@ import hmac
 from collections.abc import Callable
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = 0x5357  # "WS"
 HEADER = np.dtype([
     ("magic", "<u2"), ("phase", "u1"), ("flags", "u1"), ("job", "<u4"), ("round", "<u4"),
     ("sender", "<u2"), ("shard", "<u2"), ("offset", "<u4"), ("length", "<u4"), ("hint", "<u4"),
-    ("fb", "<u2"), ("copies", "<u2"),
+    ("fb", "<u2"), ("copies", "<u2"), ("seq", "<u8"),
 ])
-HEADER_BYTES = HEADER.itemsize  # 32
+HEADER_BYTES = HEADER.itemsize  # 40
 FB_UNKNOWN = 0xFFFF
 FB_SCALE = 10_000  # fb units per 1.0 of loss rate
 TAG_BYTES = 16
-OVERHEAD = HEADER_BYTES + TAG_BYTES  # 48
+OVERHEAD = HEADER_BYTES + TAG_BYTES  # 56
 IP_UDP_BYTES = 28  # IPv4 header (20) + UDP header (8)
 
 PHASE_GRAD = 0  # contributions to a shard, sent to its owner (reduce-scatter)
@@ -76,6 +85,14 @@ def max_floats_for_mtu(mtu: int) -> int:
     return n
 
 
+def _nonces(hdr: np.ndarray) -> np.ndarray:
+    """The GCM nonce of each header: sender u16 | 0 u16 | seq u64 (n, 12) uint8, contiguous."""
+    out = np.zeros((hdr.size, 12), np.uint8)
+    out[:, 0:2] = hdr["sender"].astype("<u2").reshape(-1, 1).view(np.uint8)
+    out[:, 4:12] = hdr["seq"].astype("<u8").reshape(-1, 1).view(np.uint8)
+    return out
+
+
 class Wire:
     """Seals and checks packets of one job, seen from rank ``me`` of ``world``.
 
@@ -95,25 +112,41 @@ class Wire:
         self.shard_lens = np.asarray(shard_lens, dtype=np.int64)
         self.chunk = int(chunk)
         self.rounds_open = int(rounds_open)  # current round + this many - 1 ahead accepted
-        self._mac = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
+        job_key = hashlib.blake2b(self.job.to_bytes(4, "little"), key=key[:64], digest_size=32,
+                                  person=b"stalwart-gmac").digest()
+        self._aead = AESGCM(job_key)
+        self._seq = 0  # the next nonce sequence number this Wire seals with (never reused)
 
     # ---- sending --------------------------------------------------------------------------
-    def tag(self, data: memoryview | bytes) -> bytes:
-        h = self._mac.copy()  # copying the keyed state is cheaper than re-keying per packet
-        h.update(data)
-        return h.digest()
+    def tag(self, nonce: memoryview | bytes, data: memoryview | bytes) -> bytes:
+        """GMAC of ``data`` under this job's key: AES-GCM of nothing, ``data`` authenticated."""
+        return self._aead.encrypt(nonce, b"", data)
+
+    def _take_seq(self, n: int) -> int:
+        first = self._seq
+        self._seq += n
+        return first
 
     def seal_rows(self, rows: np.ndarray, lengths: np.ndarray) -> None:
-        """Write the tag of each row in place: row = header | payload(length) | tag.
+        """Give each row the next sequence numbers and write its tag in place: row = header |
+        payload(length) | tag.
 
         ``rows`` is a C-contiguous (n, slot) uint8 array whose headers and payloads are filled.
         """
+        n_rows = rows.shape[0]
+        if n_rows == 0:
+            return
+        hdr = rows[:, :HEADER_BYTES].view(HEADER).reshape(n_rows)
+        hdr["seq"] = self._take_seq(n_rows) + np.arange(n_rows, dtype=np.uint64)
+        nonces = _nonces(hdr)
+        nv = memoryview(nonces).cast("B")
         mv = memoryview(rows).cast("B")
         slot = rows.shape[1]
-        tag = self.tag
+        tag = self._aead.encrypt
         for i, n in enumerate((HEADER_BYTES + 4 * lengths).tolist()):
             base = i * slot
-            mv[base + n: base + n + TAG_BYTES] = tag(mv[base: base + n])
+            mv[base + n: base + n + TAG_BYTES] = tag(nv[12 * i: 12 * i + 12], b"",
+                                                     mv[base: base + n])
 
     def packet(self, phase: int, rnd: int, shard: int, offset: int, payload: np.ndarray,
                flags: int = 0, hint: int = 0, sender: int | None = None,
@@ -123,9 +156,9 @@ class Wire:
         hdr = np.zeros(1, HEADER)
         hdr[0] = (MAGIC, phase, flags, self.job, rnd & 0xFFFFFFFF,
                   self.me if sender is None else sender, shard, offset, payload.size, hint,
-                  fb, copies)
+                  fb, copies, self._take_seq(1))
         body = hdr.tobytes() + payload.tobytes()
-        return body + self.tag(body)
+        return body + self.tag(_nonces(hdr).tobytes(), body)
 
     # ---- receiving ------------------------------------------------------------------------
     def check(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray,
@@ -159,9 +192,12 @@ class Wire:
                 reasons[idx[placed(hdr, idx)]] = R["spare"]
         # the tag: per packet, only for well-formed ones (rejects garbage before hashing it)
         mv = memoryview(np.ascontiguousarray(rows)).cast("B")
+        nv = memoryview(_nonces(hdr)).cast("B")
+        tag = self._aead.encrypt
         for i in np.flatnonzero(reasons == 0).tolist():
             end = i * slot + int(sizes[i]) - TAG_BYTES
-            if not hmac.compare_digest(self.tag(mv[i * slot: end]), mv[end: end + TAG_BYTES]):
+            if not hmac.compare_digest(tag(nv[12 * i: 12 * i + 12], b"", mv[i * slot: end]),
+                                       mv[end: end + TAG_BYTES]):
                 reasons[i] = R["bad_tag"]
         live = reasons == 0
         sender = hdr["sender"].astype(np.int64)
