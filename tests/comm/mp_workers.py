@@ -34,11 +34,14 @@ def _dump(out: str, rank: int, rec: dict) -> None:
 def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, out: str,
                      mtu: int = 1500, silent_rank: int = -1, silent_from: int = 10**9,
                      cap: float = 5.0, floor: float | None = None, values: str = "random",
-                     copies: int = 1, copies_target: float | None = None) -> None:
+                     copies: int = 1, copies_target: float | None = None,
+                     late_rank: int = -1, late_round: int = -1, late_by: float = 0.0) -> None:
     """``rounds`` all-reduces of random vectors; compares with gloo's exact average.
 
     ``silent_rank`` stops taking part from round ``silent_from`` on (it just sleeps until the
     others are done, so its socket stays open but sends nothing: a hung peer).
+    ``late_rank`` sleeps ``late_by`` seconds before round ``late_round`` (a rank held up by
+    something else, e.g. a TCP retransmission in its eval traffic).
     """
     from stalwart.comm.collective import LossyCollective
     from stalwart.comm.deadline import AdaptiveDeadline
@@ -58,6 +61,8 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
             ref = torch.from_numpy(x.copy())
             if rank == silent_rank and r >= silent_from:
                 continue
+            if rank == late_rank and r == late_round:
+                time.sleep(late_by)
             t = time.perf_counter()
             got, ps = coll.allreduce(x)
             rec["elapsed"].append(time.perf_counter() - t)

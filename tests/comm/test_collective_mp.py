@@ -50,6 +50,19 @@ def test_auto_copies_drop_to_one_on_a_clean_network() -> None:
         assert r["copies"][-3:] == [[1, 1]] * 3, r["copies"]
 
 
+def test_a_late_rank_is_waited_for_not_dropped() -> None:
+    # rank 2 starts round 3 1.5 s after the others, three times their 0.5 s deadline: a peer
+    # that has sent nothing of the round is late, not lossy, so they wait (up to the 3 s cap)
+    # and then give it a whole deadline from its first packet on: nothing is lost
+    recs = spawn("allreduce", 3, numel=30_000, rounds=5, cap=3.0, floor=0.5, late_rank=2,
+                 late_round=3, late_by=1.5)
+    for r in recs:
+        assert all(sum(x) == 0 for x in r["lost"]), r["lost"]
+        assert all(sum(h) == 0 for h in r["hits"]), r["hits"]
+        assert max(r["err"]) < 1e-5
+    assert max(recs[0]["elapsed"][3], recs[1]["elapsed"][3]) > 1.0  # they did wait
+
+
 def test_a_silent_rank_costs_at_most_one_cap_not_a_hang() -> None:
     recs = spawn("allreduce", 3, numel=3000, rounds=7, silent_rank=2, silent_from=3, cap=1.0,
                  floor=0.5)
@@ -78,4 +91,6 @@ def test_ddp_attach_matches_reliable_ddp_without_loss() -> None:
         assert {"pkts_sent", "pkts_recv", "pkts_lost", "pkts_rejected", "deadline_hits",
                 "drift", "comm_time"} <= set(last)
         assert last["pkts_lost"] == 0 and last["pkts_rejected"] == 0 and last["pkts_recv"] > 0
-        assert r["stats"][0]["copies"] == 2  # "auto" protection starts at 2 copies
+        # "auto" protection: 4 copies until a link is measured, then the clean network's floor
+        assert r["stats"][0]["copies"] == 4
+        assert last["copies"] == 2, [s["copies"] for s in r["stats"]]

@@ -68,6 +68,9 @@ _OLD, _LATE = R["old_round"], R["late"]
 # with no debt, and a real 1% loss read as 0.0-0.3%.
 _ARRIVED = (0, R["spare"], R["duplicate"], _OLD)
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
+# a norm is the whole phase (one float per owner), and a lost one holds its receiver a full
+# deadline while the others go on to the broadcast without it: 1e-8 at 10% loss
+NORM_COPIES = 8
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
 
@@ -195,7 +198,10 @@ class LossyCollective:
         with self._cond:
             for i, why in enumerate(why_l):
                 s = snd_l[i]
-                if why not in _UNAUTHENTICATED and s < self.world:
+                # authenticated: its tag was checked (old-round DATA packets are dropped
+                # before that, so they are not proof that their sender is alive)
+                if (why not in _UNAUTHENTICATED and s < self.world
+                        and (why != _OLD or fl_l[i] & FLAG_END)):
                     self._heard[s] = now  # of any round: it is alive
                     if s in self.silent:
                         self.silent.discard(s)  # it speaks again: wait for it again
@@ -400,6 +406,9 @@ class LossyCollective:
         limit = self.deadline.current()
         out = PhaseStats()
         grace_from: float | None = None
+        waited_late = False  # waited past the deadline for a peer that had not started
+        was_late = False
+        base = t0  # when this phase's deadline started to run
         with self._cond:
             while True:
                 now = time.perf_counter()
@@ -417,11 +426,29 @@ class LossyCollective:
                             for s in live)
                 if ended and grace_from is None:
                     grace_from = now
-                wake = t0 + limit
+                # a live peer of which nothing of this ROUND has arrived has not started it
+                # (loss never takes all of a phase's packets and its 4 marker copies): it is
+                # late -- held by its own gloo traffic, eval or checkpoint, where TCP waits
+                # out retransmission timeouts under loss -- so wait for it up to the cap, and
+                # once it has started, give it the phase's deadline from then on. Ending at
+                # the adaptive deadline instead left the early ranks a phase ahead with
+                # nothing of it (seen at 10% loss: a rank entered a step 0.6-4.8 s before the
+                # others, got 0 of 519 packets, and the run ended 2.2% off); counting that
+                # deadline from the phase's start cut off a late peer's packets as soon as
+                # its first ones arrived (116 chunks lost). Evidence is per round, not per
+                # phase: a peer whose gradients arrived but whose one-float norm was lost
+                # (all copies) is not late, and waiting a cap for it stalled everyone 5 s.
+                late = any(not st.got[:, s].any() and (st.marker[:, s] < 0).all()
+                           for s in live)
+                if was_late and not late:
+                    base = now  # the late peer has started: its deadline runs from here
+                was_late = late
+                wake = t0 + self.deadline.cap if late else base + limit
+                waited_late |= late and now >= t0 + limit
                 if grace_from is not None:
-                    wake = min(wake, grace_from + self.deadline.grace(grace_from - t0))
+                    wake = min(wake, grace_from + self.deadline.grace(grace_from - base))
                 if now >= wake:
-                    out.deadline_hit = now >= t0 + limit
+                    out.deadline_hit = now >= base + limit or late
                     break
                 self._cond.wait(timeout=wake - now)
             st.closed[phase] = True
@@ -445,7 +472,8 @@ class LossyCollective:
                         self.silent.add(s)
                 out.silent = sorted(self.silent)
         completion = recv / total if total else 1.0
-        if adapt and (not out.deadline_hit or completion > 0):
+        # (a wait for a late peer measures its lateness, not the network: not a sample)
+        if adapt and not waited_late and (not out.deadline_hit or completion > 0):
             self.deadline.observe(self.rank, out.elapsed, completion)
         return out
 
@@ -502,7 +530,7 @@ class LossyCollective:
     def global_norm_sq(self, own_sq: float) -> tuple[float, PhaseStats]:
         """Sum over owners of their averaged shards' squared norms (for global clipping).
 
-        Every owner sends its value to every rank (``MARKER_COPIES`` copies: a one-float packet
+        Every owner sends its value to every rank (``NORM_COPIES`` copies: a one-float packet
         is cheap to repeat). A value still missing at the deadline is estimated from the
         others' mean per element times that shard's size.
         """
@@ -510,10 +538,10 @@ class LossyCollective:
         pkt = self.wire.packet(PHASE_NORM, self.round, self.rank, 0,
                                np.array([own_sq], np.float32))
         peers = [d for d in range(self.world) if d != self.rank]
-        rows = np.zeros((len(peers) * MARKER_COPIES, len(pkt)), np.uint8)
+        rows = np.zeros((len(peers) * NORM_COPIES, len(pkt)), np.uint8)
         rows[:] = np.frombuffer(pkt, np.uint8)
         sent = self.transport.send(rows, np.full(len(rows), len(pkt)),
-                                   np.array(peers * MARKER_COPIES))
+                                   np.array(peers * NORM_COPIES))
         ps = self._wait(PHASE_NORM, t0, adapt=False)
         ps.sent = sent
         st = self._rounds[self.round % ROUNDS_OPEN]

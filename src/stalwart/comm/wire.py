@@ -37,7 +37,10 @@ arrays. Every packet it accepts has a valid tag under this job's key, comes from
 (claimed sender id and source address both match), belongs to the current round or one of
 the next ``rounds_open - 1`` and a known phase, covers exactly one chunk of the right shard,
 and carries only finite floats.
-Everything else is rejected with a reason code that the caller counts.
+Everything else is rejected with a reason code that the caller counts. Two kinds of packet are
+rejected before their tag is computed, because accepting or refusing them can change nothing:
+a data packet naming a chunk already placed ("spare") and a data packet of a round that has
+ended ("old_round"); a forged one of either kind is dropped just the same.
 """
 
 from __future__ import annotations
@@ -190,6 +193,11 @@ class Wire:
             idx = np.flatnonzero(reasons == 0)
             if idx.size:
                 reasons[idx[placed(hdr, idx)]] = R["spare"]
+        # a data packet of a round that already ended is dropped before its tag is computed,
+        # like a spare: it can change nothing (late copies of placed chunks are most of these)
+        cur = int(cur_round) & 0xFFFFFFFF
+        stale = (reasons == 0) & (hdr["round"].astype(np.int64) < cur) & (hdr["flags"] == 0)
+        reasons[stale] = R["old_round"]
         # the tag: per packet, only for well-formed ones (rejects garbage before hashing it)
         mv = memoryview(np.ascontiguousarray(rows)).cast("B")
         nv = memoryview(_nonces(hdr)).cast("B")
@@ -209,7 +217,6 @@ class Wire:
         reasons[live & ~known] = R["unknown_sender"]
         live = reasons == 0
         rnd = hdr["round"].astype(np.int64)
-        cur = int(cur_round) & 0xFFFFFFFF
         reasons[live & (rnd < cur)] = R["old_round"]
         reasons[live & (rnd > cur + self.rounds_open - 1)] = R["future_round"]
         live = reasons == 0

@@ -133,6 +133,12 @@ class Monitor:
         # the rows being sent, oldest first: every rank issues and reads them in the same order
         self._inflight: deque[tuple[Any, list[torch.Tensor]]] = deque()
         self._pg: Any = None
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            # made here, not at the first exchange: every rank constructs the monitor at the
+            # same point of the script, before training; made lazily at step 8, its gloo
+            # connection setup ran under the job's 10% packet loss (SYN retransmissions after
+            # 1 s, then 3 s) and ranks left it 0.6-4.8 s apart, mid-training
+            self._group()
         self._hinted = False
         self._last_hint: float | None = None
         self._iter = 0
@@ -257,7 +263,7 @@ class Monitor:
     def _group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""
         if self._pg is None:
-            # collective, but every rank reaches its first check at the same point
+            # collective: every rank constructs its monitor at the same point
             self._pg = dist.new_group(backend="gloo")
         return self._pg
 
