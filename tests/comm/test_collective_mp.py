@@ -91,6 +91,6 @@ def test_ddp_attach_matches_reliable_ddp_without_loss() -> None:
         assert {"pkts_sent", "pkts_recv", "pkts_lost", "pkts_rejected", "deadline_hits",
                 "drift", "comm_time"} <= set(last)
         assert last["pkts_lost"] == 0 and last["pkts_rejected"] == 0 and last["pkts_recv"] > 0
-        # "auto" protection: 4 copies until a link is measured, then the clean network's floor
-        assert r["stats"][0]["copies"] == 4
+        # "auto" protection: 5 copies until a link is measured, then the clean network's floor
+        assert r["stats"][0]["copies"] == 5
         assert last["copies"] == 2, [s["copies"] for s in r["stats"]]

@@ -80,11 +80,11 @@ def test_ddp_training_under_10pct_loss_keeps_replicas_close() -> None:
         assert rejected < sum(s["pkts_recv"] for s in r["stats"]), r["stats"]
     import numpy as np
 
-    # "auto" protection measured the 10% loss and kept the copies up (0.1**4 <= the 2e-4
-    # target < 0.1**3), far from the floor of 2 that a clean network falls to
+    # "auto" protection measured the 10% loss and kept the copies up (0.1**5 <= the 2e-5
+    # target < 0.1**4), far from the floor of 2 that a clean network falls to
     for r in recs:
         assert 0.04 < r["stats"][-1]["loss_in"] < 0.3, r["stats"][-1]
-        assert r["stats"][-1]["copies"] >= 3
+        assert r["stats"][-1]["copies"] >= 4
     p = [np.array(r["params"]) for r in recs]
     # replicas differ only by stale chunks: a handful of lr-sized updates at most (lr 1e-2)
     assert max(np.abs(x - p[0]).max() for x in p) < 0.2

@@ -19,8 +19,8 @@ loss it saw no loss a third of the time, dropped to 1 copy, and a 1%-loss run lo
 chunks.) The receiver reports the rate back in the ``fb`` field of the markers it sends to
 that sender (``wire.py``), so each sender learns the loss on its own outgoing links.
 
-The count is capped (3 by default, ``LossyCollective(max_copies=...)``; ``attach``: 4, with a
-target of 2e-4 -- ``ddp.py`` says why) because copies are load:
+The count is capped (3 by default, ``LossyCollective(max_copies=...)``; ``attach``: 5, with a
+target of 2e-5 -- ``ddp.py`` says why) because copies are load:
 FEC that sizes itself from loss must not be able to feed on the loss it causes (more copies ->
 receivers' threads fall behind -> more measured loss -> more copies).
 
