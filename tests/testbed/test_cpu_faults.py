@@ -69,7 +69,9 @@ def test_compute_factor_2_holds_while_the_other_core_is_busy(group: CpuGroup) ->
 
 
 def test_contention_processes_share_the_cpu(group: CpuGroup) -> None:
-    r = _ratio(group, 1.0, 1, rounds=1)
+    # median of 5: the quota is shared through 5 ms slices across both cores, so one round can
+    # give the loop 30-70% of it (seen 1.41-3.26x on a quiet machine; one round read 3.62x in CI)
+    r = _ratio(group, 1.0, 1, rounds=5)
     busy = group.busy_pids()
     assert busy == []  # set_limit(1, 0) at the end stopped them
     # one competitor in the same group: the loop gets about half of a rank's CPU
