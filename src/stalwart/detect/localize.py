@@ -166,8 +166,12 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         conf = 0.8 + (0.2 if compute_flat else 0.0)
         return Finding("link", onset_step, step, severity, conf, ranks=ranks,
                        link=list(pairs[0]), evidence=evidence)
-    # 3. the compute test alone, only when one rank stands far out
-    if cr and suspect_rank is None:
+    # 3. the compute test alone, only when one rank stands far out -- and not when every
+    #    rank's profiled compute stayed flat over the slowdown's window: the test measures
+    #    now, and a rank that is slow now but was not then did not cause this slowdown (seen:
+    #    a mild job-wide change at step 19, validated 13 steps later under batched
+    #    exchanges, was pinned on a rank throttled from step 30 on, with onset 19)
+    if cr and suspect_rank is None and not compute_flat:
         order = sorted(cr, key=lambda r: -cr[r])
         if cr[order[0]] >= COMPUTE_ALONE and (
                 len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]):
