@@ -72,6 +72,7 @@ MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% a
 # deadline while the others go on to the broadcast without it: 1e-8 at 10% loss
 NORM_COPIES = 8
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
+MAX_ANNOUNCED_COPIES = 16  # a marker's copy count is believed up to this (sanity bound)
 
 
 @dataclass
@@ -215,7 +216,8 @@ class LossyCollective:
                         # round order, so the first copy of a newer round is the one to book)
                         if rnd_l[i] > self._booked[ph_l[i], s]:
                             self._booked[ph_l[i], s] = rnd_l[i]
-                            self.loss_in.owe(s, off_l[i] * min(max(cp_l[i], 1), 16))
+                            self.loss_in.owe(
+                                s, off_l[i] * min(max(cp_l[i], 1), MAX_ANNOUNCED_COPIES))
                         if fb_l[i] != FB_UNKNOWN:
                             rate = fb_l[i] / FB_SCALE
                             self._vpol.feedback(s, rate)

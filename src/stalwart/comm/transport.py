@@ -101,16 +101,13 @@ class UdpTransport:
         # the receiving thread wakes up this often to notice close()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
         self.addr: tuple[str, int] = self.sock.getsockname()
-        # how many slot-sized datagrams one sent message may carry (1 = no offload)
-        self.gso_segments = 1
         if gso is None:
             gso = os.environ.get("STALWART_UDP_GSO", "1") != "0"
-        if gso and 2 * self.slot <= UDP_MAX_PAYLOAD:
-            try:
-                self.sock.setsockopt(SOL_UDP, UDP_SEGMENT, self.slot)
-                self.gso_segments = min(GSO_SEND_SEGMENTS, UDP_MAX_PAYLOAD // self.slot)
-            except OSError:
-                pass  # an old kernel: plain datagrams
+        gso = gso and 2 * self.slot <= UDP_MAX_PAYLOAD  # a run must hold at least two slots
+        # how many slot-sized datagrams one sent message may carry (1 = no offload)
+        self.gso_segments = 1
+        if gso and self._offload(UDP_SEGMENT, self.slot):
+            self.gso_segments = min(GSO_SEND_SEGMENTS, UDP_MAX_PAYLOAD // self.slot)
         self.peers: list[tuple[str, int]] = []
         self._peer_sa = np.zeros(0, _SOCKADDR)
         self._peer_key = np.zeros(0, np.uint64)
@@ -118,12 +115,8 @@ class UdpTransport:
         # as one message, with their segment size in a control message; each message then gets
         # room for ``rx_segments`` slots
         self.rx_segments = 1
-        if gso and 2 * self.slot <= UDP_MAX_PAYLOAD:
-            try:
-                self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
-                self.rx_segments = min(GSO_MAX_SEGMENTS, 65535 // self.slot)
-            except OSError:
-                pass
+        if gso and self._offload(UDP_GRO, 1):
+            self.rx_segments = min(GSO_MAX_SEGMENTS, 65535 // self.slot)
         # receive side: preallocated ring the kernel writes into
         R = self.rx_segments
         self._rx = np.zeros((self.batch * R, self.slot), np.uint8)
@@ -144,6 +137,14 @@ class UdpTransport:
         self.send_errors = 0
         self.recv_batches = 0
         self.handler_errors = 0
+
+    def _offload(self, opt: int, value: int) -> bool:
+        """Turn on a UDP offload option; False where the kernel lacks it (plain datagrams)."""
+        try:
+            self.sock.setsockopt(SOL_UDP, opt, value)
+            return True
+        except OSError:
+            return False
 
     def _grow(self, opt: int, force_opt: int, size: int) -> int:
         for o in (force_opt, opt):  # FORCE ignores rmem_max but needs CAP_NET_ADMIN
@@ -259,15 +260,18 @@ class UdpTransport:
     def _split(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The n received messages as datagrams: (rows (k, slot), sizes (k,), message index
         (k,)). A message without a segment-size control message is one datagram; a coalesced
-        one is cut at its segment size -- in place when that is the slot (the sender's runs),
-        by copying otherwise (small packets that the kernel happened to coalesce)."""
+        one is cut at its segment size -- by gathering its slots when that is the slot (the
+        sender's runs), by copying byte ranges otherwise (small packets that the kernel
+        happened to coalesce). Without receive offload the ring itself is returned (a view)."""
         R, slot = self.rx_segments, self.slot
         length = self._rx_msg["msg_len"][:n].astype(np.int64)
+        if R == 1:
+            return self._rx[:n], length, np.arange(n)
         cm = self._rx_cmsg[:n]
         has = ((self._rx_msg["controllen"][:n] >= 20) & (cm["level"] == SOL_UDP)
                & (cm["type"] == UDP_GRO))
         seg = np.where(has, cm["value"], 0).astype(np.int64)
-        if R == 1 or not has.any():
+        if not has.any():
             return self._rx[np.arange(n) * R], length, np.arange(n)
         plain = (seg == 0) | (seg == slot)
         k = np.where(seg == slot, -(-length // slot), 1)
