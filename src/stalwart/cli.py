@@ -43,14 +43,19 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--testbed", default=d.testbed, help=f"{' | '.join(TESTBEDS)}")
     p.add_argument("--fault", action="append", default=[], dest="faults", metavar="SPEC",
                    help="KIND:key=value,... e.g. compute:rank=2,factor=2,start=20,end=60")
-    p.add_argument("--mitigate", default=d.mitigate, help=f"{' | '.join(MITIGATE_MODES)}")
+    p.add_argument("--mitigate", default=d.mitigate,
+                   help=f"{' | '.join(MITIGATE_MODES)}: act on stragglers (default off)")
     p.add_argument("--overlap", default=d.overlap, help=f"{' | '.join(OVERLAP_MODES)}")
     p.add_argument("--out", default=d.out, help="folder for run directories (default runs)")
     p.add_argument("--name", default=None, help="run name (default run-DATE-TIME)")
     p.add_argument("--resume", action="store_true", help="continue --name from its checkpoint")
-    p.add_argument("--batch-size", type=int, default=None, help="micro-batch size per rank")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per rank and micro-batch at launch (with --micro-batches: the global batch)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches)
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                   help="gradient-accumulation micro-batches per rank (default 1)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per micro-batch, the unit mitigation moves between ranks "
+                        "(default: --batch-size, or a quarter of it with --mitigate)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)

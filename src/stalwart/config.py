@@ -17,7 +17,7 @@ from stalwart.train.model import PRESETS
 
 COMM_MODES = ("reliable", "lossy")
 TESTBEDS = ("local", "netns")
-MITIGATE_MODES = ("off", "auto")
+MITIGATE_MODES = ("off", "auto", "rebalance")
 OVERLAP_MODES = ("off", "si")
 FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -47,6 +47,16 @@ class RunConfig:
     batch_size: int | None = None
     lr: float | None = None
     micro_batches: int = 1  # gradient-accumulation micro-batches per step and rank
+    # The step's global batch in samples (None: batch_size x micro_batches x data-parallel
+    # ranks at launch). Fixed for the whole run: a restart at another world size (mitigation's
+    # S4) keeps it and changes only how many micro-batches each rank computes.
+    global_batch: int | None = None
+    # samples per micro-batch, the unit of work that mitigation moves between ranks (None:
+    # batch_size, or batch_size / 4 with --mitigate so that plans have room to move work)
+    micro_batch_size: int | None = None
+    # host (testbed namespace / slot) of each rank; None = rank r on host r. Set by the
+    # launcher when it restarts a job without a host (S4), so faults follow hosts.
+    hosts: list[int] | None = None
     warmup: int = 20
     grad_clip: float = 1.0
     weight_decay: float = 0.1
@@ -68,6 +78,33 @@ class RunConfig:
         if self.batch_size is not None:
             return self.batch_size
         return PRESETS[self.preset]["batch_size"]
+
+    def dp_size(self) -> int:
+        return self.nproc // self.tp
+
+    def micro_per_rank(self) -> int:
+        """Gradient-accumulation micro-batches per rank at launch (TP interleaving needs 2)."""
+        return self.micro_batches if self.tp == 1 else max(self.micro_batches, 2)
+
+    def resolved_global_batch(self) -> int:
+        if self.global_batch is not None:
+            return self.global_batch
+        return self.resolved_batch_size() * self.micro_per_rank() * self.dp_size()
+
+    def resolved_micro_batch_size(self) -> int:
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        bs = self.resolved_batch_size()
+        if self.mitigate != "off" and self.micro_batches == 1:
+            # the largest split into <= 4 equal micro-batches: room for plans, same batch
+            for k in (4, 3, 2):
+                if bs % k == 0:
+                    return bs // k
+        return bs
+
+    def global_micro_batches(self) -> int:
+        """M: identical micro-batches per step, spread over the data-parallel ranks by a plan."""
+        return self.resolved_global_batch() // self.resolved_micro_batch_size()
 
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else PRESETS[self.preset]["lr"]
@@ -103,6 +140,19 @@ class RunConfig:
         lr = self.resolved_lr()
         need(lr > 0, f"--lr must be > 0, got {lr}")
         need(self.micro_batches >= 1, f"--micro-batches must be >= 1, got {self.micro_batches}")
+        mbs = self.resolved_micro_batch_size()
+        need(mbs >= 1, f"--micro-batch-size must be >= 1, got {mbs}")
+        gb = self.resolved_global_batch()
+        need(gb % mbs == 0,
+             f"--micro-batch-size {mbs} does not divide the global batch of {gb} samples")
+        floor = 2 if self.tp > 1 else 1
+        need(gb // mbs >= floor * self.dp_size(),
+             f"--micro-batch-size {mbs}: {gb // mbs} micro-batches per step is fewer than "
+             f"{floor} per data-parallel rank ({self.dp_size()} ranks)")
+        need(self.hosts is None or (len(self.hosts) == self.nproc
+                                    and len(set(self.hosts)) == self.nproc
+                                    and all(h >= 0 for h in self.hosts)),
+             f"hosts must name {self.nproc} distinct hosts, got {self.hosts}")
         need(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
         need(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
