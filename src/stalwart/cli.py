@@ -49,7 +49,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out, help="folder for run directories (default runs)")
     p.add_argument("--name", default=None, help="run name (default run-DATE-TIME)")
     p.add_argument("--resume", action="store_true", help="continue --name from its checkpoint")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per rank and micro-batch at launch (with --micro-batches: the global batch)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per rank and micro-batch at launch (sets the global batch)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="gradient-accumulation micro-batches per rank (default 1)")
