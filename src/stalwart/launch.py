@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -24,8 +25,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
+from stalwart.mitigate.rebalance import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 
@@ -60,6 +63,9 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
         cfg.name = default_name()
     check_writable(Path(cfg.out))
     run_dir = cfg.run_dir
+    # fixed for the whole run: a restart at another world size keeps the same training
+    cfg.global_batch = cfg.resolved_global_batch()
+    cfg.micro_batch_size = cfg.resolved_micro_batch_size()
     if cfg.resume:
         if not run_dir.is_dir():
             raise ConfigError(f"no run to resume at {run_dir}")
@@ -132,26 +138,17 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                resume=cfg.resume)
     try:
         with open_testbed(cfg, events) as tb:
-            port = 29500 if cfg.testbed == "netns" else free_port()
-            for r in range(cfg.nproc):
-                env = {
-                    **os.environ,
-                    "RANK": str(r), "WORLD_SIZE": str(cfg.nproc),
-                    "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.nproc),
-                    "MASTER_ADDR": tb.master_addr, "MASTER_PORT": str(port),
-                    "STALWART_RUN_DIR": str(run_dir.resolve()),
-                    "OMP_NUM_THREADS": str(cfg.threads),
-                    **tb.env(r),
-                }
-                cmd = [*tb.command_prefix(r), sys.executable, "-m", module,
-                       "--config", str((run_dir / CONFIG).resolve()), *(args or [])]
-                log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
-                procs[r] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL,
-                                            preexec_fn=_die_with_parent)
-                log.close()
-            tb.attach_ranks({r: p.pid for r, p in procs.items()})
-            rc = _supervise(cfg, run_dir, procs, tb, progress, events, say)
+            incarnation, first_step = 0, 0
+            while True:
+                port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
+                procs = _spawn(cfg, tb, run_dir, module, args, port)
+                rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step)
+                if rc != RESTART_EXIT:
+                    break
+                # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
+                cfg, first_step = _restart_config(cfg, run_dir, events, say)
+                tb.set_hosts(cfg.hosts)  # faults stay on their hosts; ranks move
+                incarnation += 1
     except KeyboardInterrupt:
         _stop_all(procs)
         progress.close()
@@ -176,12 +173,61 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     return rc
 
 
+def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
+           port: int) -> dict[int, subprocess.Popen]:
+    """One process per rank, inside its host (the testbed's prefix), with torchrun's env."""
+    procs: dict[int, subprocess.Popen] = {}
+    for r in range(cfg.nproc):
+        env = {
+            **os.environ,
+            "RANK": str(r), "WORLD_SIZE": str(cfg.nproc),
+            "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "MASTER_ADDR": tb.master_addr, "MASTER_PORT": str(port),
+            "STALWART_RUN_DIR": str(run_dir.resolve()),
+            "OMP_NUM_THREADS": str(cfg.threads),
+            **tb.env(r),
+        }
+        cmd = [*tb.command_prefix(r), sys.executable, "-m", module,
+               "--config", str((run_dir / CONFIG).resolve()), *(args or [])]
+        log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
+        procs[r] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.close()
+    tb.attach_ranks({r: p.pid for r, p in procs.items()})
+    return procs
+
+
+def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
+                    say: Callable[[str], None]) -> tuple[RunConfig, int]:
+    """The next incarnation after a planned restart: the hosts rank 0 asked for, resumed from
+    the checkpoint it wrote, the same global batch (config.json is rewritten atomically)."""
+    from stalwart.mitigate import RESTART_FILE
+
+    try:
+        req = json.loads((run_dir / RESTART_FILE).read_text())
+        hosts = [int(h) for h in req["hosts"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"ranks left for a restart without a usable {RESTART_FILE}: {e}"
+                           ) from None
+    (run_dir / RESTART_FILE).unlink()
+    new = RunConfig.from_dict({**cfg.to_dict(), "nproc": len(hosts), "hosts": hosts,
+                               "resume": True})
+    new.validate()
+    new.save(run_dir / CONFIG)
+    events.log("restart", step=int(req.get("step", 0)), nproc=len(hosts), hosts=hosts,
+               strategy=req.get("strategy"), reason=req.get("reason", ""))
+    say(f"stalwart: restarting on {len(hosts)} hosts {hosts} from step {req.get('step')}: "
+        f"{req.get('reason', '')}")
+    return new, int(req.get("step", 0))
+
+
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
-               progress: Progress, events: EventLog, say: Callable[[str], None]) -> int:
+               progress: Progress, events: EventLog, say: Callable[[str], None],
+               first_step: int = 0) -> int:
     metrics_tail = JsonlTail(run_dir / METRICS)
     events_tail = JsonlTail(run_dir / EVENTS)
-    next_step = 0
-    tb.on_step(0)  # type: ignore[attr-defined]
+    next_step = first_step
+    tb.on_step(first_step)  # type: ignore[attr-defined]
     while True:
         for m in metrics_tail.poll():
             progress.on_metric(m)
@@ -191,7 +237,8 @@ def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
         for e in events_tail.poll():
             progress.on_event(e)
         progress.refresh()
-        failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+        failed = [(r, p.returncode) for r, p in procs.items()
+                  if p.poll() not in (None, 0, RESTART_EXIT)]
         if failed:
             # When one rank dies its peers abort soon after (gloo raises, torch calls abort()),
             # and one poll may see several: name the likely cause, not the lowest rank.
@@ -204,6 +251,8 @@ def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
                 f"[log: {run_dir / LOGS / f'rank-{r}.log'}]")
             # a rank that exited 2 hit a bad-input error (e.g. corrupt checkpoint)
             return 2 if code == 2 else 1
+        if all(p.poll() == RESTART_EXIT for p in procs.values()):
+            return RESTART_EXIT
         if all(p.poll() == 0 for p in procs.values()):
             for m in metrics_tail.poll():
                 progress.on_metric(m)

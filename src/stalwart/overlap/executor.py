@@ -152,12 +152,15 @@ class Interleaved:
         for p in self.model.parameters():
             p.grad = None
 
-    def forward_backward(self, micro_batches: Sequence[MicroBatch]
-                         ) -> tuple[float, dict[str, float]]:
+    def forward_backward(self, micro_batches: Sequence[MicroBatch],
+                         micro_weight: float | None = None) -> tuple[float, dict[str, float]]:
         """Mean loss and {"compute_time", "comm_time", "comm_hidden", ...} in seconds.
 
         Gradients are overwritten (not accumulated onto old ones): the mean over the
-        micro-batches, averaged over the data-parallel group.
+        micro-batches, averaged over the data-parallel group. ``micro_weight`` replaces the
+        1/len(micro_batches) weight of each micro-batch's loss: with a rebalancing plan
+        (mitigate/rebalance.py) it is G/M on every rank, so the DP average is the mean over
+        all M micro-batches of the step however they are spread.
         """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
@@ -168,7 +171,7 @@ class Interleaved:
         led = self.comm.ledger
         led.reset()
         self.meter.reset_peak()
-        scale = 1.0 / len(micro_batches)
+        scale = 1.0 / len(micro_batches) if micro_weight is None else micro_weight
         t0 = time.perf_counter()
         with self.meter.tracking():
             losses = self._run(micro_batches, scale)

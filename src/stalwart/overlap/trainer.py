@@ -54,9 +54,9 @@ class TPTrainer:
     def comm(self) -> TPComm:
         return self.model.comm
 
-    def forward_backward(self, micro_batches: list[MicroBatch]
-                         ) -> tuple[float, dict[str, float]]:
-        loss, timings = self.step.forward_backward(micro_batches)
+    def forward_backward(self, micro_batches: list[MicroBatch],
+                         micro_weight: float | None = None) -> tuple[float, dict[str, float]]:
+        loss, timings = self.step.forward_backward(micro_batches, micro_weight)
         self._log_plan()
         return loss, timings
 

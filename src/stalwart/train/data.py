@@ -5,9 +5,13 @@ present on every machine, so the default job needs no download. Files are gather
 order and split into train/validation by a stable hash of their path relative to the library
 root, so every rank and every machine with the same Python sees the same split.
 
-Batches are a pure function of (seed, step, rank, micro-batch): the "data position" of a
-checkpoint is just the step counter, and a resumed run reads exactly the batches an
-uninterrupted run would have read.
+Batches are a pure function of (seed, step, global micro-batch index): the step's global batch
+is one fixed draw of ``global_batch`` windows, cut into identical micro-batches, and a plan only
+says which rank computes which micro-batch indices. So every sample is used exactly once per
+step whatever the plan or the world size (mitigation moves micro-batches between ranks and
+restarts at N-1 ranks without changing the training), the "data position" of a checkpoint is
+just the step counter, and a resumed run reads exactly the batches an uninterrupted run would
+have read.
 """
 
 from __future__ import annotations
@@ -128,6 +132,24 @@ def train_batch(
     micro: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return sample_batch(corpus.train, batch_size, block_size, seed, 0, step, rank, micro)
+
+
+def step_starts(corpus: Corpus, global_batch: int, block_size: int, seed: int, step: int
+                ) -> np.ndarray:
+    """Start offsets of the step's whole global batch (a pure function of seed and step)."""
+    rng = np.random.default_rng([seed, 2, step])
+    return rng.integers(0, len(corpus.train) - block_size - 1, size=global_batch)
+
+
+def micro_batch(corpus: Corpus, starts: np.ndarray, micro_size: int, block_size: int,
+                index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global micro-batch ``index`` of a step: samples [index*size, (index+1)*size)."""
+    s = starts[index * micro_size:(index + 1) * micro_size]
+    if len(s) != micro_size:
+        raise IndexError(f"micro-batch {index} is outside the step's global batch")
+    idx = s[:, None] + np.arange(block_size + 1)[None, :]
+    chunk = torch.from_numpy(corpus.train[idx].astype(np.int64))
+    return chunk[:, :-1], chunk[:, 1:]
 
 
 def val_batches(

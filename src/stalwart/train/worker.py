@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stalwart.config import ConfigError, RunConfig
 from stalwart.rundir import METRICS, EventLog, JsonlWriter
 from stalwart.train import checkpoint as ckpt
-from stalwart.train.data import Corpus, load_corpus, train_batch, val_batches
+from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
 
 
@@ -76,8 +76,10 @@ class DataParallelStep:
     def clip_grad_norm_(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
-                         ) -> tuple[float, dict[str, float]]:
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         micro_weight: float) -> tuple[float, dict[str, float]]:
+        """``micro_weight``: each micro-batch loss's weight (G/M, mitigate/rebalance.py), so
+        DDP's average over the G ranks is the mean over the step's M micro-batches."""
         t0 = time.perf_counter()
         self.clock.last = t0
         total = 0.0
@@ -85,7 +87,7 @@ class DataParallelStep:
             sync = i == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 _, loss = self.ddp(x, y)
-                (loss / len(batches)).backward()
+                (loss * micro_weight).backward()
             total += loss.item()
         t1 = time.perf_counter()
         local_done = min(max(self.clock.last, t0), t1)
@@ -102,9 +104,9 @@ class TensorParallelStep:
                                         cfg.overlap, run_dir)
         self.model = self.trainer.model
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
-                         ) -> tuple[float, dict[str, float]]:
-        loss, timings = self.trainer.forward_backward(batches)
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         micro_weight: float) -> tuple[float, dict[str, float]]:
+        loss, timings = self.trainer.forward_backward(batches, micro_weight)
         return float(loss), dict(timings)
 
     def clip_grad_norm_(self, max_norm: float) -> None:
@@ -158,6 +160,16 @@ def prepare_run_dir_for_torchrun(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: nn.Module,
+                    opt: Any, events: EventLog) -> None:
+    """Every rank saves its file; LATEST moves only once every rank's file is on disk."""
+    ckpt.save_rank(run_dir, done, rank, cfg, model, opt)
+    dist.barrier()
+    if rank == 0:
+        ckpt.mark_latest(run_dir, done)
+        events.log("checkpoint", step=done)
+
+
 def train(cfg: RunConfig) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -185,7 +197,7 @@ def train(cfg: RunConfig) -> int:
     corpus: Corpus = load_corpus(cfg.data, cfg.max_data_bytes)
     mcfg = PRESETS[cfg.preset]["model"]
     bs = cfg.resolved_batch_size()
-    micro = cfg.micro_batches if cfg.tp == 1 else max(cfg.micro_batches, 2)
+    mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
 
     monitor = None
     if cfg.detect:
@@ -215,6 +227,10 @@ def train(cfg: RunConfig) -> int:
     else:
         opt = torch.optim.AdamW(model.parameters(), **opt_kw)
 
+    from stalwart.mitigate import RESTART_EXIT, work_plan
+
+    work = work_plan(cfg, monitor, rank, world, run_dir)
+    host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
         state = ckpt.load_rank(run_dir, rank, cfg)
@@ -233,6 +249,21 @@ def train(cfg: RunConfig) -> int:
         if rank == 0:
             events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
 
+    def finish(code: int) -> int:
+        for part in (monitor, work, opt):
+            if hasattr(part, "close"):
+                part.close()
+        dist.barrier()
+        if rank == 0 and not launched and code == 0:
+            events.log("run_finished", ok=True)
+            from stalwart.report import build_report
+
+            build_report(run_dir)
+        metrics.close()
+        events.close()
+        dist.destroy_process_group()
+        return code
+
     if start == 0:
         do_eval(0)
     stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
@@ -241,10 +272,14 @@ def train(cfg: RunConfig) -> int:
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        batches = [train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, data_rank, m)
-                   for m in range(micro)]
+        share = work.assign(step)  # which of the step's micro-batches this rank computes
+        if work.restart_due(step) is not None:  # S4: leave for a restart at another size
+            save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
+            return finish(RESTART_EXIT)
+        starts = step_starts(corpus, gb, mcfg.block_size, cfg.seed, step)
+        batches = [micro_batch(corpus, starts, mbs, mcfg.block_size, g) for g in share.indices]
         batches = [(x.to(device), y.to(device)) for x, y in batches]
-        loss, timing = stepper.forward_backward(batches)
+        loss, timing = stepper.forward_backward(batches, share.micro_weight)
         t_opt = time.perf_counter()
         if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
             stepper.clip_grad_norm_(cfg.grad_clip)
@@ -253,45 +288,32 @@ def train(cfg: RunConfig) -> int:
         t1 = time.perf_counter()
         extra: dict[str, Any] = opt.stats() if hasattr(opt, "stats") else {}
         opt_comm = float(extra.pop("comm_time", 0.0))
-        tokens = bs * micro * mcfg.block_size
+        tokens = mbs * len(batches) * mcfg.block_size
         step_time = t1 - t0
         rec = {
             "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
             "step_time": step_time,
             "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
             "comm_time": timing["comm_time"] + opt_comm,
-            "samples": bs * micro, "tokens": tokens, "tokens_per_s": tokens / step_time,
+            "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
+            "micro_batches": len(batches), "plan_version": share.version, "host": host,
             **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
             **extra,
         }
         metrics.write(rec)
-        if monitor is not None:
-            monitor.step(step, rec)
+        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
+        if monitor is not None:  # per unit of work: a plan must not look like a recovery
+            monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
+                                + work.normalised(fb)})
+        work.end_step(step, fb, step_time)
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             do_eval(done)
         if done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at:
-            ckpt.save_rank(run_dir, done, rank, cfg, model, opt)
-            dist.barrier()  # LATEST moves only once every rank's file is on disk
-            if rank == 0:
-                ckpt.mark_latest(run_dir, done)
-                events.log("checkpoint", step=done)
+            save_checkpoint(run_dir, done, rank, cfg, model, opt, events)
     if cfg.halt_at is not None and rank == 0:
         events.log("halted", step=cfg.halt_at)
-    if monitor is not None:
-        monitor.close()
-    if hasattr(opt, "close"):
-        opt.close()
-    dist.barrier()
-    if rank == 0 and not launched:
-        events.log("run_finished", ok=True)
-        from stalwart.report import build_report
-
-        build_report(run_dir)
-    metrics.close()
-    events.close()
-    dist.destroy_process_group()
-    return 0
+    return finish(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,204 @@
+"""``stalwart bench mitigate``: how much of a straggler's slowdown mitigation gives back.
+
+Scenario runs of ``stalwart run`` on the netns testbed (4 hosts, tiny GPT, 16 micro-batches of
+2 samples per step: the same global batch as the default job, cut fine enough for plans),
+each one healthy, unmitigated (``--mitigate off``) and mitigated (``--mitigate auto``), run
+one after the other in the same invocation:
+- compute 2x: ``compute:rank=2,factor=2`` for a window inside the run (cgroup CPU quota; the
+  testbed reports the factor it achieved). ``recovered_compute2x`` = (T_unmitigated -
+  T_mitigated) / (T_unmitigated - T_healthy) over the steps the rebalanced plan was in force
+  (the same steps of every run); ``recovered_compute2x_episode`` the same over the whole
+  run's wall time, detection and decision latency included; ``recovered_compute2x_optimum``
+  is what the best integer plan could give at the achieved factor (the planner's makespan
+  against the uniform one), for comparison;
+- slow host link: ``link:host=1`` (tbf) for the whole run: ``recovered_hostlink`` over the
+  whole run's wall time, the restart without the host (S4) included;
+- a 3-step blip and a clean run: ``actions_on_blip``, ``actions_on_clean`` (mitigation
+  actions taken; target 0 each);
+- ``revert_steps``: from the detected recovery (the policy's decision, or the detector's
+  ``straggler_recovered`` if earlier) to the step the uniform plan is back;
+  ``revert_after_fault_end`` from the ground-truth removal to that step;
+- ``val_loss_rel_change``: final validation loss, mitigated vs healthy run (same seed: the
+  plans change who computes which micro-batch, not the training);
+- ``planner_ms_10k``: the planner at 10,000 groups and 160,000 micro-batches (median ms).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.bench import BenchResult
+
+MICRO_SIZE = 2  # samples per micro-batch: 16 micro-batches per step on 4 ranks
+
+
+@dataclass
+class Scenario:
+    name: str
+    faults: list[str]
+    steps: int
+
+
+def scenarios(quick: bool) -> dict[str, Scenario]:
+    n = 100 if quick else 200
+    a, b = (20, 80) if quick else (30, 150)
+    return {
+        "compute2x": Scenario("compute2x", [f"compute:rank=2,factor=2,start={a},end={b}"], n),
+        "hostlink": Scenario("hostlink", ["link:host=1,rate=10mbit,start=5"], n),
+        "blip": Scenario("blip", [f"compute:rank=1,factor=3,start={a},end={a + 3}"], n),
+        "clean": Scenario("clean", [], n),
+    }
+
+
+def run_one(sc: Scenario, mitigate: str, workdir: Path, tag: str, faults: bool = True) -> Any:
+    from stalwart.config import RunConfig
+    from stalwart.launch import launch
+    from stalwart.rundir import RunData
+
+    name = f"{tag}-{sc.name}-{mitigate}" + ("" if faults else "-healthy")
+    cfg = RunConfig(nproc=4, testbed="netns", faults=list(sc.faults) if faults else [],
+                    steps=sc.steps, mitigate=mitigate, micro_batch_size=MICRO_SIZE,
+                    out=str(workdir), name=name, eval_every=max(sc.steps // 4, 1))
+    rc = launch(cfg, show_progress=False, on_line=lambda _s: None)
+    data = RunData.load(cfg.run_dir)
+    data.rc = rc  # type: ignore[attr-defined]
+    return data
+
+
+# ---- figures from run directories ---------------------------------------------------------------
+def step_times(d: Any) -> dict[int, float]:
+    steps, times = d.iteration_times()
+    return dict(zip(steps, times, strict=True))
+
+
+def window_time(d: Any, lo: int, hi: int) -> float:
+    st = step_times(d)
+    return sum(t for s, t in st.items() if lo <= s < hi)
+
+
+def wall_time(d: Any) -> float:
+    """First to last metrics line: evals, checkpoints and restarts included."""
+    ts = [m["time"] for m in d.metrics]
+    first = min(m["time"] - m["step_time"] for m in d.metrics if m["step"] == min(
+        x["step"] for x in d.metrics))
+    return max(ts) - first
+
+
+def recovered(t_un: float, t_mit: float, t_ok: float) -> float | None:
+    return (t_un - t_mit) / (t_un - t_ok) if t_un - t_ok > 1e-9 else None
+
+
+def actions(d: Any) -> int:
+    return len(d.events_of("mitigation_applied"))
+
+
+def plan_window(d: Any, fault_end: int) -> tuple[int, int] | None:
+    """The steps a rebalanced plan was in force before the fault ended."""
+    applied = [e for e in d.events_of("mitigation_applied") if e.get("strategy") == "rebalance"]
+    if not applied:
+        return None
+    lo = applied[0]["step"]
+    rev = [e["step"] for e in d.events_of("mitigation_reverted") if e["step"] > lo]
+    hi = min([fault_end, *rev])
+    return (lo, hi) if hi > lo else None
+
+
+def revert_figures(d: Any) -> tuple[float | None, float | None]:
+    rev = d.events_of("mitigation_reverted")
+    if not rev:
+        return None, None
+    r = rev[0]
+    detected = [r["decided_step"]] + [e["step"] for e in d.events_of("straggler_recovered")
+                                      if e["step"] <= r["decided_step"]]
+    removed = [e["step"] for e in d.events_of("fault_removed") if not e.get("at_close")]
+    return (float(r["step"] - min(detected)),
+            float(r["step"] - removed[0]) if removed else None)
+
+
+def achieved_factor(d: Any) -> float | None:
+    for e in d.events_of("fault_removed", "fault_measured", "fault_applied"):
+        if e.get("kind") == "compute" and e.get("achieved_factor") is not None:
+            return float(e["achieved_factor"])
+    return None
+
+
+def optimum(factor: float, micro: int = 16, groups: int = 4) -> float:
+    """Recovered fraction of the best integer plan in the unit-time model."""
+    from stalwart.mitigate import planner
+
+    units = [1.0] * groups
+    units[2] = factor
+    uni = planner.makespan(planner.uniform(micro, groups), units)
+    best = planner.makespan(planner.plan(units, micro), units)
+    healthy = planner.makespan(planner.uniform(micro, groups), [1.0] * groups)
+    return (uni - best) / (uni - healthy)
+
+
+def val_change(a: Any, b: Any) -> float | None:
+    va, vb = a.final_val_loss(), b.final_val_loss()
+    return abs(va - vb) / vb if va is not None and vb else None
+
+
+def run(quick: bool, workdir: Path) -> BenchResult:
+    from stalwart.mitigate import planner
+
+    sc = scenarios(quick)
+    tag = "q" if quick else "f"
+    c = sc["compute2x"]
+    healthy = run_one(c, "auto", workdir, tag, faults=False)
+    c_un = run_one(c, "off", workdir, tag)
+    c_mit = run_one(c, "auto", workdir, tag)
+    blip = run_one(sc["blip"], "auto", workdir, tag)
+    h = sc["hostlink"]
+    h_un = run_one(h, "off", workdir, tag)
+    h_mit = run_one(h, "auto", workdir, tag)
+    cleans = [run_one(sc["clean"], "auto", workdir, f"{tag}{i}") for i in range(1 if quick else 3)]
+
+    end = int(c.faults[0].split("end=")[1])
+    win = plan_window(c_mit, end)
+    rec_window = None if win is None else recovered(
+        window_time(c_un, *win), window_time(c_mit, *win), window_time(healthy, *win))
+    factor = achieved_factor(c_mit) or achieved_factor(c_un)
+    rev, rev_fault = revert_figures(c_mit)
+    figures: dict[str, Any] = {
+        "recovered_compute2x": rec_window,
+        "recovered_compute2x_optimum": optimum(factor or 2.0),
+        "recovered_compute2x_episode": recovered(wall_time(c_un), wall_time(c_mit),
+                                                 wall_time(healthy)),
+        "recovered_hostlink": recovered(wall_time(h_un), wall_time(h_mit), wall_time(healthy)),
+        "actions_on_clean": float(sum(actions(d) for d in cleans) + actions(healthy)),
+        "actions_on_blip": float(actions(blip)),
+        "revert_steps": rev,
+        "revert_after_fault_end": rev_fault,
+        "val_loss_rel_change": val_change(c_mit, healthy),
+        "planner_ms_10k": planner.time_plan_ms(10_000, 160_000),
+        "planner_ms_4": planner.time_plan_ms(4, 16),
+        "achieved_factor": factor,
+    }
+    runs = {"healthy": healthy, "compute_unmitigated": c_un, "compute_mitigated": c_mit,
+            "blip": blip, "hostlink_unmitigated": h_un, "hostlink_mitigated": h_mit,
+            **{f"clean{i}": d for i, d in enumerate(cleans)}}
+    details: dict[str, Any] = {
+        "plan_window": win,
+        "runs": {k: {"path": str(d.path), "rc": d.rc, "wall_s": round(wall_time(d), 2),
+                     "median_step_s": round(statistics.median(step_times(d).values()), 5),
+                     "final_val_loss": d.final_val_loss(),
+                     "mitigation": [{k2: e.get(k2) for k2 in (
+                         "event", "step", "decided_step", "strategy", "plan", "target",
+                         "predicted_gain", "measured_gain", "reason")}
+                         for e in d.events_of("mitigation_applied", "mitigation_reverted",
+                                              "mitigation_measured", "restart")]}
+                 for k, d in runs.items()},
+    }
+    if win is not None:
+        details["window_s"] = {k: round(window_time(d, *win), 3) for k, d in
+                               (("healthy", healthy), ("unmitigated", c_un),
+                                ("mitigated", c_mit))}
+    return BenchResult("mitigate", figures, targets={
+        "recovered_compute2x": ">= 0.75", "recovered_compute2x_episode": ">= 0.65",
+        "recovered_hostlink": ">= 0.5", "actions_on_clean": "<= 0", "actions_on_blip": "<= 0",
+        "revert_steps": "<= 3", "val_loss_rel_change": "<= 0.001", "planner_ms_10k": "<= 10",
+        "planner_ms_4": "<= 1"}, details=details)

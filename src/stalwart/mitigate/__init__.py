@@ -1,0 +1,35 @@
+"""Act on stragglers: micro-batch rebalancing, restart without a host, the escalation policy.
+
+- planner.py: exact min-max assignment of a step's micro-batches to data-parallel groups;
+- agreement.py: rank 0's decision, its version and start step, reach every rank together;
+- policy.py: ski-rental escalation S1 -> S2 (rebalance) -> S4 (restart without the host);
+- rebalance.py: the object the step loop asks each step (``Rebalancer``, ``StaticPlan``).
+See docs/mitigate.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stalwart.mitigate.rebalance import (
+    CONTROL_FILE,
+    RESTART_EXIT,
+    RESTART_FILE,
+    Assignment,
+    Rebalancer,
+    StaticPlan,
+)
+
+__all__ = ["CONTROL_FILE", "RESTART_EXIT", "RESTART_FILE", "Assignment", "Rebalancer",
+           "StaticPlan", "work_plan"]
+
+
+def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any
+              ) -> Rebalancer | StaticPlan:
+    """The worker's seam: which micro-batches each rank computes, per the run's --mitigate."""
+    micro = cfg.global_micro_batches()
+    groups = world // cfg.tp
+    if cfg.mitigate == "off" or groups < 2:
+        return StaticPlan(micro, groups, rank // cfg.tp)
+    return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=cfg.mitigate,
+                      run_dir=run_dir, hosts=cfg.hosts)

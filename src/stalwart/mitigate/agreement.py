@@ -1,0 +1,108 @@
+"""Agreement on the plan in force: one decision, a version and the step it starts, on every rank.
+
+FALCON's public code lets every rank poll a plan file each iteration, so ranks can switch one
+step apart -- and a step in which two ranks disagree on who computes which micro-batch uses
+some samples twice and others never. Here rank 0 alone decides, and its decision travels in
+the same message as every rank's measurements: an asynchronous all-gather on a gloo group of
+its own, issued every ``every`` steps and read ``every`` steps later (it has long completed by
+then, so no rank blocks on it). Every rank reads a given message at the end of the same step,
+and the decision names the step it starts (the step after that read), so every rank switches
+at that step: never one step apart, whatever each rank's speed.
+
+Guarantees: identical ``Decision`` objects on every rank, installed for the same step; the
+channel's collectives are issued in the same order on every rank (one per exchange step);
+``close()`` completes what is in flight so the group's op order stays intact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# decision kinds on the wire
+NONE, REBALANCE, REVERT, EXCLUDE, RESTORE = 0, 1, 2, 3, 4
+KIND_NAMES = {REBALANCE: "rebalance", REVERT: "revert", EXCLUDE: "exclude_host",
+              RESTORE: "restore_host"}
+_HEAD = 5  # kind, version, start step, target, predicted gain (x1e6)
+
+
+@dataclass
+class Decision:
+    """What rank 0 decided: a plan (micro-batch counts per data-parallel group) or a restart."""
+
+    kind: int
+    version: int
+    start_step: int
+    counts: list[int] = field(default_factory=list)
+    target: int = -1  # the group (rebalance) or host (exclude/restore) it is about
+    predicted_gain: float = 0.0
+    reason: str = ""  # rank 0 only: it does not travel (the event log is rank 0's)
+
+    @property
+    def name(self) -> str:
+        return KIND_NAMES.get(self.kind, "none")
+
+
+class PlanChannel:
+    """The per-exchange all-gather that carries measurements up and rank 0's decision down."""
+
+    def __init__(self, world: int, groups: int, row_len: int, every: int = 2,
+                 group: Any = None) -> None:
+        self.world = world
+        self.groups = groups
+        self.row_len = row_len
+        self.every = every
+        self.width = _HEAD + groups + row_len
+        self.distributed = dist.is_available() and dist.is_initialized() and world > 1
+        # made at construction (a collective: every rank builds its channel at the same point)
+        self.group = group if group is not None or not self.distributed else \
+            dist.new_group(backend="gloo")
+        self._inflight: deque[tuple[Any, list[torch.Tensor], int]] = deque()
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0
+
+    def start_for(self, step: int) -> int:
+        """The step a decision sent at the end of ``step`` takes effect (after its read)."""
+        return step + self.every + 1
+
+    def exchange(self, step: int, row: list[float], decision: Decision | None
+                 ) -> tuple[list[list[float]] | None, Decision | None]:
+        """At an exchange step: send this rank's row (and rank 0's decision), read the previous
+        exchange's rows and decision. Returns (rows of every rank, decision) of that previous
+        exchange, (None, None) on the first one."""
+        msg = torch.zeros(self.width, dtype=torch.float64)
+        if decision is not None:
+            head = [decision.kind, decision.version, decision.start_step, decision.target,
+                    round(decision.predicted_gain * 1e6)]
+            msg[:_HEAD] = torch.tensor(head, dtype=torch.float64)
+            if decision.counts:
+                msg[_HEAD:_HEAD + len(decision.counts)] = torch.tensor(
+                    decision.counts, dtype=torch.float64)
+        msg[_HEAD + self.groups:] = torch.tensor(row[:self.row_len], dtype=torch.float64)
+        if not self.distributed:
+            rows, got = [msg], msg
+        else:
+            out = [torch.empty(self.width, dtype=torch.float64) for _ in range(self.world)]
+            self._inflight.append((dist.all_gather(out, msg, group=self.group, async_op=True),
+                                   out, step))
+            if len(self._inflight) < 2:
+                return None, None
+            work, rows, _ = self._inflight.popleft()
+            work.wait()
+            got = rows[0]
+        kind = int(got[0])
+        dec = None
+        if kind != NONE:
+            counts = [int(c) for c in got[_HEAD:_HEAD + self.groups]]
+            dec = Decision(kind, int(got[1]), int(got[2]), counts, int(got[3]),
+                           float(got[4]) / 1e6)
+        return [r[_HEAD + self.groups:].tolist() for r in rows], dec
+
+    def close(self) -> None:
+        while self._inflight:
+            self._inflight.popleft()[0].wait()

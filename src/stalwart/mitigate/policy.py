@@ -1,0 +1,182 @@
+"""The escalation policy: which strategy, when, and when to go back (FALCON's ski rental).
+
+Mechanism (FALCON/Greyhound, ATC '25, section "multi-level mitigation"): the strategies are
+ordered by cost -- S1 do nothing, S2 rebalance micro-batches (a plan switch), S4 restart
+without the slow host (S3, re-mapping ranks around a slow link, plugs in between) -- and while
+a straggler lasts the policy adds up the time it has cost, sum over steps of (slow step time -
+healthy step time). Once that rent exceeds the next strategy's price the policy buys it.
+
+What the prices are here:
+- S2's price is what a wrong rebalance costs: the plan stays until the revert is decided
+  (``revert_windows`` exchanges) and, on healthy ranks, the rebalanced plan's makespan
+  exceeds the uniform one. A straggler that outlives that price is worth rebalancing; a blip
+  that the detector confirmed but that is gone when the policy looks is never acted on
+  (the rent only accrues while the rank's own per-micro-batch time still shows it).
+- S4's price is the measured restart time (checkpoint, relaunch, rendezvous, first step)
+  counted twice (out and back), and it is only a candidate while the best plan on N hosts
+  is slower than the uniform plan on N-1 hosts (the capacity given up): a host whose own
+  link is slow, or a rank so slow that the job is faster without it.
+
+Verdicts come from the detector (``stalwart.detect``: validated, localised findings); the
+policy's own evidence is each group's time per micro-batch, which -- unlike the step time or
+a rank's compute time per step -- does not change when a plan moves work, so a rebalanced
+straggler still looks slow and a recovered one looks healthy: no oscillation. Recovery needs
+``revert_windows`` consecutive healthy exchanges (hysteresis); a new plan replaces the one in
+force only when it is predicted ``min_gain`` better.
+
+Pure logic on rank 0 (no torch.distributed): unit-tested with synthetic measurements.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from stalwart.mitigate import planner
+from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT, Decision
+
+SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
+
+
+@dataclass
+class Straggler:
+    """One straggler the policy is following."""
+
+    kind: str  # "compute" | "link"
+    group: int  # data-parallel group of the culprit rank
+    rank: int
+    onset_step: int
+    detected_step: int
+    rent_s: float = 0.0  # time it has cost since detection (seconds)
+    healthy_windows: int = 0
+    rebalanced_version: int = 0
+    recovered_step: int | None = None
+
+
+@dataclass
+class Policy:
+    """Rank 0's decision maker; ``observe`` once per exchange."""
+
+    groups: int
+    micro: int  # M: micro-batches per step
+    tp: int = 1
+    mode: str = "auto"  # "auto": S2 and S4; "rebalance": S2 only
+    min_count: int = 1
+    restart_s: float = 30.0  # measured restart time (updated by the worker)
+    min_gain: float = 0.05
+    revert_windows: int = 2
+    every: int = 2  # steps per exchange (the agreement channel's period)
+    window: int = 3  # exchanges of per-micro-batch times behind each estimate
+    counts: list[int] = field(default_factory=list)
+    version: int = 0
+    active: Straggler | None = None
+    healthy_step_s: float | None = None
+    _unit_hist: list[list[float]] = field(default_factory=list)
+    _step_hist: list[float] = field(default_factory=list)
+    _seen_findings: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = planner.uniform(self.micro, self.groups)
+
+    @property
+    def uniform(self) -> bool:
+        return self.counts == planner.uniform(self.micro, self.groups)
+
+    def unit_times(self) -> list[float]:
+        """Each group's recent time per micro-batch (median over the last few exchanges)."""
+        hist = self._unit_hist[-self.window:]
+        return [statistics.median(h[g] for h in hist) for g in range(self.groups)]
+
+    def _slow(self, units: list[float], g: int) -> bool:
+        peers = [u for i, u in enumerate(units) if i != g]
+        return bool(peers) and units[g] > SLOW_RATIO * statistics.median(peers)
+
+    def observe(self, step: int, units: list[float], step_s: float, steps: int,
+                findings: list[dict], start_step: int) -> Decision | None:
+        """One exchange's measurements: per-group seconds per micro-batch, the mean step time
+        over the ``steps`` steps since the last exchange, the detector's findings so far (as
+        event dicts, oldest first). ``start_step``: where a decision made now would start."""
+        if any(not u > 0 for u in units):
+            return None  # a group that computed nothing this window (excluded or idle)
+        self._unit_hist.append(units)
+        self._step_hist.append(step_s)
+        for f in findings[self._seen_findings:]:
+            self._on_finding(f)
+        self._seen_findings = len(findings)
+        s = self.active
+        if s is None:
+            if self.uniform:  # the healthy level: uniform plan, no straggler
+                self.healthy_step_s = statistics.median(self._step_hist[-8:])
+            return None
+        cur = self.unit_times()
+        slow_now = self._slow(cur, s.group) if s.kind == "compute" else (
+            self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
+        if slow_now:
+            s.healthy_windows = 0
+            if self.healthy_step_s is not None:
+                s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
+        else:
+            s.healthy_windows += 1
+            if s.healthy_windows >= self.revert_windows:
+                s.recovered_step = step
+                self.active = None
+                if not self.uniform:
+                    return self._decide(REVERT, planner.uniform(self.micro, self.groups),
+                                        start_step, -1, 0.0, "straggler recovered: rank "
+                                        f"{s.rank}'s time per micro-batch back to its peers'")
+            return None
+        # rebalance (S2), or a better plan for a straggler whose severity changed
+        best = planner.plan(cur, self.micro, self.min_count)
+        now_mk = planner.makespan(self.counts, cur)
+        gain = 1.0 - planner.makespan(best, cur) / now_mk
+        if s.kind == "compute" and gain >= self.min_gain and s.rent_s >= self.s2_price(cur):
+            s.rebalanced_version = self.version + 1
+            return self._decide(REBALANCE, best, start_step, s.group, gain,
+                                f"{s.kind} straggler on rank {s.rank}: "
+                                f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
+        # restart without the host (S4): only if N-1 hosts beat the best plan on N
+        if self.mode == "auto" and self.groups > 1 and self.tp == 1:
+            without = [u for g, u in enumerate(cur) if g != s.group]
+            mk_without = planner.makespan(planner.plan(without, self.micro, self.min_count),
+                                          without)
+            mk_best = planner.makespan(best, cur)
+            if s.kind == "link":  # the host's link, not its compute, sets the step time
+                mk_best = max(mk_best, step_s * (1 - gain))
+                healthy = self.healthy_step_s or step_s
+                mk_without = healthy * self.groups / (self.groups - 1)
+            per_step = mk_best - mk_without
+            if per_step > self.min_gain * mk_best and s.rent_s >= 2 * self.restart_s:
+                return self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
+                                    f"{s.kind} straggler on rank {s.rank}: the job is faster "
+                                    f"without its host ({s.rent_s:.1f} s lost so far, restart "
+                                    f"{self.restart_s:.1f} s)")
+        return None
+
+    def s2_price(self, units: list[float]) -> float:
+        """What a needless rebalance would cost (seconds): the plan for these times, run on
+        healthy ranks until the revert, against the uniform plan's time."""
+        healthy = [statistics.median(units)] * self.groups
+        plan = planner.plan(units, self.micro, self.min_count)
+        extra = planner.makespan(plan, healthy) - planner.makespan(
+            planner.uniform(self.micro, self.groups), healthy)
+        # steps a wrong plan stays: the healthy windows needed, plus the decision's latency
+        steps = (self.revert_windows + 1) * self.every + 1
+        return max(extra, 0.0) * steps
+
+    def _on_finding(self, f: dict) -> None:
+        kind, ranks = f.get("kind"), f.get("ranks") or []
+        if kind not in ("compute", "link") or len(ranks) != 1:
+            return  # a pair link is S3's (issue 11); unexplained slowdowns are not stragglers
+        r = int(ranks[0])
+        if self.active is not None and self.active.rank == r:
+            return
+        self.active = Straggler(kind, r // self.tp, r, int(f.get("onset_step", 0)),
+                                int(f.get("step", 0)))
+
+    def _decide(self, kind: int, counts: list[int], start: int, target: int, gain: float,
+                reason: str) -> Decision:
+        self.version += 1
+        if counts:
+            self.counts = list(counts)
+        return Decision(kind, self.version, start, list(counts), target, gain, reason)

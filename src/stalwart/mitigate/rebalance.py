@@ -1,0 +1,308 @@
+"""Micro-batch rebalancing in a running job (FALCON's S2), as one object the step loop asks.
+
+The step's global batch is M identical micro-batches (train/data.py: a pure function of seed,
+step and global micro-batch index). A plan gives data-parallel group i ``n_i`` of them (the
+contiguous block ``planner.assignment``); each rank scales its mean micro-batch loss by
+``n_i * G / M`` so that the data-parallel average (DDP divides the sum by G) is the mean
+gradient over the whole global batch::
+
+    (1/G) * sum_i (n_i G / M) * mean_{j in block i} grad l_j = (1/M) * sum_j grad l_j
+
+-- exactly what a single process computes on the global batch, whatever the plan. FALCON's
+public code computes this weighting but never applies it (a rebalanced update is biased); here
+the tests check a rebalanced step's parameters against a single-process step.
+
+Per step the loop calls ``assign(step)`` (which micro-batches, which scale) and
+``end_step(step, compute_s, step_s)``. Every ``every`` steps the ranks exchange their time per
+micro-batch with rank 0 and receive its decision (agreement.py: one version, one start step,
+all ranks switch together); rank 0 runs the policy (policy.py) on the detector's findings and
+logs ``mitigation_applied`` / ``mitigation_reverted`` / ``mitigation_measured`` to
+events.jsonl. A restart decision (S4) is returned by ``restart_due`` at its start step; the
+caller checkpoints and leaves with ``RESTART_EXIT`` (launch.py relaunches without the host).
+
+Use in your own DDP script (see docs/mitigate.md)::
+
+    reb = Rebalancer(monitor, micro_batches=M)
+    for step in range(steps):
+        a = reb.assign(step)
+        for k, g in enumerate(a.indices):          # global micro-batch indices
+            x, y = my_micro_batch(step, g)          # the same sample for the same (step, g)
+            with ddp.no_sync() if k < len(a.indices) - 1 else nullcontext():
+                (loss_fn(ddp(x), y) * a.micro_weight).backward()
+        opt.step(); opt.zero_grad()
+        reb.end_step(step, compute_s, step_s)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.mitigate import planner
+from stalwart.mitigate.agreement import (
+    EXCLUDE,
+    REBALANCE,
+    RESTORE,
+    REVERT,
+    Decision,
+    PlanChannel,
+)
+from stalwart.mitigate.policy import Policy
+
+RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
+RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
+CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
+MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This rank's share of a step."""
+
+    indices: range  # global micro-batch indices this rank computes
+    micro_weight: float  # multiply each micro-batch's loss by this (G / M)
+    loss_scale: float  # ... equivalently, its mean micro-batch loss by this (n_i G / M)
+    version: int  # plan version (0 = uniform)
+
+
+class Rebalancer:
+    """See the module docstring. Create on every rank, after init_process_group."""
+
+    def __init__(self, monitor: Any = None, micro_batches: int = 0, *, rank: int | None = None,
+                 world: int | None = None, tp: int = 1, mode: str = "auto", every: int = 2,
+                 run_dir: Path | str | None = None, hosts: list[int] | None = None,
+                 restart_s: float | None = None) -> None:
+        ready = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
+        self.world = world if world is not None else (dist.get_world_size() if ready else 1)
+        if micro_batches < self.world // tp:
+            raise ValueError(f"micro_batches={micro_batches}: need at least one per "
+                             f"data-parallel group ({self.world // tp})")
+        self.monitor = monitor
+        self.tp = tp
+        self.groups = self.world // tp
+        self.group = self.rank // tp
+        self.micro = micro_batches
+        self.hosts = hosts or list(range(self.world))
+        self.run_dir = Path(run_dir) if run_dir is not None else (
+            Path(os.environ["STALWART_RUN_DIR"]) if "STALWART_RUN_DIR" in os.environ else None)
+        self.counts = planner.uniform(micro_batches, self.groups)
+        self.version = 0
+        self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
+        self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every) \
+            if self.rank == 0 else None
+        if self.policy is not None and restart_s is not None:
+            self.policy.restart_s = restart_s
+        self._pending: Decision | None = None  # agreed, waiting for its start step
+        self._outgoing: Decision | None = None  # rank 0: decided, not yet sent
+        self._sent: dict[int, Decision] = {}  # rank 0: version -> decision (with reason)
+        self._restart: Decision | None = None
+        self._win_compute = 0.0
+        self._win_micro = 0
+        self._win_step = 0.0
+        self._win_steps = 0
+        self._step_times: list[tuple[int, float]] = []  # rank 0: (step, step time)
+        self._measure: tuple[Decision, float, int] | None = None  # (decision, before, start)
+        self._events: Any = None
+        if self.rank == 0 and self.run_dir is not None:
+            from stalwart.rundir import EventLog
+
+            self._events = EventLog(self.run_dir)
+
+    # ---- the loop's two calls -----------------------------------------------------------
+    def assign(self, step: int) -> Assignment:
+        d = self._pending
+        if d is not None and step >= d.start_step:
+            self._pending = None
+            if d.kind in (REBALANCE, REVERT):
+                self.counts, self.version = list(d.counts), d.version
+            elif d.kind in (EXCLUDE, RESTORE):
+                self._restart = d
+        block = planner.assignment(self.counts)[self.group]
+        n = len(block)
+        weight = self.groups / self.micro
+        return Assignment(block, weight, n * weight, self.version)
+
+    def restart_due(self, step: int) -> Decision | None:
+        """A restart decision whose start step has come (call after ``assign``)."""
+        return self._restart
+
+    def normalised(self, compute_s: float) -> float:
+        """This step's compute time as if the plan were uniform: what a detector should see
+        (a rebalanced straggler computes less per step, but is no faster per micro-batch)."""
+        n = self.counts[self.group]
+        return compute_s * (self.micro / self.groups) / max(n, 1)
+
+    def end_step(self, step: int, compute_s: float, step_s: float) -> None:
+        self._win_compute += compute_s
+        self._win_micro += self.counts[self.group]
+        self._win_step += step_s
+        self._win_steps += 1
+        if self.rank == 0:
+            if not self._step_times and self.policy is not None:
+                # a restart's price: what this incarnation took to reach its first step
+                self.policy.restart_s = _process_age()
+            self._step_times.append((step, step_s))
+            self._step_times = self._step_times[-64:]
+            self._check_measure(step)
+        if not self.channel.due(step):
+            return
+        unit = self._win_compute / max(self._win_micro, 1)
+        row = [unit, self._win_step / max(self._win_steps, 1), float(self._win_steps)]
+        self._win_compute, self._win_micro, self._win_step, self._win_steps = 0.0, 0, 0.0, 0
+        out = self._outgoing
+        self._outgoing = None
+        if out is not None:
+            self._sent[out.version] = out
+        rows, dec = self.channel.exchange(step, row, out)
+        if dec is not None:
+            if dec.start_step <= step:  # cannot happen: the start is after the read
+                raise RuntimeError(f"plan v{dec.version} starts at {dec.start_step}, read at "
+                                   f"step {step}")
+            self._pending = dec
+            if self.rank == 0:
+                self._log_decision(step, dec)
+        if self.rank == 0 and rows is not None and self._pending is None:
+            self._decide(step, rows)
+
+    # ---- rank 0 ------------------------------------------------------------------------------
+    def _decide(self, step: int, rows: list[list[float]]) -> None:
+        assert self.policy is not None
+        units = [max(rows[r][0] for r in range(g * self.tp, (g + 1) * self.tp))
+                 for g in range(self.groups)]
+        step_s = statistics.median(r[1] for r in rows)
+        steps = int(rows[0][2])
+        findings = [f.event_fields() for f in getattr(self.monitor, "findings", [])]
+        self.policy.counts = list(self.counts)
+        start = self.channel.start_for(step)
+        dec = self.policy.observe(step, units, step_s, steps, findings, start)
+        if dec is None and self.policy.mode == "auto":
+            dec = self._control(start)
+        if dec is not None:
+            if dec.kind == EXCLUDE:
+                dec.target = self.hosts[dec.target]  # the rank's host
+            self._outgoing = dec
+
+    def _control(self, start: int) -> Decision | None:
+        """The launcher's probe found an excluded host healthy: restart with it."""
+        if self.run_dir is None or not (self.run_dir / CONTROL_FILE).exists():
+            return None
+        try:
+            req = json.loads((self.run_dir / CONTROL_FILE).read_text())
+            (self.run_dir / CONTROL_FILE).unlink()
+        except (OSError, json.JSONDecodeError):
+            return None
+        host = int(req.get("restore_host", -1))
+        if host < 0 or host in self.hosts:
+            return None
+        assert self.policy is not None
+        self.policy.version += 1
+        return Decision(RESTORE, self.policy.version, start, [], host,
+                        float(req.get("predicted_gain", 0.0)),
+                        str(req.get("reason", "excluded host healthy again")))
+
+    def _log_decision(self, step: int, dec: Decision) -> None:
+        sent = self._sent.pop(dec.version, dec)
+        if dec.kind in (EXCLUDE, RESTORE) and self.run_dir is not None:
+            hosts = [h for h in self.hosts if h != dec.target] if dec.kind == EXCLUDE else \
+                sorted([*self.hosts, dec.target])
+            from stalwart.rundir import atomic_write_text
+
+            atomic_write_text(self.run_dir / RESTART_FILE, json.dumps(
+                {"hosts": hosts, "step": dec.start_step, "strategy": dec.name,
+                 "reason": sent.reason}) + "\n")
+        if self._events is None:
+            return
+        before = self._recent_step_time()
+        if dec.kind == REVERT:
+            self._events.log("mitigation_reverted", step=dec.start_step, decided_step=step,
+                             strategy="rebalance", version=dec.version, plan=dec.counts,
+                             reason=sent.reason)
+        else:
+            target = f"rank{dec.target * self.tp}" if dec.kind == REBALANCE else \
+                f"host{dec.target}"
+            plan: list[int] = dec.counts if dec.kind == REBALANCE else (
+                [h for h in self.hosts if h != dec.target] if dec.kind == EXCLUDE
+                else sorted([*self.hosts, dec.target]))
+            self._events.log("mitigation_applied", step=dec.start_step, decided_step=step,
+                             strategy=dec.name, version=dec.version, plan=plan, target=target,
+                             predicted_gain=round(dec.predicted_gain, 4), reason=sent.reason)
+        if dec.kind in (REBALANCE, REVERT) and before is not None:
+            self._measure = (dec, before, dec.start_step)
+
+    def _recent_step_time(self) -> float | None:
+        xs = [t for _, t in self._step_times[-2 * self.channel.every:]]
+        return statistics.median(xs) if xs else None
+
+    def _check_measure(self, step: int) -> None:
+        if self._measure is None or self._events is None:
+            return
+        dec, before, start = self._measure
+        after = [t for s, t in self._step_times if s >= start]
+        if len(after) < MEASURE_STEPS:
+            return
+        self._measure = None
+        t = statistics.median(after)
+        self._events.log("mitigation_measured", step=step, version=dec.version,
+                         strategy="rebalance" if dec.kind == REBALANCE else "revert",
+                         predicted_gain=round(dec.predicted_gain, 4),
+                         measured_gain=round(1.0 - t / before, 4),
+                         step_time_before=round(before, 5), step_time_after=round(t, 5))
+
+    @property
+    def plan_in_force(self) -> tuple[int, list[int]]:
+        return self.version, list(self.counts)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self._events is not None:
+            self._events.close()
+
+
+def restart_s_estimate(started: float, first_step_done: float, ckpt_s: float) -> float:
+    """A restart's price: this incarnation's measured start-up (interpreter, rendezvous, model,
+    first step) plus one checkpoint save."""
+    return max(first_step_done - started, 0.0) + ckpt_s
+
+
+
+def _process_age() -> float:
+    """Seconds since this process started (interpreter, imports, rendezvous, model, step 1)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 30.0
+
+
+class StaticPlan:
+    """The uniform plan, never changed: what the loop uses without ``--mitigate`` (no
+    exchanges, no cost). Same interface as ``Rebalancer``."""
+
+    def __init__(self, micro_batches: int, groups: int, group: int) -> None:
+        self.micro, self.groups, self.group = micro_batches, groups, group
+        block = planner.assignment(planner.uniform(micro_batches, groups))[group]
+        w = groups / micro_batches
+        self._a = Assignment(block, w, len(block) * w, 0)
+
+    def assign(self, step: int) -> Assignment:
+        return self._a
+
+    def restart_due(self, step: int) -> Decision | None:
+        return None
+
+    def normalised(self, compute_s: float) -> float:
+        return compute_s * (self.micro / self.groups) / max(len(self._a.indices), 1)
+
+    def end_step(self, step: int, compute_s: float, step_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,126 @@
+"""The escalation policy on synthetic measurements: when it acts, what it picks, when it reverts."""
+
+from __future__ import annotations
+
+from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT
+from stalwart.mitigate.policy import Policy
+
+UNIT = 0.01  # seconds per micro-batch on a healthy rank
+M, G = 16, 4
+
+
+def finding(rank: int, step: int, kind: str = "compute") -> dict:
+    return {"kind": kind, "ranks": [rank], "onset_step": step - 4, "step": step}
+
+
+def feed(p: Policy, step: int, units: list[float], findings: list[dict]):
+    """One exchange: step time = the slowest group's makespan under the policy's plan."""
+    step_s = max(n * u for n, u in zip(p.counts, units, strict=True)) + 0.005
+    return p.observe(step, units, step_s, 2, findings, step + 3)
+
+
+def healthy(p: Policy, steps: range) -> None:
+    for s in steps:
+        assert feed(p, s, [UNIT] * G, []) is None
+
+
+def test_no_action_on_clean_measurements() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 60, 2))
+    assert p.version == 0 and p.uniform
+
+
+def test_no_action_without_a_verdict() -> None:
+    """A slow rank the detector has not confirmed: the policy waits for the verdict."""
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    for s in range(21, 41, 2):
+        assert feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], []) is None
+
+
+def test_rebalances_a_confirmed_compute_straggler_then_reverts() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    slow = [UNIT, UNIT, 2 * UNIT, UNIT]
+    fs = [finding(2, 25)]
+    decisions = [d for s in range(25, 41, 2) if (d := feed(p, s, slow, fs)) is not None]
+    assert decisions and decisions[0].kind == REBALANCE
+    counts = decisions[0].counts
+    assert sum(counts) == M and counts[2] < 4 and min(counts) >= 1
+    assert decisions[0].predicted_gain > 0.2
+    assert all(d.kind == REBALANCE for d in decisions[:1]) and len(decisions) == 1  # no flapping
+    # healed: two healthy exchanges, then back to the uniform plan
+    out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 47, 2)]
+    reverts = [d for d in out if d is not None]
+    assert len(reverts) == 1 and reverts[0].kind == REVERT and reverts[0].counts == [4] * 4
+    assert out[0] is None  # one healthy window is not enough (hysteresis)
+
+
+def test_blip_over_before_the_verdict_is_not_acted_on() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    feed(p, 21, [UNIT, UNIT, 2 * UNIT, UNIT], [])
+    # the verdict arrives when the rank is already back to normal
+    for s in range(23, 41, 2):
+        assert feed(p, s, [UNIT] * G, [finding(2, 23)]) is None
+    assert p.uniform
+
+
+def test_pair_links_and_unexplained_slowdowns_are_not_rebalanced() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [{"kind": "link", "ranks": [], "link": [1, 2], "onset_step": 20, "step": 22},
+          {"kind": "unknown", "ranks": [], "onset_step": 20, "step": 22}]
+    for s in range(21, 41, 2):
+        assert feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None
+
+
+def test_rebalance_mode_never_restarts() -> None:
+    p = Policy(G, M, mode="rebalance", restart_s=0.01)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 21)]
+    kinds = {d.kind for s in range(21, 99, 2)
+             if (d := feed(p, s, [UNIT, UNIT, 20 * UNIT, UNIT], fs)) is not None}
+    assert EXCLUDE not in kinds
+
+
+def test_a_rank_so_slow_the_job_is_faster_without_it_is_excluded_after_its_rent() -> None:
+    """20x slow: even one micro-batch on it takes longer than the others' whole share."""
+    p = Policy(G, M, restart_s=0.5)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 21)]
+    seen = []
+    for s in range(21, 201, 2):
+        d = feed(p, s, [UNIT, UNIT, 20 * UNIT, UNIT], fs)
+        if d is not None:
+            seen.append((s, d))
+            if d.kind == EXCLUDE:
+                break
+    assert seen[0][1].kind == REBALANCE and seen[0][1].counts[2] == 1
+    assert seen[-1][1].kind == EXCLUDE and seen[-1][1].target == 2
+    # the rent paid before buying the restart is at least its price (out and back)
+    assert p.active is not None and p.active.rent_s >= 2 * p.restart_s
+
+
+def test_a_slow_host_link_is_excluded_not_rebalanced() -> None:
+    p = Policy(G, M, restart_s=0.2)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(1, 21, kind="link")]
+    out = []
+    for s in range(21, 121, 2):
+        units = [UNIT] * G  # compute is fine: the host's link is slow, steps take 3x
+        d = p.observe(s, units, 3 * (4 * UNIT + 0.005), 2, fs, s + 3)
+        if d is not None:
+            out.append(d)
+            break
+    assert out and out[0].kind == EXCLUDE and out[0].target == 1
+
+
+def test_decisions_are_deterministic() -> None:
+    def run() -> list[tuple]:
+        p = Policy(G, M)
+        healthy(p, range(1, 21, 2))
+        fs = [finding(2, 21)]
+        return [(d.kind, d.counts, d.version) for s in range(21, 61, 2)
+                if (d := feed(p, s, [UNIT, 1.1 * UNIT, 1.7 * UNIT, UNIT], fs)) is not None]
+    assert run() == run()
