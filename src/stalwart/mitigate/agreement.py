@@ -5,9 +5,11 @@ step apart -- and a step in which two ranks disagree on who computes which micro
 some samples twice and others never. Here rank 0 alone decides, and its decision travels in
 the same message as every rank's measurements: an asynchronous all-gather on a gloo group of
 its own, issued every ``every`` steps and read ``every`` steps later (it has long completed by
-then, so no rank blocks on it). Every rank reads a given message at the end of the same step,
-and the decision names the step it starts (the step after that read), so every rank switches
-at that step: never one step apart, whatever each rank's speed.
+then, so no rank blocks on it). At each exchange a rank first receives the previous message,
+rank 0 decides from the rows in it, then every rank sends the next one. Every rank reads a
+given message at the end of the same step, and the decision names the step it starts (the
+step after that read), so every rank switches at that step: never one step apart, whatever
+each rank's speed.
 
 Guarantees: identical ``Decision`` objects on every rank, installed for the same step; the
 channel's collectives are issued in the same order on every rank (one per exchange step);
@@ -61,20 +63,37 @@ class PlanChannel:
         # made at construction (a collective: every rank builds its channel at the same point)
         self.group = group if group is not None or not self.distributed else \
             dist.new_group(backend="gloo")
-        self._inflight: deque[tuple[Any, list[torch.Tensor], int]] = deque()
+        self._sent: deque[tuple[Any, list[torch.Tensor]]] = deque()
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
 
     def start_for(self, step: int) -> int:
-        """The step a decision sent at the end of ``step`` takes effect (after its read)."""
+        """The step a decision sent at the end of ``step`` takes effect: the step after the
+        exchange that reads it."""
         return step + self.every + 1
 
-    def exchange(self, step: int, row: list[float], decision: Decision | None
-                 ) -> tuple[list[list[float]] | None, Decision | None]:
-        """At an exchange step: send this rank's row (and rank 0's decision), read the previous
-        exchange's rows and decision. Returns (rows of every rank, decision) of that previous
-        exchange, (None, None) on the first one."""
+    def receive(self) -> tuple[list[list[float]] | None, Decision | None]:
+        """At an exchange step, first: the previous exchange's rows (every rank's) and rank
+        0's decision in it; (None, None) at the first exchange."""
+        if not self._sent:
+            return None, None
+        msg = self._sent.popleft()
+        if self.distributed:
+            work, rows = msg
+            work.wait()
+        else:
+            rows = msg[1]
+        got = rows[0]
+        dec = None
+        if int(got[0]) != NONE:
+            counts = [int(c) for c in got[_HEAD:_HEAD + self.groups]]
+            dec = Decision(int(got[0]), int(got[1]), int(got[2]), counts, int(got[3]),
+                           float(got[4]) / 1e6)
+        return [r[_HEAD + self.groups:].tolist() for r in rows], dec
+
+    def send(self, row: list[float], decision: Decision | None) -> None:
+        """Then: this rank's row (and rank 0's decision, made from what ``receive`` gave)."""
         msg = torch.zeros(self.width, dtype=torch.float64)
         if decision is not None:
             head = [decision.kind, decision.version, decision.start_step, decision.target,
@@ -85,24 +104,13 @@ class PlanChannel:
                     decision.counts, dtype=torch.float64)
         msg[_HEAD + self.groups:] = torch.tensor(row[:self.row_len], dtype=torch.float64)
         if not self.distributed:
-            rows, got = [msg], msg
-        else:
-            out = [torch.empty(self.width, dtype=torch.float64) for _ in range(self.world)]
-            self._inflight.append((dist.all_gather(out, msg, group=self.group, async_op=True),
-                                   out, step))
-            if len(self._inflight) < 2:
-                return None, None
-            work, rows, _ = self._inflight.popleft()
-            work.wait()
-            got = rows[0]
-        kind = int(got[0])
-        dec = None
-        if kind != NONE:
-            counts = [int(c) for c in got[_HEAD:_HEAD + self.groups]]
-            dec = Decision(kind, int(got[1]), int(got[2]), counts, int(got[3]),
-                           float(got[4]) / 1e6)
-        return [r[_HEAD + self.groups:].tolist() for r in rows], dec
+            self._sent.append((None, [msg]))
+            return
+        out = [torch.empty(self.width, dtype=torch.float64) for _ in range(self.world)]
+        self._sent.append((dist.all_gather(out, msg, group=self.group, async_op=True), out))
 
     def close(self) -> None:
-        while self._inflight:
-            self._inflight.popleft()[0].wait()
+        while self._sent:
+            work = self._sent.popleft()[0]
+            if work is not None:
+                work.wait()

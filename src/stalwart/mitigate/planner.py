@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 SMALL = 512  # below this many micro-batches to place, a plain heap is faster than numpy
 
 

@@ -51,6 +51,7 @@ class Straggler:
     healthy_windows: int = 0
     rebalanced_version: int = 0
     recovered_step: int | None = None
+    since: int = 0  # first exchange (index) measured under this straggler
 
 
 @dataclass
@@ -64,9 +65,10 @@ class Policy:
     min_count: int = 1
     restart_s: float = 30.0  # measured restart time (updated by the worker)
     min_gain: float = 0.05
+    replan_gain: float = 0.15  # a plan in force is replaced only for this much more
     revert_windows: int = 2
     every: int = 2  # steps per exchange (the agreement channel's period)
-    window: int = 3  # exchanges of per-micro-batch times behind each estimate
+    window: int = 4  # exchanges of per-micro-batch times behind each plan's estimate
     counts: list[int] = field(default_factory=list)
     version: int = 0
     active: Straggler | None = None
@@ -84,8 +86,12 @@ class Policy:
         return self.counts == planner.uniform(self.micro, self.groups)
 
     def unit_times(self) -> list[float]:
-        """Each group's recent time per micro-batch (median over the last few exchanges)."""
-        hist = self._unit_hist[-self.window:]
+        """Each group's recent time per micro-batch: the median over the last few exchanges,
+        none from before the straggler being followed was reported (they would dilute it)."""
+        first = len(self._unit_hist) - self.window
+        if self.active is not None:
+            first = max(first, self.active.since)
+        hist = self._unit_hist[max(first, 0):]
         return [statistics.median(h[g] for h in hist) for g in range(self.groups)]
 
     def _slow(self, units: list[float], g: int) -> bool:
@@ -110,7 +116,8 @@ class Policy:
                 self.healthy_step_s = statistics.median(self._step_hist[-8:])
             return None
         cur = self.unit_times()
-        slow_now = self._slow(cur, s.group) if s.kind == "compute" else (
+        # recovery is judged on the latest exchange alone (a median would lag the revert)
+        slow_now = self._slow(units, s.group) if s.kind == "compute" else (
             self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
         if slow_now:
             s.healthy_windows = 0
@@ -118,7 +125,11 @@ class Policy:
                 s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
         else:
             s.healthy_windows += 1
-            if s.healthy_windows >= self.revert_windows:
+            # the detector's own recovery verdict (on per-unit compute) counts as one window
+            confirmed = any(f.get("recovered_step") is not None and int(f.get("step", 0))
+                            >= s.detected_step and s.rank in (f.get("ranks") or [])
+                            for f in findings)
+            if s.healthy_windows + int(confirmed) >= self.revert_windows:
                 s.recovered_step = step
                 self.active = None
                 if not self.uniform:
@@ -130,7 +141,8 @@ class Policy:
         best = planner.plan(cur, self.micro, self.min_count)
         now_mk = planner.makespan(self.counts, cur)
         gain = 1.0 - planner.makespan(best, cur) / now_mk
-        if s.kind == "compute" and gain >= self.min_gain and s.rent_s >= self.s2_price(cur):
+        needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
+        if s.kind == "compute" and gain >= needed and s.rent_s >= self.s2_price(cur):
             s.rebalanced_version = self.version + 1
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
@@ -172,7 +184,7 @@ class Policy:
         if self.active is not None and self.active.rank == r:
             return
         self.active = Straggler(kind, r // self.tp, r, int(f.get("onset_step", 0)),
-                                int(f.get("step", 0)))
+                                int(f.get("step", 0)), since=len(self._unit_hist) - 1)
 
     def _decide(self, kind: int, counts: list[int], start: int, target: int, gain: float,
                 reason: str) -> Decision:

@@ -100,7 +100,6 @@ class Rebalancer:
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
         self._pending: Decision | None = None  # agreed, waiting for its start step
-        self._outgoing: Decision | None = None  # rank 0: decided, not yet sent
         self._sent: dict[int, Decision] = {}  # rank 0: version -> decision (with reason)
         self._restart: Decision | None = None
         self._win_compute = 0.0
@@ -156,11 +155,7 @@ class Rebalancer:
         unit = self._win_compute / max(self._win_micro, 1)
         row = [unit, self._win_step / max(self._win_steps, 1), float(self._win_steps)]
         self._win_compute, self._win_micro, self._win_step, self._win_steps = 0.0, 0, 0.0, 0
-        out = self._outgoing
-        self._outgoing = None
-        if out is not None:
-            self._sent[out.version] = out
-        rows, dec = self.channel.exchange(step, row, out)
+        rows, dec = self.channel.receive()
         if dec is not None:
             if dec.start_step <= step:  # cannot happen: the start is after the read
                 raise RuntimeError(f"plan v{dec.version} starts at {dec.start_step}, read at "
@@ -168,26 +163,30 @@ class Rebalancer:
             self._pending = dec
             if self.rank == 0:
                 self._log_decision(step, dec)
+        out = None
         if self.rank == 0 and rows is not None and self._pending is None:
-            self._decide(step, rows)
+            out = self._decide(step, rows)
+            if out is not None:
+                self._sent[out.version] = out
+        self.channel.send(row, out)
 
     # ---- rank 0 ------------------------------------------------------------------------------
-    def _decide(self, step: int, rows: list[list[float]]) -> None:
+    def _decide(self, step: int, rows: list[list[float]]) -> Decision | None:
         assert self.policy is not None
         units = [max(rows[r][0] for r in range(g * self.tp, (g + 1) * self.tp))
                  for g in range(self.groups)]
         step_s = statistics.median(r[1] for r in rows)
         steps = int(rows[0][2])
-        findings = [f.event_fields() for f in getattr(self.monitor, "findings", [])]
+        findings = [{**f.event_fields(), "recovered_step": f.recovered_step}
+                    for f in getattr(self.monitor, "findings", [])]
         self.policy.counts = list(self.counts)
         start = self.channel.start_for(step)
         dec = self.policy.observe(step, units, step_s, steps, findings, start)
         if dec is None and self.policy.mode == "auto":
             dec = self._control(start)
-        if dec is not None:
-            if dec.kind == EXCLUDE:
-                dec.target = self.hosts[dec.target]  # the rank's host
-            self._outgoing = dec
+        if dec is not None and dec.kind == EXCLUDE:
+            dec.target = self.hosts[dec.target]  # the rank's host
+        return dec
 
     def _control(self, start: int) -> Decision | None:
         """The launcher's probe found an excluded host healthy: restart with it."""
