@@ -164,8 +164,9 @@ class RunConfig:
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
         from stalwart.testbed.faults import parse_fault
 
+        hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
-            parse_fault(spec, self.nproc, self.testbed)  # ConfigError naming the bad part
+            parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------

@@ -138,15 +138,20 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                resume=cfg.resume)
     try:
         with open_testbed(cfg, events) as tb:
-            incarnation, first_step = 0, 0
+            incarnation, first_step, restart_t0 = 0, 0, None
+            all_hosts = list(range(cfg.nproc))
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
                 procs = _spawn(cfg, tb, run_dir, module, args, port)
-                rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step)
+                rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step,
+                                restart_t0)
                 if rc != RESTART_EXIT:
                     break
                 # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
+                restart_t0 = time.monotonic()
                 cfg, first_step = _restart_config(cfg, run_dir, events, say)
+                if cfg.hosts == all_hosts:
+                    cfg.hosts = None
                 tb.set_hosts(cfg.hosts)  # faults stay on their hosts; ranks move
                 incarnation += 1
     except KeyboardInterrupt:
@@ -223,17 +228,55 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
 
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
                progress: Progress, events: EventLog, say: Callable[[str], None],
-               first_step: int = 0) -> int:
+               first_step: int = 0, restart_t0: float | None = None) -> int:
+    tb.on_step(first_step)  # type: ignore[attr-defined]
+    probe = _start_probe(cfg, tb, run_dir)
+    try:
+        return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
+                      probe)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
+    """While a host is excluded (S4), probe it for the way back (mitigate/probe.py)."""
+    if cfg.mitigate != "auto" or not cfg.hosts:
+        return None
+    missing = [h for h in range(max(cfg.hosts) + 1) if h not in cfg.hosts]
+    if not missing:
+        return None
+    from stalwart.mitigate.probe import HostProbe
+
+    return HostProbe(tb, missing[0], list(cfg.hosts), run_dir)
+
+
+def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
+           progress: Progress, events: EventLog, say: Callable[[str], None],
+           first_step: int, restart_t0: float | None, probe: Any) -> int:
     metrics_tail = JsonlTail(run_dir / METRICS)
     events_tail = JsonlTail(run_dir / EVENTS)
     next_step = first_step
-    tb.on_step(first_step)  # type: ignore[attr-defined]
+    restart_s: float | None = None
+    recent: list[float] = []
+    declined_logged = False
     while True:
         for m in metrics_tail.poll():
             progress.on_metric(m)
+            if m["step"] >= first_step and m.get("rank") == 0:
+                recent = (recent + [float(m["step_time"])])[-20:]
+                if restart_s is None and restart_t0 is not None:
+                    restart_s = time.monotonic() - restart_t0  # exit to first step back
             if m["step"] + 1 > next_step:
                 next_step = m["step"] + 1
-                tb.on_step(next_step)  # type: ignore[attr-defined]
+                tb.on_step(next_step)
+        if probe is not None and recent and restart_s is not None and probe.request_restore(
+                cfg.steps - next_step, sorted(recent)[len(recent) // 2], cfg.nproc, restart_s):
+            say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take it back")
+        if probe is not None and probe.declined and not declined_logged:
+            declined_logged = True
+            events.log("host_probe", step=next_step, host=probe.host, restore=False,
+                       reason=probe.declined)
         for e in events_tail.poll():
             progress.on_event(e)
         progress.refresh()

@@ -31,5 +31,8 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any
     groups = world // cfg.tp
     if cfg.mitigate == "off" or groups < 2:
         return StaticPlan(micro, groups, rank // cfg.tp)
-    return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=cfg.mitigate,
+    # S4 restarts need a checkpoint that resumes at another world size (train/checkpoint.py):
+    # not yet for the lossy optimizer's sharded state, nor (in the policy) for TP
+    mode = "rebalance" if cfg.comm == "lossy" else cfg.mitigate
+    return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
                       run_dir=run_dir, hosts=cfg.hosts)

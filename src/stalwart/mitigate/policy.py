@@ -12,8 +12,9 @@ What the prices are here:
   exceeds the uniform one. A straggler that outlives that price is worth rebalancing; a blip
   that the detector confirmed but that is gone when the policy looks is never acted on
   (the rent only accrues while the rank's own per-micro-batch time still shows it).
-- S4's price is the measured restart time (checkpoint, relaunch, rendezvous, first step)
-  counted twice (out and back), and it is only a candidate while the best plan on N hosts
+- S4's price is the measured restart time (checkpoint, relaunch, rendezvous, first step);
+  the way back is bought separately, when a probe finds the host healthy and the remaining
+  steps repay another restart (probe.py). S4 is only a candidate while the best plan on N hosts
   is slower than the uniform plan on N-1 hosts (the capacity given up): a host whose own
   link is slow, or a rank so slow that the job is faster without it.
 
@@ -158,7 +159,7 @@ class Policy:
                 healthy = self.healthy_step_s or step_s
                 mk_without = healthy * self.groups / (self.groups - 1)
             per_step = mk_best - mk_without
-            if per_step > self.min_gain * mk_best and s.rent_s >= 2 * self.restart_s:
+            if per_step > self.min_gain * mk_best and s.rent_s >= self.restart_s:
                 return self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
                                     f"{s.kind} straggler on rank {s.rank}: the job is faster "
                                     f"without its host ({s.rent_s:.1f} s lost so far, restart "

@@ -45,7 +45,8 @@ class Testbed:
         self.events = events
         # identical specs are one fault (a set of active faults cannot hold both)
         self.faults: list[Fault] = list(dict.fromkeys(
-            parse_fault(s, cfg.nproc, cfg.testbed) for s in cfg.faults))
+            parse_fault(s, max(cfg.hosts) + 1 if cfg.hosts else cfg.nproc, cfg.testbed)
+            for s in cfg.faults))
         self._tag = next_tag()
         self._owner = os.getpid()
         self._pids: dict[int, int] = {}
@@ -55,6 +56,10 @@ class Testbed:
         self._logged: dict[Fault, str] = {}  # applied and logged -> its mechanism
         self._step = 0
         self._closed = False
+        # rank -> host: rank r on host r at launch; a restart without a host (mitigation's
+        # S4) moves ranks, and faults stay on their hosts (a compute fault's "rank" is the
+        # host that rank ran on at launch)
+        self._host_of = list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc))
         if any(f.kind in CPU_KINDS for f in self.faults):
             require_root("compute/contention faults")
             self._backend = find_backend()
@@ -66,9 +71,17 @@ class Testbed:
     def env(self, rank: int) -> dict[str, str]:
         return {"STALWART_HOST_ADDR": "127.0.0.1", "STALWART_MTU": str(self.mtu)}
 
+    def host(self, rank: int) -> int:
+        return self._host_of[rank]
+
+    def set_hosts(self, hosts: list[int] | None) -> None:
+        """The next incarnation's rank -> host map (the previous ranks have exited)."""
+        self._host_of = list(hosts) if hosts else list(range(self.nproc))
+        self._pids.clear()
+
     def attach_ranks(self, pids: Mapping[int, int]) -> None:
-        """Tell the testbed each rank's pid (cgroup faults act on processes)."""
-        self._pids.update({int(r): int(p) for r, p in pids.items()})
+        """Tell the testbed each rank's pid (cgroup faults act on processes; kept per host)."""
+        self._pids.update({self.host(int(r)): int(p) for r, p in pids.items()})
         for rank, group in self._groups.items():
             if rank in self._pids:
                 group.add(self._pids[rank])
@@ -201,15 +214,21 @@ class NetnsTestbed(Testbed):
             require_tool("tc", "link faults")
         if "loss" in kinds:
             require_tool("nft", "loss faults")
-        self.hosts = Hosts(cfg.nproc, cfg.mtu)  # removes stale leftovers first
+        n_hosts = max(self._host_of) + 1
+        self.hosts = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
         cleanup.register(self)
-        self.master_addr = self.hosts.addr(0)
+        self.master_addr = self.hosts.addr(self.host(0))
 
     def command_prefix(self, rank: int) -> list[str]:
-        return self.hosts.exec_prefix(rank)
+        return self.hosts.exec_prefix(self.host(rank))
+
+    def set_hosts(self, hosts: list[int] | None) -> None:
+        super().set_hosts(hosts)
+        self.master_addr = self.hosts.addr(self.host(0))
 
     def env(self, rank: int) -> dict[str, str]:
-        return {"STALWART_HOST_ADDR": self.hosts.addr(rank), "GLOO_SOCKET_IFNAME": "eth0",
+        return {"STALWART_HOST_ADDR": self.hosts.addr(self.host(rank)),
+                "GLOO_SOCKET_IFNAME": "eth0",
                 "STALWART_MTU": str(self.mtu)}
 
     def _apply_net(self, desired: set[Fault],

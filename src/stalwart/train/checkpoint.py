@@ -1,11 +1,22 @@
 """Atomic, resumable checkpoints: one file per rank per saved step, and a LATEST pointer.
 
 Layout: ``checkpoints/step-NNNNNN/rank-R.pt`` holding the model, the optimizer (for sharded
-optimizers: this rank's shard), the RNG states and the step counter (the data position: batches
-are a pure function of the step, see train/data.py), plus a fingerprint of everything that must
-match for a resume to be meaningful. Each file is written to a temporary name, fsynced and
-renamed; ``LATEST`` is rewritten the same way by rank 0 only after every rank has saved, so a
-crash at any moment leaves the previous complete checkpoint as the one to resume from.
+optimizers: this rank's shard), the RNG states, the world size and the step counter (the data
+position: batches are a pure function of the step and the global micro-batch index, see
+train/data.py), plus a fingerprint of everything that must match for a resume to be
+meaningful -- the global batch, not the world size.
+
+Another world size (mitigation's S4 restarts without a host, and back): with data parallelism
+over reliable collectives every rank holds the same model and AdamW state, so a rank of the new
+world reads the file of rank ``rank % tp`` of the saved world (tensor-parallel shards follow
+their TP index; the DP replica does not matter). RNG states come with it: training draws no
+random numbers after initialisation (batches are indexed, dropout is off). The lossy
+optimizer's state is sharded by owner and does not reshard yet: resuming it at another world
+size is refused with a clear error (and mitigation does not restart lossy jobs).
+
+Each file is written to a temporary name, fsynced and renamed; ``LATEST`` is rewritten the same
+way by rank 0 only after every rank has saved, so a crash at any moment leaves the previous
+complete checkpoint as the one to resume from.
 """
 
 from __future__ import annotations
@@ -28,8 +39,8 @@ LATEST = "LATEST"
 def fingerprint(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint and the run resuming it must agree on."""
     return {
-        "preset": cfg.preset, "nproc": cfg.nproc, "tp": cfg.tp, "comm": cfg.comm,
-        "seed": cfg.seed, "batch_size": cfg.resolved_batch_size(),
+        "preset": cfg.preset, "global_batch": cfg.resolved_global_batch(), "tp": cfg.tp,
+        "comm": cfg.comm, "seed": cfg.seed,
         "model": PRESETS[cfg.preset]["model"].to_dict(),
     }
 
@@ -42,6 +53,7 @@ def save_rank(run_dir: Path, step: int, rank: int, cfg: RunConfig, model: torch.
               optimizer: Any) -> Path:
     state = {
         "step": step,
+        "world": cfg.nproc,
         "fingerprint": fingerprint(cfg),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -76,6 +88,13 @@ def latest_step(run_dir: Path) -> int:
 def load_rank(run_dir: Path, rank: int, cfg: RunConfig) -> dict[str, Any]:
     """Load and check this rank's part of the latest checkpoint (ConfigError when unusable)."""
     step = latest_step(run_dir)
+    saved_world = _saved_world(step_dir(run_dir, step))
+    if saved_world is not None and saved_world != cfg.nproc:
+        if cfg.comm == "lossy":
+            raise ConfigError(f"checkpoint at step {step} was saved by {saved_world} ranks; "
+                              f"the lossy optimizer's sharded state cannot resume at "
+                              f"{cfg.nproc}")
+        rank = rank % cfg.tp  # replicated over data parallelism: any replica's file
     path = step_dir(run_dir, step) / f"rank-{rank}.pt"
     if not path.exists():
         raise ConfigError(f"checkpoint is missing rank {rank}: {path}")
@@ -92,6 +111,12 @@ def load_rank(run_dir: Path, rank: int, cfg: RunConfig) -> dict[str, Any]:
                 f"checkpoint, {key}={want[key]!r} now"
             )
     return state
+
+
+def _saved_world(folder: Path) -> int | None:
+    """How many ranks wrote this checkpoint (its rank files)."""
+    n = len(list(folder.glob("rank-*.pt")))
+    return n or None
 
 
 def validate_resume(cfg: RunConfig) -> int:

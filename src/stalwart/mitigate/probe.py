@@ -1,0 +1,113 @@
+"""Keep probing a host the job left (S4), and say when taking it back pays for the restart.
+
+FALCON restarts without a bad node and stops there; a fail-slow lasts tens of seconds to hours,
+so a job that never takes the host back gives up a rank's worth of capacity for good. While a
+host is excluded the launcher runs this probe every ``PROBE_EVERY_S`` seconds, in a thread so
+progress and supervision go on:
+- link: bulk TCP from the excluded host to a host of the job, against the same between two
+  hosts of the job (ratio of measured rates: the detector's link test, on the same kernel
+  path the training traffic takes);
+- compute: a fixed Python loop in the excluded host's CPU cgroup (its slot's limits in force)
+  against the same loop in a healthy host's cgroup.
+The host is healthy after ``HEALTHY_ROUNDS`` consecutive rounds within ``TOLERANCE`` of its
+peers. It is taken back only when the predicted gain over the remaining steps -- the step
+time with G-1 hosts against G -- exceeds the measured restart time; the request goes to rank 0
+through ``run_dir/control.json``, so the restart itself is still agreed and started at one
+step by every rank (agreement.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from stalwart.rundir import atomic_write_text
+
+PROBE_EVERY_S = 6.0
+HEALTHY_ROUNDS = 2
+TOLERANCE = 0.25  # a link at >= 75% of its peers' rate, compute within 1.25x
+
+
+class HostProbe:
+    """Probes one excluded host in the background (see the module docstring)."""
+
+    def __init__(self, testbed: Any, host: int, peers: list[int], run_dir: Path) -> None:
+        self.tb = testbed
+        self.host = host
+        self.peers = peers
+        self.run_dir = run_dir
+        self.rounds: list[dict[str, float | None]] = []
+        self.healthy = 0
+        self.declined = ""  # why a healthy host was not taken back (for the event log)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="stw-probe")
+        self._thread.start()
+
+    def measure(self) -> dict[str, float | None]:
+        from stalwart.testbed.probe import busy_loop_time, tcp_throughput
+
+        out: dict[str, float | None] = {"link": None, "compute": None}
+        hosts = getattr(self.tb, "hosts", None)
+        if hosts is not None and len(self.peers) >= 2:
+            a, b = self.peers[0], self.peers[1]
+            mine = tcp_throughput(hosts, self.host, a, seconds=0.4, port=47102)
+            ref = tcp_throughput(hosts, b, a, seconds=0.4, port=47103)
+            out["link"] = mine / max(ref, 1.0)
+        groups = getattr(self.tb, "_groups", {})
+        if self.host in groups:
+            ref_group = next((groups[p] for p in self.peers if p in groups), None)
+            mine_t = busy_loop_time(300_000, groups[self.host])
+            ref_t = busy_loop_time(300_000, ref_group)
+            out["compute"] = mine_t / max(ref_t, 1e-9)
+        return out
+
+    def ok(self, m: dict[str, float | None]) -> bool:
+        link_ok = m["link"] is None or m["link"] >= 1.0 - TOLERANCE
+        comp_ok = m["compute"] is None or m["compute"] <= 1.0 + TOLERANCE
+        return link_ok and comp_ok
+
+    def _loop(self) -> None:
+        while not self._stop.wait(PROBE_EVERY_S):
+            try:
+                m = self.measure()
+            except Exception:  # noqa: BLE001 -- a failed probe is not a healthy host
+                m = {"link": 0.0, "compute": None}
+            self.rounds.append(m)
+            self.healthy = self.healthy + 1 if self.ok(m) else 0
+
+    def request_restore(self, remaining_steps: int, step_s: float, groups: int,
+                        restart_s: float) -> bool:
+        """Ask rank 0 to take the host back when it is healthy and that pays off; True if
+        asked. The gain: the remaining steps at G/(G+1) of today's step time."""
+        if self.healthy < HEALTHY_ROUNDS:
+            return False
+        gain_s = remaining_steps * step_s * (1.0 - groups / (groups + 1))
+        if gain_s <= restart_s:
+            if not self.declined:  # say once why the host stays out
+                self.declined = (f"host {self.host} healthy again, but taking it back would "
+                                 f"save {gain_s:.1f} s over {remaining_steps} steps against a "
+                                 f"{restart_s:.1f} s restart: staying at {groups} hosts")
+            return False
+        last = self.rounds[-1]
+        reason = (f"host {self.host} healthy for {self.healthy} probes (link "
+                  f"{_fmt(last['link'])} of its peers' rate, compute {_fmt(last['compute'])}x); "
+                  f"predicted {gain_s:.1f} s saved over {remaining_steps} steps, restart "
+                  f"{restart_s:.1f} s")
+        atomic_write_text(self.run_dir / "control.json", json.dumps(
+            {"restore_host": self.host, "predicted_gain": 1.0 - groups / (groups + 1),
+             "reason": reason}) + "\n")
+        self.healthy = -10**9  # once
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(RuntimeError):
+            self._thread.join(timeout=10)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
