@@ -1,4 +1,5 @@
-"""Builds report.html: a summary, the event log and the plots of one run directory."""
+"""Builds report.html: a summary, the event log, mitigation's actions and the plots of one run
+directory."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import html
 import json
 from pathlib import Path
 
+from stalwart.report import mitigation
 from stalwart.report.plots import all_plots
 from stalwart.rundir import RunData, atomic_write_text
 
 SHOWN_EVENTS = ("fault_applied", "fault_removed", "straggler_detected", "straggler_recovered",
-                "slowdown_unexplained", "overlap_plan",
+                "slowdown_unexplained", "overlap_plan", *mitigation.MITIGATION_EVENTS,
                 "rank_failed", "resumed", "halted", "run_finished")
 
 
 def summary(run: RunData) -> dict[str, object]:
+    """The headline figures of a run, as label -> text."""
     steps = max((m["step"] for m in run.metrics), default=-1) + 1
     v0, v1 = run.initial_val_loss(), run.final_val_loss()
     out: dict[str, object] = {
@@ -29,6 +32,9 @@ def summary(run: RunData) -> dict[str, object]:
         comp = sum(m["compute_time"] for m in run.metrics)
         comm = sum(m["comm_time"] for m in run.metrics)
         out["communication share"] = f"{comm / max(comp + comm, 1e-12) * 100:.1f}%"
+    mit = mitigation.summary_row(run)
+    if mit is not None:
+        out["mitigation"] = mit
     return out
 
 
@@ -51,6 +57,10 @@ def build_report(run_dir: str | Path) -> Path:
     figs = "".join(f"<h2>{html.escape(t)}</h2><img src='{p.name}' alt='{html.escape(t)}'>"
                    for t, p in plots)
     cfg = {k: v for k, v in run.config.items() if v not in (None, [], False)}
+    mit_table = mitigation.table_html(run)
+    mit = (f"<h2>Mitigation</h2><p>Gains are the fraction of step time saved: predicted when "
+           f"the action was decided, measured a few steps after it started (median step time "
+           f"before and after).</p>{mit_table}") if mit_table else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>stalwart run {html.escape(run.path.name)}</title>
 <style>body{{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}}
@@ -60,6 +70,7 @@ text-align:left;font-size:13px}}img{{max-width:100%}}code{{font-size:11px}}</sty
 <h2>Summary</h2>{_table(summary(run))}
 <h2>Configuration</h2>{_table(cfg)}
 <h2>Events</h2><table><tr><th>step</th><th>event</th><th>details</th></tr>{ev_rows}</table>
+{mit}
 {figs}
 </body></html>
 """
