@@ -37,6 +37,7 @@ from stalwart.mitigate import planner
 from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT, Decision
 
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
+RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Policy:
     min_count: int = 1
     restart_s: float = 30.0  # measured restart time (updated by the worker)
     min_gain: float = 0.05
-    replan_gain: float = 0.15  # a plan in force is replaced only for this much more
+    replan_gain: float = 0.25  # a plan in force is replaced only for this much more
     revert_windows: int = 2
     every: int = 2  # steps per exchange (the agreement channel's period)
     window: int = 4  # exchanges of per-micro-batch times behind each plan's estimate
@@ -95,9 +96,9 @@ class Policy:
         hist = self._unit_hist[max(first, 0):]
         return [statistics.median(h[g] for h in hist) for g in range(self.groups)]
 
-    def _slow(self, units: list[float], g: int) -> bool:
+    def _slow(self, units: list[float], g: int, ratio: float = SLOW_RATIO) -> bool:
         peers = [u for i, u in enumerate(units) if i != g]
-        return bool(peers) and units[g] > SLOW_RATIO * statistics.median(peers)
+        return bool(peers) and units[g] > ratio * statistics.median(peers)
 
     def observe(self, step: int, units: list[float], step_s: float, steps: int,
                 findings: list[dict], start_step: int) -> Decision | None:
@@ -120,17 +121,22 @@ class Policy:
         # recovery is judged on the latest exchange alone (a median would lag the revert)
         slow_now = self._slow(units, s.group) if s.kind == "compute" else (
             self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
+        # the detector's recovery verdict (per-unit compute, its own change-point test): a
+        # rank given one micro-batch carries the per-step fixed cost alone and reads up to
+        # ~1.3x per micro-batch when healthy, so the verdict is trusted below RECOVERED_RATIO
+        confirmed = any(f.get("recovered_step") is not None and int(f.get("step", 0))
+                        >= s.detected_step and s.rank in (f.get("ranks") or [])
+                        for f in findings)
+        if confirmed and s.kind == "compute" and not self._slow(units, s.group, RECOVERED_RATIO):
+            slow_now = False
+            s.healthy_windows = self.revert_windows
         if slow_now:
             s.healthy_windows = 0
             if self.healthy_step_s is not None:
                 s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
         else:
             s.healthy_windows += 1
-            # the detector's own recovery verdict (on per-unit compute) counts as one window
-            confirmed = any(f.get("recovered_step") is not None and int(f.get("step", 0))
-                            >= s.detected_step and s.rank in (f.get("ranks") or [])
-                            for f in findings)
-            if s.healthy_windows + int(confirmed) >= self.revert_windows:
+            if s.healthy_windows >= self.revert_windows:
                 s.recovered_step = step
                 self.active = None
                 if not self.uniform:

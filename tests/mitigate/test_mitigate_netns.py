@@ -1,0 +1,64 @@
+"""Mitigation on real faults: netns hosts, cgroup CPU quota, tbf link shaping (root only).
+
+- a 2x compute straggler is rebalanced after the detector's verdict, every rank switches plans
+  at the same step (the agreement), every step still computes all M micro-batches, and the
+  plan goes back to uniform after the fault ends;
+- a slow host link makes the job restart without that host (S4) and finish on 3 hosts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stalwart.rundir import RunData
+from tests.helpers import stalwart
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+COMMON = ["--testbed", "netns", "--nproc", "4", "--mitigate", "auto", "--no-progress",
+          "--eval-every", "1000", "--ckpt-every", "1000"]
+
+
+def plan_table(d: RunData) -> dict[int, dict[int, tuple[int, int]]]:
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for m in d.metrics:
+        out.setdefault(m["step"], {})[m["rank"]] = (m["plan_version"], m["micro_batches"])
+    return out
+
+
+def test_compute_straggler_is_rebalanced_in_agreement_and_reverted(tmp_path: Path) -> None:
+    r = stalwart("run", *COMMON, "--steps", "110", "--out", str(tmp_path), "--name", "c",
+                 "--fault", "compute:rank=2,factor=3,start=20,end=70", timeout=600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    d = RunData.load(tmp_path / "c")
+    applied = d.events_of("mitigation_applied")
+    assert applied and applied[0]["strategy"] == "rebalance" and applied[0]["target"] == "rank2"
+    assert 20 <= applied[0]["step"] <= 35, applied[0]
+    assert applied[0]["plan"][2] < 4 and sum(applied[0]["plan"]) == 16
+    for step, ranks in plan_table(d).items():
+        assert len({v for v, _ in ranks.values()}) == 1, (step, ranks)  # one plan per step
+        assert sum(n for _, n in ranks.values()) == 16, (step, ranks)  # every micro-batch
+    switch = {m["step"] for m in d.metrics if m["rank"] == 0 and m["plan_version"] == 1}
+    assert min(switch) == applied[0]["step"]  # the step the decision named
+    assert d.events_of("mitigation_measured")
+    reverted = d.events_of("mitigation_reverted")
+    assert reverted and reverted[-1]["plan"] == [4, 4, 4, 4] and reverted[-1]["step"] > 70
+
+
+def test_slow_host_link_restarts_without_the_host(tmp_path: Path) -> None:
+    r = stalwart("run", *COMMON, "--steps", "90", "--out", str(tmp_path), "--name", "h",
+                 "--fault", "link:host=1,rate=10mbit,start=15", timeout=600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    d = RunData.load(tmp_path / "h")
+    ex = [e for e in d.events_of("mitigation_applied") if e["strategy"] == "exclude_host"]
+    assert ex and ex[0]["target"] == "host1", d.events_of("mitigation_applied")
+    restart = d.events_of("restart")
+    assert restart and restart[0]["hosts"] == [0, 2, 3]
+    assert d.events_of("resumed")[0]["step"] == ex[0]["step"]
+    after = [m for m in d.metrics if m["step"] >= ex[0]["step"]]
+    assert {m["rank"] for m in after} == {0, 1, 2} and {m["host"] for m in after} == {0, 2, 3}
+    assert max(m["step"] for m in d.metrics) == 89
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["hosts"] == [0, 2, 3] and cfg["global_batch"] == 32
