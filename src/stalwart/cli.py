@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from stalwart.config import (
     COMM_MODES,
+    CPU_CAP_MODES,
     MITIGATE_MODES,
     OVERLAP_MODES,
     TESTBEDS,
@@ -46,6 +47,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mitigate", default=d.mitigate,
                    help=f"{' | '.join(MITIGATE_MODES)}: act on stragglers (default off)")
     p.add_argument("--overlap", default=d.overlap, help=f"{' | '.join(OVERLAP_MODES)}")
+    p.add_argument("--cpu-cap", default=d.cpu_cap,
+                   help=f"{' | '.join(CPU_CAP_MODES)}: cap each testbed host at its fair share "
+                        "of the cores (auto: when CPU faults are scheduled; needs root)")
     p.add_argument("--out", default=d.out, help="folder for run directories (default runs)")
     p.add_argument("--name", default=None, help="run name (default run-DATE-TIME)")
     p.add_argument("--resume", action="store_true", help="continue --name from its checkpoint")

@@ -19,6 +19,7 @@ COMM_MODES = ("reliable", "lossy")
 TESTBEDS = ("local", "netns")
 MITIGATE_MODES = ("off", "auto", "rebalance")
 OVERLAP_MODES = ("off", "si")
+CPU_CAP_MODES = ("auto", "fair", "off")
 FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -65,6 +66,10 @@ class RunConfig:
     ckpt_every: int = 100
     halt_at: int | None = None  # stop after this step as if preempted (to exercise --resume)
     mtu: int = 1500  # testbed link MTU
+    # CPU budget of each emulated host (testbed): "fair" caps every host at its fair share of
+    # the cores (min(1, cores / hosts)) so that a compute fault of factor F gives about F;
+    # "auto" caps when CPU faults are scheduled; "off" never (hosts borrow idle cores)
+    cpu_cap: str = "auto"
     detect: bool = True  # run the straggler monitor inside each rank
     threads: int = 1  # torch threads per rank (ranks share the machine's cores)
     max_data_bytes: int = 16 * 1024 * 1024
@@ -128,6 +133,8 @@ class RunConfig:
              f"unknown --testbed {self.testbed!r} (choose from {', '.join(TESTBEDS)})")
         need(self.mitigate in MITIGATE_MODES,
              f"unknown --mitigate {self.mitigate!r} (choose from {', '.join(MITIGATE_MODES)})")
+        need(self.cpu_cap in CPU_CAP_MODES,
+             f"unknown --cpu-cap {self.cpu_cap!r} (choose from {', '.join(CPU_CAP_MODES)})")
         need(self.overlap in OVERLAP_MODES,
              f"unknown --overlap {self.overlap!r} (choose from {', '.join(OVERLAP_MODES)})")
         need(self.overlap == "off" or self.tp > 1, "--overlap si needs --tp >= 2")

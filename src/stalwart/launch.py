@@ -263,6 +263,7 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
     while True:
         for m in metrics_tail.poll():
             progress.on_metric(m)
+            tb.observe(m)
             if m["step"] >= first_step and m.get("rank") == 0:
                 recent = (recent + [float(m["step_time"])])[-20:]
                 if restart_s is None and restart_t0 is not None:

@@ -109,7 +109,7 @@ def test_busy_processes_die_with_their_owner(tmp_path: Path) -> None:
 
 
 def test_local_schedule_applies_and_removes_at_its_steps(tmp_path: Path) -> None:
-    cfg = RunConfig(nproc=2, testbed="local",
+    cfg = RunConfig(nproc=2, testbed="local", cpu_cap="off",
                     faults=["compute:rank=1,factor=4,start=2,end=4",
                             "contention:rank=0,procs=1,start=3"]).validate()
     events = EventLog(tmp_path)
@@ -144,3 +144,46 @@ def test_local_schedule_applies_and_removes_at_its_steps(tmp_path: Path) -> None
     if find_backend().version == 1:
         assert seen[2] != "-1" and seen[3] != "-1" and seen[4] == "-1"
     assert cgroups and not any(p.exists() for p in cgroups)
+
+
+def _quota(group: CpuGroup) -> str:
+    v1 = group.path / "cpu.cfs_quota_us"
+    return (v1 if v1.exists() else group.path / "cpu.max").read_text().split()[0]
+
+
+def test_host_cpu_cap_holds_healthy_hosts_and_measures_the_achieved_factor(
+        tmp_path: Path) -> None:
+    """--cpu-cap auto with a CPU fault: every host is held at its fair share from attach on,
+    the faulty one at share / F while the fault lasts and back at share after; the removal
+    event carries the factor measured from the metrics the launcher fed to observe()."""
+    cfg = RunConfig(nproc=2, testbed="local",
+                    faults=["compute:rank=1,factor=4,start=2,end=8"]).validate()
+    events = EventLog(tmp_path)
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        with open_testbed(cfg, events) as tb:
+            tb.on_step(0)
+            tb.attach_ranks({0: rank.pid, 1: rank.pid})
+            share = tb._share
+            capped = {h: _quota(g) for h, g in tb._groups.items()}
+            assert set(capped) == {0, 1} and "max" not in capped.values()
+            assert capped[0] != "-1" and capped[0] == capped[1]
+            for step in range(10):
+                tb.on_step(step)
+                if step == 3:
+                    during = (_quota(tb._groups[0]), _quota(tb._groups[1]))
+                # rank 1 computes 3x as long per micro-batch, with 2 of its 4 micro-batches
+                for r, t, n in ((0, 0.010, 4), (1, 0.015, 2)):
+                    tb.observe({"step": step, "rank": r, "compute_time": t, "micro_batches": n})
+            after = _quota(tb._groups[1])
+    finally:
+        rank.kill()
+        rank.wait()
+    assert during[0] == capped[0] and int(during[1]) < int(capped[1])
+    assert after == capped[1]
+    evs = read_jsonl(tmp_path / "events.jsonl")
+    cap = [e for e in evs if e["event"] == "testbed_cpu_cap"]
+    assert len(cap) == 1 and cap[0]["cpus"] == pytest.approx(share, abs=1e-3)
+    removed = [e for e in evs if e["event"] == "fault_removed"]
+    assert len(removed) == 1 and removed[0]["achieved_factor"] == pytest.approx(3.0)

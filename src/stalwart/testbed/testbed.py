@@ -14,11 +14,17 @@ of active faults, and only once the new state is in force is the ground-truth li
 the explicit rank (compute, contention) or hosts (link, pairlink, loss). Faults still active at
 ``close()`` are removed and logged with ``at_close: true``. A CPU fault whose rank has no pid
 yet is applied (and logged) by ``attach_ranks``.
+
+CPU budget: when CPU faults are scheduled (or ``--cpu-cap fair``) every host is held at its
+fair share of the cores from ``attach_ranks`` on (logged once as ``testbed_cpu_cap``), so a
+compute fault of F slows its rank by about F; ``fault_removed`` of a CPU fault carries the
+``achieved_factor`` measured from the ranks' compute time (``observe``, fed by the launcher).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,9 +66,19 @@ class Testbed:
         # S4) moves ranks, and faults stay on their hosts (a compute fault's "rank" is the
         # host that rank ran on at launch)
         self._host_of = list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc))
-        if any(f.kind in CPU_KINDS for f in self.faults):
-            require_root("compute/contention faults")
+        # every host's CPU budget (cpu.py): its fair share of the cores, fixed for the run
+        # (a restart on fewer hosts does not give the others more)
+        self._share = fair_share(max(self._host_of) + 1)
+        has_cpu = any(f.kind in CPU_KINDS for f in self.faults)
+        self._cap = cfg.cpu_cap == "fair" or (cfg.cpu_cap == "auto" and has_cpu)
+        if has_cpu or self._cap:
+            require_root("compute/contention faults" if has_cpu else "--cpu-cap fair")
             self._backend = find_backend()
+        self._cap_logged = False
+        # host -> step -> compute seconds per micro-batch (from the metrics the launcher
+        # passes to observe()): the achieved slowdown of a CPU fault, logged at its removal
+        self._unit: dict[int, dict[int, float]] = {}
+        self._applied_at: dict[Fault, int] = {}
 
     # -- placement (contract) --------------------------------------------------------------
     def command_prefix(self, rank: int) -> list[str]:
@@ -85,7 +101,36 @@ class Testbed:
         for rank, group in self._groups.items():
             if rank in self._pids:
                 group.add(self._pids[rank])
+        if self._cap:
+            self._apply(set(self._logged), {("rank", h) for h in self._pids})
+            if not self._cap_logged and self.events is not None:
+                self._cap_logged = True
+                self.events.log("testbed_cpu_cap", step=self._step, testbed=self.kind,
+                                cpus=round(self._share, 4), hosts=sorted(self._pids),
+                                mechanism=self._groups[min(self._pids)].quota)
         self._reconcile(self._step)
+
+    def observe(self, metric: Mapping[str, Any]) -> None:
+        """One metrics line (launcher): kept per host for the achieved factor of CPU faults."""
+        if self._backend is None or "compute_time" not in metric or "rank" not in metric:
+            return
+        rank = int(metric["rank"])
+        if rank >= len(self._host_of):
+            return
+        per = float(metric["compute_time"]) / max(int(metric.get("micro_batches", 1)), 1)
+        self._unit.setdefault(self.host(rank), {})[int(metric["step"])] = per
+
+    def achieved_factor(self, host: int, lo: int, hi: int) -> float | None:
+        """Median over steps lo+2 .. hi-1 of the host's compute per micro-batch over its
+        peers' median at the same step (peers are capped at the same budget, so they are the
+        healthy reference even while mitigation moves work); None with < 3 such steps."""
+        mine = self._unit.get(host, {})
+        ratios = []
+        for step in range(lo + 2, hi):
+            peers = [u[step] for h, u in self._unit.items() if h != host and step in u]
+            if step in mine and peers:
+                ratios.append(mine[step] / max(statistics.median(peers), 1e-9))
+        return round(statistics.median(ratios), 3) if len(ratios) >= 3 else None
 
     # -- schedule --------------------------------------------------------------------------
     def on_step(self, next_step: int) -> None:
@@ -103,9 +148,14 @@ class Testbed:
             return
         mech = self._apply(desired, {t for f in gone + new for t in self._targets(f)})
         for f in gone:
-            self._log("fault_removed", f, step, self._logged.pop(f), at_close)
+            extra: dict[str, Any] = {}
+            if f.kind in CPU_KINDS and f in self._applied_at:
+                extra["achieved_factor"] = self.achieved_factor(
+                    f.rank, self._applied_at.pop(f), step)
+            self._log("fault_removed", f, step, self._logged.pop(f), at_close, **extra)
         for f in new:
             self._logged[f] = mech.get(f, "")
+            self._applied_at[f] = step
             self._log("fault_applied", f, step, self._logged[f], at_close)
 
     @staticmethod
@@ -117,10 +167,12 @@ class Testbed:
             return [("pairlink", tuple(sorted(f.hosts)))]
         return [(f.kind, h) for h in f.hosts]
 
-    def _log(self, event: str, f: Fault, step: int, mechanism: str, at_close: bool) -> None:
+    def _log(self, event: str, f: Fault, step: int, mechanism: str, at_close: bool,
+             **extra: Any) -> None:
         if self.events is None:
             return
-        extra: dict[str, Any] = {"at_close": True} if at_close else {}
+        if at_close:
+            extra["at_close"] = True
         try:
             self.events.log(event, step=step, testbed=self.kind, mechanism=mechanism,
                             **f.event_fields(), **extra)
@@ -141,7 +193,7 @@ class Testbed:
                     factor *= f.factor
             procs = sum(f.procs for f in mine if f.kind == "contention")
             group = self._group(rank)
-            desc = group.set_limit(min(factor, 100.0), procs, fair_share(self.nproc))
+            desc = group.set_limit(min(factor, 100.0), procs, self._share, self._cap)
             for f in mine:
                 mech[f] = desc
         mech.update(self._apply_net(desired, targets))
