@@ -124,3 +124,34 @@ def test_decisions_are_deterministic() -> None:
         return [(d.kind, d.counts, d.version) for s in range(21, 61, 2)
                 if (d := feed(p, s, [UNIT, 1.1 * UNIT, 1.7 * UNIT, UNIT], fs)) is not None]
     assert run() == run()
+
+
+def test_a_wrong_revert_is_undone_and_the_next_one_backs_off() -> None:
+    """The straggler looked healthy on its reduced plan (a CPU quota's burst), the plan was
+    reverted, and under the uniform plan it is slow again: the policy follows it again without
+    a new finding, rebalances at once and needs twice the healthy exchanges to revert again."""
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    slow = [UNIT, UNIT, 2 * UNIT, UNIT]
+    fs = [finding(2, 25)]
+    first = [d for s in range(25, 41, 2) if (d := feed(p, s, slow, fs)) is not None]
+    assert [d.kind for d in first] == [REBALANCE]
+    looks_ok = [d for s in range(41, 47, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
+    assert [d.kind for d in looks_ok] == [REVERT]
+    again = [feed(p, s, slow, fs) for s in range(47, 55, 2)]
+    kinds = [d.kind for d in again if d is not None]
+    assert kinds == [REBALANCE]
+    assert again[0] is None  # one slow exchange is not enough to call the revert wrong
+    # the next revert needs 4 healthy exchanges, not 2
+    out = [feed(p, s, [UNIT] * G, fs) for s in range(55, 65, 2)]
+    assert [i for i, d in enumerate(out) if d is not None] == [3] and out[3].kind == REVERT
+
+
+def test_a_right_revert_stays_reverted() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    for s in range(25, 41, 2):
+        feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)
+    decisions = [d for s in range(41, 101, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
+    assert [d.kind for d in decisions] == [REVERT] and p.uniform

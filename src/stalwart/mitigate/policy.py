@@ -20,10 +20,15 @@ What the prices are here:
 
 Verdicts come from the detector (``stalwart.detect``: validated, localised findings); the
 policy's own evidence is each group's time per micro-batch, which -- unlike the step time or
-a rank's compute time per step -- does not change when a plan moves work, so a rebalanced
-straggler still looks slow and a recovered one looks healthy: no oscillation. Recovery needs
+a rank's compute time per step -- hardly changes when a plan moves work, so a rebalanced
+straggler still looks slow and a recovered one looks healthy. Recovery needs
 ``revert_windows`` consecutive healthy exchanges (hysteresis); a new plan replaces the one in
-force only when it is predicted ``min_gain`` better.
+force only when it is predicted ``replan_gain`` better. "Hardly" is not "never": a rank held
+by a CPU quota and given one micro-batch runs that short burst at nearly full speed and looks
+recovered. So a reverted straggler is watched for ``WATCH`` exchanges: slow again under the
+uniform plan twice in a row, it is followed again (its rent carries over, so the plan comes
+back at once) and its next revert needs twice the healthy exchanges -- one wrong revert costs
+a few steps, and repeated ones back off instead of oscillating.
 
 Pure logic on rank 0 (no torch.distributed): unit-tested with synthetic measurements.
 """
@@ -38,6 +43,7 @@ from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT, Decision
 
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
+WATCH = 10  # exchanges a reverted straggler is watched for a wrong revert
 
 
 @dataclass
@@ -54,6 +60,10 @@ class Straggler:
     rebalanced_version: int = 0
     recovered_step: int | None = None
     since: int = 0  # first exchange (index) measured under this straggler
+    # healthy exchanges needed before a revert (0: the policy's default); doubled each time a
+    # revert proves wrong (the rank is slow again under the uniform plan)
+    revert_need: int = 0
+    wrong_reverts: int = 0
 
 
 @dataclass
@@ -78,6 +88,12 @@ class Policy:
     _unit_hist: list[list[float]] = field(default_factory=list)
     _step_hist: list[float] = field(default_factory=list)
     _seen_findings: int = 0
+    # the straggler last reverted, watched for WATCH exchanges: slow again under the uniform
+    # plan -> the revert was wrong (e.g. a CPU quota lets a rank with little work run its
+    # short burst at full speed, so it looked healthy); it is followed again with backoff
+    _watch: Straggler | None = None
+    _watch_until: int = 0
+    _watch_slow: int = 0
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -112,11 +128,14 @@ class Policy:
         for f in findings[self._seen_findings:]:
             self._on_finding(f)
         self._seen_findings = len(findings)
+        if self.active is None:
+            self._rewatch(units)
         s = self.active
         if s is None:
-            if self.uniform:  # the healthy level: uniform plan, no straggler
+            if self.uniform and self._watch is None:  # the healthy level
                 self.healthy_step_s = statistics.median(self._step_hist[-8:])
             return None
+        need = s.revert_need or self.revert_windows
         cur = self.unit_times()
         # recovery is judged on the latest exchange alone (a median would lag the revert)
         slow_now = self._slow(units, s.group) if s.kind == "compute" else (
@@ -127,18 +146,21 @@ class Policy:
         confirmed = any(f.get("recovered_step") is not None and int(f.get("step", 0))
                         >= s.detected_step and s.rank in (f.get("ranks") or [])
                         for f in findings)
-        if confirmed and s.kind == "compute" and not self._slow(units, s.group, RECOVERED_RATIO):
+        if (confirmed and s.kind == "compute" and not s.wrong_reverts
+                and not self._slow(units, s.group, RECOVERED_RATIO)):
             slow_now = False
-            s.healthy_windows = self.revert_windows
+            s.healthy_windows = need
         if slow_now:
             s.healthy_windows = 0
             if self.healthy_step_s is not None:
                 s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
         else:
             s.healthy_windows += 1
-            if s.healthy_windows >= self.revert_windows:
+            if s.healthy_windows >= need:
                 s.recovered_step = step
                 self.active = None
+                self._watch, self._watch_slow = s, 0
+                self._watch_until = len(self._unit_hist) + WATCH
                 if not self.uniform:
                     return self._decide(REVERT, planner.uniform(self.micro, self.groups),
                                         start_step, -1, 0.0, "straggler recovered: rank "
@@ -183,12 +205,37 @@ class Policy:
         steps = (self.revert_windows + 1) * self.every + 1
         return max(extra, 0.0) * steps
 
+    def _rewatch(self, units: list[float]) -> None:
+        """Follow the last reverted straggler again if it is slow under the uniform plan for
+        two exchanges in a row (its rent so far carries over; twice the healthy exchanges
+        are needed before the next revert)."""
+        w = self._watch
+        if w is None:
+            return
+        if len(self._unit_hist) > self._watch_until:
+            self._watch = None
+            return
+        slow = w.kind == "compute" and self.uniform and self._slow(units, w.group)
+        self._watch_slow = self._watch_slow + 1 if slow else 0
+        if self._watch_slow >= 2:
+            self._resume(w)
+
+    def _resume(self, w: Straggler) -> None:
+        w.wrong_reverts += 1
+        w.revert_need = min(2 * (w.revert_need or self.revert_windows), 16)
+        w.healthy_windows, w.recovered_step = 0, None
+        w.since = max(len(self._unit_hist) - 2, 0)
+        self.active, self._watch = w, None
+
     def _on_finding(self, f: dict) -> None:
         kind, ranks = f.get("kind"), f.get("ranks") or []
         if kind not in ("compute", "link") or len(ranks) != 1:
             return  # a pair link is S3's (issue 11); unexplained slowdowns are not stragglers
         r = int(ranks[0])
         if self.active is not None and self.active.rank == r:
+            return
+        if self.active is None and self._watch is not None and self._watch.rank == r:
+            self._resume(self._watch)  # the same episode: keep its rent and backoff
             return
         self.active = Straggler(kind, r // self.tp, r, int(f.get("onset_step", 0)),
                                 int(f.get("step", 0)), since=len(self._unit_hist) - 1)
