@@ -155,3 +155,43 @@ def test_a_right_revert_stays_reverted() -> None:
         feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)
     decisions = [d for s in range(41, 101, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
     assert [d.kind for d in decisions] == [REVERT] and p.uniform
+
+
+def _pair_run(p: Policy, slow_factor: float = 3.0) -> list:
+    healthy(p, range(1, 21, 2))
+    fs = [{"kind": "link", "ranks": [], "link": [2, 3], "onset_step": 21, "step": 25}]
+    out = []
+    for s in range(25, 125, 2):
+        d = p.observe(s, [UNIT] * G, slow_factor * (4 * UNIT + 0.005), 2, fs, s + 3)
+        if d is not None:
+            out.append((s, d))
+    return out
+
+
+def test_a_slow_pair_is_remapped_once_it_has_cost_a_restart() -> None:
+    from stalwart.mitigate.agreement import REMAP
+    from stalwart.mitigate.remap import pair_traffic, traffic_on
+
+    p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 1, 2, 3])
+    out = _pair_run(p)
+    assert len(out) == 1 and out[0][1].kind == REMAP  # once: the restart ends this process
+    step, d = out[0]
+    assert traffic_on(p.traffic, d.hosts, (2, 3)) == 0.0 and sorted(d.hosts) == [0, 1, 2, 3]
+    assert 0.0 < d.predicted_gain < 1.0
+    # ski rental: it waited until the slow steps had cost the restart (0.09 s lost per step;
+    # the exchange at step 25 covers steps 24-25)
+    lost_per_step = (3 - 1) * (4 * UNIT + 0.005)
+    assert (step - 23) * lost_per_step >= 0.5 > (step - 25) * lost_per_step
+
+
+def test_no_remap_without_restarts_or_a_traffic_model() -> None:
+    from stalwart.mitigate.remap import pair_traffic
+
+    assert _pair_run(Policy(G, M, restart_s=0.5, mode="rebalance",
+                            traffic=pair_traffic(4, 1, 100, 0))) == []
+    assert _pair_run(Policy(G, M, restart_s=0.5)) == []  # lossy: no traffic model
+    # the slow pair already carries nothing (ranks 0 and 2 are not neighbours)
+    p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 2, 1, 3])
+    healthy(p, range(1, 21, 2))
+    fs = [{"kind": "link", "ranks": [], "link": [0, 2], "onset_step": 21, "step": 25}]
+    assert all(p.observe(s, [UNIT] * G, 0.1, 2, fs, s + 3) is None for s in range(25, 125, 2))

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 # decision kinds on the wire
-NONE, REBALANCE, REVERT, EXCLUDE, RESTORE = 0, 1, 2, 3, 4
+NONE, REBALANCE, REVERT, EXCLUDE, RESTORE, REMAP = 0, 1, 2, 3, 4, 5
 KIND_NAMES = {REBALANCE: "rebalance", REVERT: "revert", EXCLUDE: "exclude_host",
-              RESTORE: "restore_host"}
+              RESTORE: "restore_host", REMAP: "remap"}
 _HEAD = 5  # kind, version, start step, target, predicted gain (x1e6)
 
 
@@ -43,6 +43,7 @@ class Decision:
     target: int = -1  # the group (rebalance) or host (exclude/restore) it is about
     predicted_gain: float = 0.0
     reason: str = ""  # rank 0 only: it does not travel (the event log is rank 0's)
+    hosts: list[int] = field(default_factory=list)  # rank 0 only: a remap's rank -> host map
 
     @property
     def name(self) -> str:

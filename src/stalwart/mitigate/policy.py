@@ -12,6 +12,9 @@ What the prices are here:
   exceeds the uniform one. A straggler that outlives that price is worth rebalancing; a blip
   that the detector confirmed but that is gone when the policy looks is never acted on
   (the rent only accrues while the rank's own per-micro-batch time still shows it).
+- S3 (remap.py) re-maps ranks around one slow pair of hosts by a restart on a permuted host
+  map: its price is the measured restart time, like S4's, and it is bought only when the new
+  placement carries less traffic on the pair (a pair of non-neighbours costs nothing to keep).
 - S4's price is the measured restart time (checkpoint, relaunch, rendezvous, first step);
   the way back is bought separately, when a probe finds the host healthy and the remaining
   steps repay another restart (probe.py). S4 is only a candidate while the best plan on N hosts
@@ -38,8 +41,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from stalwart.mitigate import planner
-from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT, Decision
+from stalwart.mitigate import planner, remap
+from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REMAP, REVERT, Decision
 
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
@@ -50,7 +53,7 @@ WATCH = 10  # exchanges a reverted straggler is watched for a wrong revert
 class Straggler:
     """One straggler the policy is following."""
 
-    kind: str  # "compute" | "link"
+    kind: str  # "compute" | "link" (a host's own link) | "pairlink" (one pair of ranks)
     group: int  # data-parallel group of the culprit rank
     rank: int
     onset_step: int
@@ -64,6 +67,8 @@ class Straggler:
     # revert proves wrong (the rank is slow again under the uniform plan)
     revert_need: int = 0
     wrong_reverts: int = 0
+    pair: tuple[int, int] | None = None  # pairlink: the two ranks
+    remapped: bool = False
 
 
 @dataclass
@@ -88,6 +93,10 @@ class Policy:
     _unit_hist: list[list[float]] = field(default_factory=list)
     _step_hist: list[float] = field(default_factory=list)
     _seen_findings: int = 0
+    # S3: bytes per step on each rank pair (remap.pair_traffic) and the rank -> host map;
+    # None = no re-mapping (the lossy transport's all-to-all is not a ring)
+    traffic: dict[tuple[int, int], float] | None = None
+    hosts: list[int] = field(default_factory=list)
     # the straggler last reverted, watched for WATCH exchanges: slow again under the uniform
     # plan -> the revert was wrong (e.g. a CPU quota lets a rank with little work run its
     # short burst at full speed, so it looked healthy); it is followed again with backoff
@@ -166,6 +175,8 @@ class Policy:
                                         start_step, -1, 0.0, "straggler recovered: rank "
                                         f"{s.rank}'s time per micro-batch back to its peers'")
             return None
+        if s.kind == "pairlink":
+            return self._remap(s, step_s, start_step)
         # rebalance (S2), or a better plan for a straggler whose severity changed
         best = planner.plan(cur, self.micro, self.min_count)
         now_mk = planner.makespan(self.counts, cur)
@@ -193,6 +204,29 @@ class Policy:
                                     f"without its host ({s.rent_s:.1f} s lost so far, restart "
                                     f"{self.restart_s:.1f} s)")
         return None
+
+    def _remap(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
+        """S3: once the slow pair has cost a restart, restart on the placement that puts the
+        least traffic on it (remap.py) -- if that is less than now."""
+        if self.mode != "auto" or self.traffic is None or s.pair is None or s.remapped \
+                or s.rent_s < self.restart_s:
+            return None
+        hosts = self.hosts or list(range(self.groups * self.tp))
+        slow = (hosts[s.pair[0]], hosts[s.pair[1]])
+        new = remap.placement(self.traffic, hosts, slow)
+        before = remap.traffic_on(self.traffic, hosts, slow)
+        after = remap.traffic_on(self.traffic, new, slow)
+        if not before > after:
+            return None
+        lost = 1.0 - (self.healthy_step_s or step_s) / step_s  # the slow pair's share
+        dec = self._decide(REMAP, [], start_step, -1, lost * (1.0 - after / before),
+                           f"slow link between hosts {slow[0]} and {slow[1]} (ranks "
+                           f"{s.pair[0]}-{s.pair[1]}): {before / 1e6:.2f} MB/step on it, "
+                           f"{after / 1e6:.2f} after re-mapping ({s.rent_s:.1f} s lost so "
+                           f"far, restart {self.restart_s:.1f} s)")
+        dec.hosts = new
+        s.remapped = True  # decided once: the restart ends this incarnation
+        return dec
 
     def s2_price(self, units: list[float]) -> float:
         """What a needless rebalance would cost (seconds): the plan for these times, run on
@@ -229,8 +263,16 @@ class Policy:
 
     def _on_finding(self, f: dict) -> None:
         kind, ranks = f.get("kind"), f.get("ranks") or []
+        link = f.get("link") or []
+        if kind == "link" and not ranks and len(link) == 2:  # one slow pair of ranks: S3
+            pair = (int(link[0]), int(link[1]))
+            if self.active is None or self.active.pair != pair:
+                self.active = Straggler("pairlink", -1, -1, int(f.get("onset_step", 0)),
+                                        int(f.get("step", 0)), pair=pair,
+                                        since=len(self._unit_hist) - 1)
+            return
         if kind not in ("compute", "link") or len(ranks) != 1:
-            return  # a pair link is S3's (issue 11); unexplained slowdowns are not stragglers
+            return  # unexplained slowdowns are not stragglers
         r = int(ranks[0])
         if self.active is not None and self.active.rank == r:
             return

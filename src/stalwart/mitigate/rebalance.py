@@ -17,8 +17,9 @@ Per step the loop calls ``assign(step)`` (which micro-batches, which scale) and
 micro-batch with rank 0 and receive its decision (agreement.py: one version, one start step,
 all ranks switch together); rank 0 runs the policy (policy.py) on the detector's findings and
 logs ``mitigation_applied`` / ``mitigation_reverted`` / ``mitigation_measured`` to
-events.jsonl. A restart decision (S4) is returned by ``restart_due`` at its start step; the
-caller checkpoints and leaves with ``RESTART_EXIT`` (launch.py relaunches without the host).
+events.jsonl. A restart decision (S4 without a host, or S3 on a permuted host map) is returned
+by ``restart_due`` at its start step; the caller checkpoints and leaves with ``RESTART_EXIT``
+(launch.py relaunches on the host map rank 0 wrote to ``restart.json``).
 
 Use in your own DDP script (see docs/mitigate.md)::
 
@@ -48,6 +49,7 @@ from stalwart.mitigate import planner
 from stalwart.mitigate.agreement import (
     EXCLUDE,
     REBALANCE,
+    REMAP,
     RESTORE,
     REVERT,
     Decision,
@@ -77,7 +79,8 @@ class Rebalancer:
     def __init__(self, monitor: Any = None, micro_batches: int = 0, *, rank: int | None = None,
                  world: int | None = None, tp: int = 1, mode: str = "auto", every: int = 2,
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
-                 restart_s: float | None = None) -> None:
+                 restart_s: float | None = None,
+                 traffic: dict[tuple[int, int], float] | None = None) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -99,6 +102,8 @@ class Rebalancer:
             if self.rank == 0 else None
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
+        if self.policy is not None:
+            self.policy.traffic, self.policy.hosts = traffic, list(self.hosts)
         self._pending: Decision | None = None  # agreed, waiting for its start step
         self._sent: dict[int, Decision] = {}  # rank 0: version -> decision (with reason)
         self._restart: Decision | None = None
@@ -121,7 +126,7 @@ class Rebalancer:
             self._pending = None
             if d.kind in (REBALANCE, REVERT):
                 self.counts, self.version = list(d.counts), d.version
-            elif d.kind in (EXCLUDE, RESTORE):
+            elif d.kind in (EXCLUDE, RESTORE, REMAP):
                 self._restart = d
         block = planner.assignment(self.counts)[self.group]
         n = len(block)
@@ -206,11 +211,18 @@ class Rebalancer:
                         float(req.get("predicted_gain", 0.0)),
                         str(req.get("reason", "excluded host healthy again")))
 
+    def _next_hosts(self, dec: Decision, sent: Decision) -> list[int]:
+        """The rank -> host map a restart decision asks for."""
+        if dec.kind == EXCLUDE:
+            return [h for h in self.hosts if h != dec.target]
+        if dec.kind == REMAP:
+            return list(sent.hosts)
+        return sorted([*self.hosts, dec.target])
+
     def _log_decision(self, step: int, dec: Decision) -> None:
         sent = self._sent.pop(dec.version, dec)
-        if dec.kind in (EXCLUDE, RESTORE) and self.run_dir is not None:
-            hosts = [h for h in self.hosts if h != dec.target] if dec.kind == EXCLUDE else \
-                sorted([*self.hosts, dec.target])
+        if dec.kind in (EXCLUDE, RESTORE, REMAP) and self.run_dir is not None:
+            hosts = self._next_hosts(dec, sent)
             from stalwart.rundir import atomic_write_text
 
             atomic_write_text(self.run_dir / RESTART_FILE, json.dumps(
@@ -224,11 +236,10 @@ class Rebalancer:
                              strategy="rebalance", version=dec.version, plan=dec.counts,
                              reason=sent.reason)
         else:
-            target = f"rank{dec.target * self.tp}" if dec.kind == REBALANCE else \
-                f"host{dec.target}"
-            plan: list[int] = dec.counts if dec.kind == REBALANCE else (
-                [h for h in self.hosts if h != dec.target] if dec.kind == EXCLUDE
-                else sorted([*self.hosts, dec.target]))
+            target = f"rank{dec.target * self.tp}" if dec.kind == REBALANCE else (
+                f"host{dec.target}" if dec.kind != REMAP else "hosts")
+            plan: list[int] = dec.counts if dec.kind == REBALANCE else \
+                self._next_hosts(dec, sent)
             self._events.log("mitigation_applied", step=dec.start_step, decided_step=step,
                              strategy=dec.name, version=dec.version, plan=plan, target=target,
                              predicted_gain=round(dec.predicted_gain, 4), reason=sent.reason)

@@ -1,0 +1,95 @@
+"""Re-mapping ranks around a slow link (S3): which rank pairs carry bytes, and which placement
+of ranks on hosts puts the least traffic on a slow pair of hosts.
+
+Mechanism. gloo runs this job's all-reduces as rings in rank order over each process group
+(``torch.distributed.new_group`` sorts its ranks; measured on the testbed: a 10x-slow pair
+0-2 of a 4-rank data-parallel job left the step time unchanged, a slow neighbour pair 2-3
+slowed it), so the bytes each rank pair carries per step follow from the world size and
+``--tp`` alone: the tensor-parallel groups (consecutive ranks) are rings carrying activations,
+the data-parallel groups (ranks of equal TP index) rings carrying gradients. ``pair_traffic``
+writes that down (a ring of d ranks moves 2 (d-1)/d of the tensor across each of its edges;
+bytes are per step, both directions together); ``bench/traffic.py`` measures it on the
+testbed with per-host-pair nftables counters and docs/mitigate.md shows both.
+
+A slow pair of hosts (a, b) costs nothing when the ranks on a and b exchange nothing: in a
+ring of 4 or more, two ranks that are not neighbours; in a 2 x 2 TP x DP grid, the two
+"diagonal" pairs. ``placement`` picks, among the rank pairs with the least traffic, the one
+that moves the fewest ranks to other hosts (ranks keep their numbers and their state --
+model, optimizer and tensor-parallel shards all follow the rank -- only the host under them
+changes). Exact: every rank pair is a candidate, and putting hosts a and b under a given pair
+takes at most two swaps, the fewest possible.
+
+Applied by a restart from the checkpoint with the permuted host map (the same path as S4), not
+in place: rebuilding the groups in place would need an explicit ring order, and ``new_group``
+sorts. There is no revert: in a ring (and the grid) the permuted placement is exactly as fast
+as the original when the link heals, so going back would cost a restart and gain nothing.
+"""
+
+from __future__ import annotations
+
+Pair = tuple[int, int]
+
+
+def pair_traffic(world: int, tp: int, dp_bytes: float, tp_bytes: float) -> dict[Pair, float]:
+    """Bytes per step on each rank pair (a < b): rings over the TP groups (``tp_bytes``: what
+    one rank all-reduces per step in its TP group) and the DP groups (``dp_bytes``: its
+    gradient bytes). Pairs absent from the result carry nothing."""
+    if world < 1 or tp < 1 or world % tp:
+        raise ValueError(f"world {world} is not a multiple of tp {tp}")
+    out: dict[Pair, float] = {}
+
+    def ring(members: list[int], nbytes: float) -> None:
+        d = len(members)
+        if d < 2 or nbytes <= 0:
+            return
+        per_edge = 2.0 * (d - 1) / d * nbytes
+        for i in range(d):
+            a, b = members[i], members[(i + 1) % d]
+            key = (min(a, b), max(a, b))
+            out[key] = out.get(key, 0.0) + per_edge
+
+    for g in range(world // tp):
+        ring(list(range(g * tp, (g + 1) * tp)), tp_bytes)
+    for i in range(tp):
+        ring(list(range(i, world, tp)), dp_bytes)
+    return out
+
+
+def traffic_on(traffic: dict[Pair, float], hosts: list[int], slow: Pair) -> float:
+    """Bytes per step crossing the slow host pair under the rank -> host map ``hosts``."""
+    where = {h: r for r, h in enumerate(hosts)}
+    if slow[0] not in where or slow[1] not in where:
+        return 0.0
+    a, b = where[slow[0]], where[slow[1]]
+    return traffic.get((min(a, b), max(a, b)), 0.0)
+
+
+def placement(traffic: dict[Pair, float], hosts: list[int], slow: Pair) -> list[int]:
+    """The rank -> host map with the least traffic on the slow host pair, moving the fewest
+    ranks (ties: the lowest rank pair). Returns ``hosts`` itself when nothing is better."""
+    world = len(hosts)
+    best = list(hosts)
+    best_key = (traffic_on(traffic, hosts, slow), 0)
+    for x in range(world):
+        for y in range(world):
+            if x == y:
+                continue
+            cand = list(hosts)
+            for rank, host in ((x, slow[0]), (y, slow[1])):
+                j = cand.index(host)
+                cand[rank], cand[j] = cand[j], cand[rank]
+            key = (traffic_on(traffic, cand, slow),
+                   sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
+            if key < best_key:
+                best, best_key = cand, key
+    return best
+
+
+def model_bytes(n_params: int, micro_per_rank: float, micro_batch: int, block: int,
+                n_embd: int, n_layer: int, tp: int) -> tuple[float, float]:
+    """(dp_bytes, tp_bytes) per rank and step for the built-in GPT in fp32: its gradients
+    (this rank's parameters), and for tensor parallelism the activations all-reduced per
+    micro-batch -- two per block forward (attention and MLP outputs) and two backward."""
+    dp = 4.0 * n_params
+    tpb = 0.0 if tp == 1 else 4.0 * micro_batch * block * n_embd * 4 * n_layer * micro_per_rank
+    return dp, tpb
