@@ -195,3 +195,20 @@ def test_no_remap_without_restarts_or_a_traffic_model() -> None:
     healthy(p, range(1, 21, 2))
     fs = [{"kind": "link", "ranks": [], "link": [0, 2], "onset_step": 21, "step": 25}]
     assert all(p.observe(s, [UNIT] * G, 0.1, 2, fs, s + 3) is None for s in range(25, 125, 2))
+
+
+def test_recovery_is_judged_against_the_level_the_plan_was_made_for() -> None:
+    """Measured in the bench: a 2.3x rank given 2 micro-batches read 1.22x per micro-batch
+    once healed (the step's fixed cost over fewer micro-batches) and kept its plan 24 steps;
+    then under the uniform plan a 1.37x reading brought it back. The line between slow and
+    healed is the midpoint to the plan's level (sqrt(2.3) = 1.52), not 1.15."""
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    first = [d for s in range(25, 41, 2)
+             if (d := feed(p, s, [UNIT, UNIT, 2.3 * UNIT, UNIT], fs)) is not None]
+    assert [d.kind for d in first] == [REBALANCE]
+    out = [feed(p, s, [UNIT, UNIT, 1.22 * UNIT, UNIT], fs) for s in range(41, 47, 2)]
+    assert [d.kind for d in out if d is not None] == [REVERT]
+    later = [feed(p, s, [UNIT, UNIT, 1.37 * UNIT, UNIT], fs) for s in range(47, 67, 2)]
+    assert all(d is None for d in later) and p.uniform

@@ -68,7 +68,20 @@ class Straggler:
     revert_need: int = 0
     wrong_reverts: int = 0
     pair: tuple[int, int] | None = None  # pairlink: the two ranks
+    # its time per micro-batch over its peers' when the plan was made: the slow/healthy line
+    # while a plan is in force is the geometric midpoint between this level and 1 (see
+    # ``recovery_ratio``)
+    level: float = 0.0
     remapped: bool = False
+
+
+def recovery_ratio(s: Straggler) -> float:
+    """Above this ratio to its peers a rebalanced straggler still counts as slow: the
+    geometric midpoint between its level when the plan was made and healthy (1.0), at least
+    SLOW_RATIO. A fixed line would misjudge both ways: a rank given fewer micro-batches reads
+    up to ~1.25x per micro-batch when healthy (the step's fixed cost spread over fewer), and
+    under a CPU quota a short burst can read nearly healthy when it is not."""
+    return max(SLOW_RATIO, s.level ** 0.5) if s.level > 1.0 else SLOW_RATIO
 
 
 @dataclass
@@ -147,7 +160,7 @@ class Policy:
         need = s.revert_need or self.revert_windows
         cur = self.unit_times()
         # recovery is judged on the latest exchange alone (a median would lag the revert)
-        slow_now = self._slow(units, s.group) if s.kind == "compute" else (
+        slow_now = self._slow(units, s.group, recovery_ratio(s)) if s.kind == "compute" else (
             self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
         # the detector's recovery verdict (per-unit compute, its own change-point test): a
         # rank given one micro-batch carries the per-step fixed cost alone and reads up to
@@ -184,6 +197,8 @@ class Policy:
         needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
         if s.kind == "compute" and gain >= needed and s.rent_s >= self.s2_price(cur):
             s.rebalanced_version = self.version + 1
+            peers = [u for g, u in enumerate(cur) if g != s.group]
+            s.level = cur[s.group] / statistics.median(peers)
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
                                 f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
@@ -249,7 +264,8 @@ class Policy:
         if len(self._unit_hist) > self._watch_until:
             self._watch = None
             return
-        slow = w.kind == "compute" and self.uniform and self._slow(units, w.group)
+        slow = w.kind == "compute" and self.uniform and self._slow(units, w.group,
+                                                                    recovery_ratio(w))
         self._watch_slow = self._watch_slow + 1 if slow else 0
         if self._watch_slow >= 2:
             self._resume(w)

@@ -24,13 +24,14 @@ compute fault of F slows its rank by about F; ``fault_removed`` of a CPU fault c
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 from collections.abc import Mapping
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig
 from stalwart.rundir import EventLog
-from stalwart.testbed import cleanup
+from stalwart.testbed import cleanup, traffic
 from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
 from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
 from stalwart.testbed.faults import Fault, parse_fault
@@ -270,11 +271,42 @@ class NetnsTestbed(Testbed):
         self.hosts = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
         cleanup.register(self)
         self.master_addr = self.hosts.addr(self.host(0))
+        # measured traffic matrix (traffic.py), logged per incarnation as testbed_traffic
+        self._count = shutil.which("nft") is not None
+        self._snap: tuple[int, dict[tuple[int, int], int]] | None = None
+        self._inc_start = 0
+        if self._count:
+            traffic.start(self.hosts)
+
+    def on_step(self, next_step: int) -> None:
+        super().on_step(next_step)
+        # from the 5th step of an incarnation: start-up (rendezvous, DDP's broadcast) excluded
+        if self._count and self._snap is None and next_step >= self._inc_start + 5 \
+                and not self._closed:
+            self._snap = (next_step, traffic.read(self.hosts))
+
+    def _log_traffic(self) -> None:
+        """Bytes per step between each pair of hosts since the snapshot (ground truth)."""
+        if self._snap is None:
+            return
+        step0, before = self._snap
+        self._snap = None
+        steps = self._step - step0
+        if steps <= 0 or self.events is None:
+            return
+        now = traffic.read(self.hosts)
+        pairs = traffic.per_pair({k: n - before.get(k, 0) for k, n in now.items()})
+        self.events.log("testbed_traffic", step=self._step, from_step=step0,
+                        to_step=self._step, hosts=list(self._host_of),
+                        bytes_per_step={f"{a}-{b}": round(n / steps)
+                                        for (a, b), n in sorted(pairs.items())})
 
     def command_prefix(self, rank: int) -> list[str]:
         return self.hosts.exec_prefix(self.host(rank))
 
     def set_hosts(self, hosts: list[int] | None) -> None:
+        self._log_traffic()  # the incarnation that ended
+        self._inc_start = self._step
         super().set_hosts(hosts)
         self.master_addr = self.hosts.addr(self.host(0))
 
@@ -316,6 +348,10 @@ class NetnsTestbed(Testbed):
         return mech
 
     def _close_hosts(self) -> None:
+        try:
+            self._log_traffic()
+        except Exception:  # noqa: BLE001 -- a counting problem must not keep hosts alive
+            pass
         self.hosts.close()
 
 
