@@ -220,7 +220,9 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
     new.validate()
     new.save(run_dir / CONFIG)
     events.log("restart", step=int(req.get("step", 0)), nproc=len(hosts), hosts=hosts,
-               strategy=req.get("strategy"), reason=req.get("reason", ""))
+               strategy=req.get("strategy"), reason=req.get("reason", ""),
+               predicted_gain=req.get("predicted_gain"),
+               step_time_before=req.get("step_time_before"))
     say(f"stalwart: restarting on {len(hosts)} hosts {hosts} from step {req.get('step')}: "
         f"{req.get('reason', '')}")
     return new, int(req.get("step", 0))

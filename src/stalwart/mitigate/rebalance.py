@@ -112,12 +112,14 @@ class Rebalancer:
         self._win_step = 0.0
         self._win_steps = 0
         self._step_times: list[tuple[int, float]] = []  # rank 0: (step, step time)
-        self._measure: tuple[Decision, float, int] | None = None  # (decision, before, start)
+        # what to measure: (strategy, version, predicted gain, step time before, start step)
+        self._measure: tuple[str, int, float, float, int] | None = None
         self._events: Any = None
         if self.rank == 0 and self.run_dir is not None:
             from stalwart.rundir import EventLog
 
             self._events = EventLog(self.run_dir)
+            self._measure_restart()
 
     # ---- the loop's two calls -----------------------------------------------------------
     def assign(self, step: int) -> Assignment:
@@ -227,7 +229,8 @@ class Rebalancer:
 
             atomic_write_text(self.run_dir / RESTART_FILE, json.dumps(
                 {"hosts": hosts, "step": dec.start_step, "strategy": dec.name,
-                 "reason": sent.reason}) + "\n")
+                 "reason": sent.reason, "predicted_gain": round(dec.predicted_gain, 4),
+                 "step_time_before": self._recent_step_time()}) + "\n")
         if self._events is None:
             return
         before = self._recent_step_time()
@@ -244,7 +247,8 @@ class Rebalancer:
                              strategy=dec.name, version=dec.version, plan=plan, target=target,
                              predicted_gain=round(dec.predicted_gain, 4), reason=sent.reason)
         if dec.kind in (REBALANCE, REVERT) and before is not None:
-            self._measure = (dec, before, dec.start_step)
+            self._measure = ("rebalance" if dec.kind == REBALANCE else "revert", dec.version,
+                             dec.predicted_gain, before, dec.start_step)
 
     def _recent_step_time(self) -> float | None:
         xs = [t for _, t in self._step_times[-2 * self.channel.every:]]
@@ -253,17 +257,33 @@ class Rebalancer:
     def _check_measure(self, step: int) -> None:
         if self._measure is None or self._events is None:
             return
-        dec, before, start = self._measure
+        strategy, version, predicted, before, start = self._measure
         after = [t for s, t in self._step_times if s >= start]
         if len(after) < MEASURE_STEPS:
             return
         self._measure = None
         t = statistics.median(after)
-        self._events.log("mitigation_measured", step=step, version=dec.version,
-                         strategy="rebalance" if dec.kind == REBALANCE else "revert",
-                         predicted_gain=round(dec.predicted_gain, 4),
+        self._events.log("mitigation_measured", step=step, version=version, strategy=strategy,
+                         predicted_gain=round(predicted, 4),
                          measured_gain=round(1.0 - t / before, 4),
                          step_time_before=round(before, 5), step_time_after=round(t, 5))
+
+    def _measure_restart(self) -> None:
+        """After a planned restart (S3/S4), measure its gain like a plan switch's: the step
+        time rank 0 saw before it left (in the launcher's ``restart`` event) against the
+        first steps here."""
+        from stalwart.rundir import read_jsonl
+
+        try:
+            last = [e for e in read_jsonl(self.run_dir / "events.jsonl")
+                    if e.get("event") in ("restart", "run_started")][-1:]
+        except OSError:
+            return
+        if last and last[0]["event"] == "restart" and last[0].get("step_time_before"):
+            e = last[0]
+            # the first steps after a restart warm up (allocator, gloo buffers): skip 2
+            self._measure = (str(e.get("strategy")), 0, float(e.get("predicted_gain", 0.0)),
+                             float(e["step_time_before"]), int(e.get("step", 0)) + 2)
 
     @property
     def plan_in_force(self) -> tuple[int, list[int]]:
