@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT
 from stalwart.mitigate.policy import Policy
 
@@ -212,3 +214,29 @@ def test_recovery_is_judged_against_the_level_the_plan_was_made_for() -> None:
     assert [d.kind for d in out if d is not None] == [REVERT]
     later = [feed(p, s, [UNIT, UNIT, 1.37 * UNIT, UNIT], fs) for s in range(47, 67, 2)]
     assert all(d is None for d in later) and p.uniform
+
+
+def _units(counts: list[int], slow: dict[int, float], fixed: float) -> list[float]:
+    """Seconds per micro-batch when a step's compute is fixed + n * UNIT (times a factor)."""
+    return [(fixed + n * UNIT) * slow.get(g, 1.0) / n for g, n in enumerate(counts)]
+
+
+def test_a_fixed_cost_per_step_does_not_keep_a_healed_rank_slow() -> None:
+    """compute = a + b n with a = 1.2 b: healed on 2 micro-batches a rank reads 1.6 b per
+    micro-batch against its peers' 1.2-1.3 b; fitted on the peers' counts it reads 1.0."""
+    p = Policy(G, M)
+    fixed = 1.2 * UNIT
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    first = [d for s in range(25, 41, 2)
+             if (d := feed(p, s, _units(p.counts, {2: 2.5}, fixed), fs)) is not None]
+    assert [d.kind for d in first] == [REBALANCE] and p.counts[2] < 4
+    peers_n = {p.counts[g] for g in (0, 1, 3)}
+    assert len(peers_n) >= 2  # the fit needs two counts among the peers
+    # still slow on its reduced plan: no revert
+    assert all(feed(p, s, _units(p.counts, {2: 2.5}, fixed), fs) is None
+               for s in range(41, 61, 2))
+    # healed: per micro-batch it still reads above its peers, but the plan is reverted
+    assert p.ratio_to_peers(_units(p.counts, {}, fixed), 2) == pytest.approx(1.0, abs=0.01)
+    out = [feed(p, s, _units(p.counts, {}, fixed), fs) for s in range(61, 67, 2)]
+    assert [d.kind for d in out if d is not None] == [REVERT]

@@ -47,6 +47,7 @@ from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REMAP, REVERT, Decis
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
 WATCH = 10  # exchanges a reverted straggler is watched for a wrong revert
+FIT = 8  # exchanges of peers' (micro-batches, compute) behind the fixed-cost fit
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Policy:
     active: Straggler | None = None
     healthy_step_s: float | None = None
     _unit_hist: list[list[float]] = field(default_factory=list)
+    _count_hist: list[list[int]] = field(default_factory=list)  # the plan of each exchange
     _step_hist: list[float] = field(default_factory=list)
     _seen_findings: int = 0
     # S3: bytes per step on each rank pair (remap.pair_traffic) and the rank -> host map;
@@ -135,8 +137,33 @@ class Policy:
         return [statistics.median(h[g] for h in hist) for g in range(self.groups)]
 
     def _slow(self, units: list[float], g: int, ratio: float = SLOW_RATIO) -> bool:
+        return self.groups > 1 and self.ratio_to_peers(units, g) > ratio
+
+    def ratio_to_peers(self, units: list[float], g: int) -> float:
+        """Group g's compute this exchange over what a healthy peer would take for the same
+        number of micro-batches. A step's compute is a + b n, not b n: a fixed part (the
+        last backward shares the rank's CPU with gloo's reduction threads) is spread over
+        fewer micro-batches on a rank given less work, which then reads ~1.2x per
+        micro-batch when healthy. With peers at two or more counts in the last FIT exchanges
+        (any rebalanced plan), a and b are fitted to their (n, compute) points by least
+        squares; otherwise (the uniform plan: every n equal) the ratio is per micro-batch."""
+        counts = self._count_hist[-1] if self._count_hist else self.counts
+        pts = [(h_n[i], h_u[i] * h_n[i])
+               for h_u, h_n in zip(self._unit_hist[-FIT:], self._count_hist[-FIT:], strict=True)
+               for i in range(self.groups) if i != g and h_n[i] > 0]
         peers = [u for i, u in enumerate(units) if i != g]
-        return bool(peers) and units[g] > ratio * statistics.median(peers)
+        if not peers:
+            return 1.0
+        ns = {n for n, _ in pts}
+        if len(ns) >= 2:
+            mn = statistics.fmean(n for n, _ in pts)
+            mc = statistics.fmean(c for _, c in pts)
+            sxx = sum((n - mn) ** 2 for n, _ in pts)
+            b = sum((n - mn) * (c - mc) for n, c in pts) / sxx
+            a = mc - b * mn
+            if b > 0 and 0 <= a <= 0.5 * mc:  # a plausible fixed part; else per micro-batch
+                return units[g] * counts[g] / (a + b * counts[g])
+        return units[g] / statistics.median(peers)
 
     def observe(self, step: int, units: list[float], step_s: float, steps: int,
                 findings: list[dict], start_step: int) -> Decision | None:
@@ -146,6 +173,7 @@ class Policy:
         if any(not u > 0 for u in units):
             return None  # a group that computed nothing this window (excluded or idle)
         self._unit_hist.append(units)
+        self._count_hist.append(list(self.counts))
         self._step_hist.append(step_s)
         for f in findings[self._seen_findings:]:
             self._on_finding(f)
@@ -197,8 +225,7 @@ class Policy:
         needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
         if s.kind == "compute" and gain >= needed and s.rent_s >= self.s2_price(cur):
             s.rebalanced_version = self.version + 1
-            peers = [u for g, u in enumerate(cur) if g != s.group]
-            s.level = cur[s.group] / statistics.median(peers)
+            s.level = self.ratio_to_peers(cur, s.group)
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
                                 f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
