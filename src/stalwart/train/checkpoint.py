@@ -16,7 +16,10 @@ size is refused with a clear error (and mitigation does not restart lossy jobs).
 
 Each file is written to a temporary name, fsynced and renamed; ``LATEST`` is rewritten the same
 way by rank 0 only after every rank has saved, so a crash at any moment leaves the previous
-complete checkpoint as the one to resume from.
+complete checkpoint as the one to resume from. Just before it, rank 0 records in the step's
+folder how many ranks wrote it (``WORLD``): a job that died while saving a step at one world
+size and saved the same step again at another (an elastic torchrun restart) leaves the dead
+incarnation's extra rank files behind, so counting files would name the wrong world.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from stalwart.rundir import CHECKPOINTS, atomic_write_bytes, atomic_write_text
 from stalwart.train.model import PRESETS
 
 LATEST = "LATEST"
+WORLD = "WORLD"
 
 
 def fingerprint(cfg: RunConfig) -> dict[str, Any]:
@@ -70,8 +74,16 @@ def save_rank(run_dir: Path, step: int, rank: int, cfg: RunConfig, model: torch.
     return path
 
 
-def mark_latest(run_dir: Path, step: int) -> None:
+def mark_latest(run_dir: Path, step: int, world: int | None = None) -> None:
+    """Point LATEST at ``step`` once all ``world`` ranks have saved it (rank 0 only)."""
+    if world is not None:
+        atomic_write_text(step_dir(run_dir, step) / WORLD, f"{world}\n")
     atomic_write_text(Path(run_dir) / CHECKPOINTS / LATEST, f"{step}\n")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether a complete checkpoint exists (LATEST is written last)."""
+    return (Path(run_dir) / CHECKPOINTS / LATEST).exists()
 
 
 def latest_step(run_dir: Path) -> int:
@@ -114,7 +126,11 @@ def load_rank(run_dir: Path, rank: int, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _saved_world(folder: Path) -> int | None:
-    """How many ranks wrote this checkpoint (its rank files)."""
+    """How many ranks wrote this checkpoint (WORLD; older checkpoints: their rank files)."""
+    try:
+        return int((folder / WORLD).read_text().strip())
+    except (OSError, ValueError):
+        pass
     n = len(list(folder.glob("rank-*.pt")))
     return n or None
 
