@@ -72,3 +72,42 @@ def test_a_brief_speed_up_does_not_hide_a_slowdown_right_after() -> None:
     x[46:] *= 2.5  # then a real slowdown, within min_spacing of the speed-up's onset
     ch = run(x)
     assert any(c.ratio > 1.5 and abs(c.onset - 46) <= 1 for c in ch), ch
+
+
+def textbook_bocpd(xs: np.ndarray, mu0: float, scale: float, hazard: float, max_run: int,
+                   kappa0: float = 0.1, alpha0: float = 5.0) -> np.ndarray:
+    """Adams & MacKay written out directly (Normal-Gamma, Student-t predictive, cap folded)."""
+    from math import lgamma, log, pi
+
+    b0 = scale * scale * (alpha0 - 1.0)
+    params: list[tuple[float, float, float, float]] = []  # (mu, kappa, alpha, beta) per run
+    post = np.empty(0)
+
+    def logpdf(x: float, mu: float, k: float, a: float, b: float) -> float:
+        nu, var = 2 * a, b * (k + 1) / (a * k)
+        return (lgamma((nu + 1) / 2) - lgamma(nu / 2) - 0.5 * log(nu * pi * var)
+                - (nu + 1) / 2 * np.log1p((x - mu) ** 2 / (nu * var)))
+
+    for x in xs:
+        prior = (mu0, kappa0, alpha0, b0)
+        grow = [p * (1 - hazard) * np.exp(logpdf(x, *q)) for p, q in
+                zip(post, params, strict=True)]
+        new = np.array([hazard * np.exp(logpdf(x, *prior))] + grow)
+        new /= new.sum()
+        params = [((k * mu + x) / (k + 1), k + 1, a + 0.5, b + k * (x - mu) ** 2 / (2 * (k + 1)))
+                  for mu, k, a, b in [prior, *params]]
+        if len(new) > max_run:
+            new[max_run - 1] += new[max_run:].sum()
+            new, params = new[:max_run], params[:max_run]
+        post = new
+    return post
+
+
+def test_posterior_matches_the_textbook_recursion() -> None:
+    rng = np.random.default_rng(3)
+    xs = np.concatenate([rng.normal(0.0, 0.05, 60), rng.normal(0.2, 0.05, 10)])
+    b = BOCPD(0.0, 0.05, hazard=1 / 50, max_run=40)
+    for x in xs:
+        post = b.update(float(x))
+    ref = textbook_bocpd(xs, 0.0, 0.05, 1 / 50, 40)
+    assert np.allclose(post, ref, rtol=1e-9, atol=1e-12)

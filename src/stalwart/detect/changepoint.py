@@ -48,6 +48,13 @@ class BOCPD:
 
     Convention: run length r >= 1 counts the samples of the current segment including the
     newest one; ``posterior[r-1]`` is P(run length = r | data).
+
+    Cost: one update is ~15 vector operations over the run lengths. Of the Normal-Gamma
+    parameters only ``mu`` and ``beta`` depend on the data: ``kappa = kappa0 + n`` and
+    ``alpha = alpha0 + n/2`` depend only on the number n of samples a hypothesis has
+    absorbed, so every term built from them (the Student-t's lgamma ratio and scale factor,
+    the update weights) is tabulated once per detector. The posterior is kept in log space,
+    so no logarithm of it is taken per update.
     """
 
     def __init__(self, mu0: float, scale: float, hazard: float = 1 / 200,
@@ -55,54 +62,60 @@ class BOCPD:
         self.hazard = hazard
         self.max_run = max_run
         self.prior = (mu0, kappa0, alpha0, scale * scale * (alpha0 - 1.0))
-        self.mu = np.empty(0)
-        self.kappa = np.empty(0)
-        self.alpha = np.empty(0)
-        self.beta = np.empty(0)
-        self.posterior = np.empty(0)
-        # lgamma terms of the Student-t depend only on alpha = alpha0 + r/2, i.e. on the run
-        # length: tabulate them once instead of per sample and run length
-        nus = 2.0 * (alpha0 + 0.5 * np.arange(max_run + 2))
-        self._lg = np.array([math.lgamma((n + 1) / 2) - math.lgamma(n / 2) for n in nus])
-
-    def _logpdf_t(self, x: float, mu: np.ndarray, kappa: np.ndarray, alpha: np.ndarray,
-                  beta: np.ndarray, lg: np.ndarray) -> np.ndarray:
+        self._log_h = math.log(hazard)
+        self._log_1mh = math.log1p(-hazard)
+        # tables over n = samples absorbed, 0 (the prior) .. max_run
+        n = np.arange(max_run + 1, dtype=float)
+        kappa = kappa0 + n
+        alpha = alpha0 + 0.5 * n
         nu = 2.0 * alpha
-        var = beta * (kappa + 1.0) / (alpha * kappa)
-        return lg - 0.5 * np.log(nu * math.pi * var) - (nu + 1) / 2 * np.log1p(
-            (x - mu) ** 2 / (nu * var))
+        lg = np.array([math.lgamma((v + 1) / 2) - math.lgamma(v / 2) for v in nu])
+        # Student-t predictive: var = beta (kappa+1) / (alpha kappa), so
+        # log p(x) = c - 0.5 log(beta) - e log1p(f (x-mu)^2 / beta)
+        self._c = lg - 0.5 * np.log(nu * math.pi * (kappa + 1.0) / (alpha * kappa))
+        self._e = (nu + 1.0) / 2.0
+        self._f = kappa / (2.0 * (kappa + 1.0))  # also beta's update weight
+        self._g = 1.0 / (kappa + 1.0)  # mu's update weight
+        # parameters of the hypotheses, index n = samples absorbed; index 0 is the prior
+        self._mu = np.empty(max_run + 2)
+        self._beta = np.empty(max_run + 2)
+        self._mu[0], self._beta[0] = mu0, self.prior[3]
+        self._n = 0  # hypotheses held (run lengths 1 .. _n)
+        self._logpost = np.empty(0)
+        self.posterior = np.empty(0)
 
     def update(self, x: float) -> np.ndarray:
-        mu0, k0, a0, b0 = self.prior
-        lp_new = float(self._logpdf_t(x, np.array([mu0]), np.array([k0]), np.array([a0]),
-                                      np.array([b0]), self._lg[:1])[0])
-        if len(self.posterior):
-            lp = self._logpdf_t(x, self.mu, self.kappa, self.alpha, self.beta,
-                                self._lg[1:len(self.mu) + 1])
-            with np.errstate(divide="ignore"):
-                grow = np.log(self.posterior) + np.log1p(-self.hazard) + lp
-            logs = np.concatenate(([math.log(self.hazard) + lp_new], grow))
-        else:
-            logs = np.array([0.0])
-        logs -= logs.max()
+        n = self._n
+        mu, beta = self._mu[:n + 1], self._beta[:n + 1]
+        d = x - mu
+        d2 = d * d
+        lp = self._c[:n + 1] - 0.5 * np.log(beta) - self._e[:n + 1] * np.log1p(
+            self._f[:n + 1] * d2 / beta)
+        logs = np.empty(n + 1)
+        logs[0] = self._log_h + lp[0]  # a new segment starts with x
+        logs[1:] = self._logpost + (self._log_1mh + lp[1:])  # every run grows by one
+        m = logs.max()
+        logs -= m
         post = np.exp(logs)
-        post /= post.sum()
-        # posterior parameters after x, for run lengths 1 .. len
-        mu = np.concatenate(([mu0], self.mu))
-        kappa = np.concatenate(([k0], self.kappa))
-        alpha = np.concatenate(([a0], self.alpha))
-        beta = np.concatenate(([b0], self.beta))
-        beta = beta + kappa * (x - mu) ** 2 / (2.0 * (kappa + 1.0))
-        mu = (kappa * mu + x) / (kappa + 1.0)
-        kappa = kappa + 1.0
-        alpha = alpha + 0.5
-        if len(post) > self.max_run:
+        total = post.sum()
+        post /= total
+        logs -= math.log(total)
+        # parameters after x, for n = 1 .. n+1 (the prior stays at index 0)
+        new_mu = mu + d * self._g[:n + 1]
+        new_beta = beta + self._f[:n + 1] * d2
+        self._mu[1:n + 2] = new_mu
+        self._beta[1:n + 2] = new_beta
+        if n + 1 > self.max_run:
             # Fold the longest run into the cap instead of dropping it: dropping the mass of a
             # long stable segment would make a recent change look certain.
             post[self.max_run - 1] += post[self.max_run:].sum()
-            post, mu, kappa, alpha, beta = (a[:self.max_run] for a in (post, mu, kappa, alpha,
-                                                                       beta))
-        self.posterior, self.mu, self.kappa, self.alpha, self.beta = post, mu, kappa, alpha, beta
+            post = post[:self.max_run]
+            logs = logs[:self.max_run]
+            logs[-1] = math.log(post[-1]) if post[-1] > 0 else -math.inf
+            n = self.max_run - 1
+        self._n = n + 1
+        self._logpost = logs
+        self.posterior = post
         return post
 
 
