@@ -13,7 +13,10 @@ no retransmissions, so a phase's duration is bounded by the cap whatever the net
 
 Setup goes through torch.distributed (gloo or any backend with object collectives): rank 0
 draws the per-job secret and job id with ``os.urandom`` and broadcasts them; every rank binds
-its socket to ``STALWART_HOST_ADDR`` and the addresses are exchanged with ``all_gather_object``.
+its socket to ``transport.default_host()`` (``STALWART_HOST_ADDR``, else the interface that
+routes to ``MASTER_ADDR``) and the addresses are exchanged with ``all_gather_object``, with
+each rank's host name: a job that spans hosts while a rank bound a loopback address fails at
+setup with one line, instead of every rank training on its own gradient.
 
 Rounds: every rank calls ``begin_round()`` once per step, in lockstep, so round numbers agree.
 The receiving thread keeps the current and the next ``ROUNDS_OPEN - 1`` rounds open (a faster
@@ -25,12 +28,16 @@ loss -- lost everything to each other for the rest of the run); anything older i
 open round holds a full-size value buffer (``ROUNDS_OPEN`` x 4 bytes x parameters). A peer
 that sent nothing (of any round) for a deadline cap, in a phase that hit the deadline
 is marked silent and is not waited for until any authenticated packet from it arrives again:
-a dead rank costs its peers at most a deadline cap of waiting, not a hang.
+a dead rank costs its peers at most a deadline cap of waiting, not a hang. A peer that stays
+silent for ``give_up_s`` (default 60 s, counted from the first phase) -- dead, or never heard
+at all because its packets cannot reach this rank -- raises ``PeerLost``: training on without
+its shard's updates, or alone, would be a silent failure.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +48,7 @@ from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.copies import CopyPolicy, LossEstimator
 from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.layout import Layout
-from stalwart.comm.transport import UdpTransport, default_host, default_mtu
+from stalwart.comm.transport import UdpTransport, default_host, default_mtu, is_loopback
 from stalwart.comm.wire import (
     FB_SCALE,
     FB_UNKNOWN,
@@ -73,6 +80,27 @@ MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% a
 NORM_COPIES = 8
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 MAX_ANNOUNCED_COPIES = 16  # a marker's copy count is believed up to this (sanity bound)
+# a peer silent this long (seconds from the first phase, or from its last packet) stops the job:
+# long enough for a restart of a neighbour's eval or checkpoint under loss (seconds), short
+# enough that a dead rank or a blocked path is reported within the first minute
+GIVE_UP_S = 60.0
+
+
+class PeerLost(RuntimeError):
+    """A peer sent nothing for ``give_up_s``: dead, or its packets cannot reach this rank."""
+
+
+def check_addresses(addrs: list[tuple[str, int]], hosts: list[str]) -> None:
+    """Raise (one line) when the job spans hosts and a rank bound a loopback address: its
+    peers' packets to it would land on their own loopback and never reach it."""
+    if len(set(hosts)) < 2:
+        return
+    for r, ((a, port), h) in enumerate(zip(addrs, hosts, strict=True)):
+        if is_loopback(a):
+            raise RuntimeError(
+                f"stalwart.comm: rank {r} on host {h!r} bound loopback {a}:{port} but the job "
+                f"spans hosts {sorted(set(hosts))}; set STALWART_HOST_ADDR (or MASTER_ADDR) to "
+                f"an address the other hosts can reach")
 
 
 @dataclass
@@ -119,7 +147,7 @@ class LossyCollective:
                  world: int | None = None, rank: int | None = None,
                  exchange=None, value_copies: int = 1, grad_copies: int = 1,
                  copies_target: float | None = None, max_copies: int = 3,
-                 min_copies: int = 1) -> None:
+                 min_copies: int = 1, give_up_s: float = GIVE_UP_S) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -152,7 +180,15 @@ class LossyCollective:
         secret, job = ex.broadcast_from_0((secret, job))
         self.transport = UdpTransport(host or default_host(), self.slot,
                                       pace_bytes_per_s=pace_bytes_per_s)
-        self.transport.set_peers(ex.all_gather(self.transport.addr))
+        peers = ex.all_gather((self.transport.addr, socket.gethostname()))
+        addrs = [(str(a[0]), int(a[1])) for a, _ in peers]
+        try:
+            check_addresses(addrs, [str(h) for _, h in peers])
+        except RuntimeError:
+            self.transport.close()
+            raise
+        self.transport.set_peers(addrs)
+        self.give_up_s = float(give_up_s)
         self.wire = Wire(secret, job, self.world, self.rank, self.layout.shard_lens, self.chunk,
                          rounds_open=ROUNDS_OPEN)
         self.deadline = deadline or AdaptiveDeadline()
@@ -164,6 +200,8 @@ class LossyCollective:
         # perf_counter of each peer's latest packet (start: now, so a peer that never speaks
         # is given up on after one cap like any other)
         self._heard = np.full(self.world, time.perf_counter())
+        self._ever = np.zeros(self.world, bool)  # any authenticated packet from it, ever
+        self._t_first: float | None = None  # when the first phase started
         self._booked = np.full((3, self.world), -1, np.int64)  # last marker round booked
         self.rejected = np.zeros(len(REASONS), np.int64)
         self._lock = threading.Lock()
@@ -204,6 +242,7 @@ class LossyCollective:
                 if (why not in _UNAUTHENTICATED and s < self.world
                         and (why != _OLD or fl_l[i] & FLAG_END)):
                     self._heard[s] = now  # of any round: it is alive
+                    self._ever[s] = True
                     if s in self.silent:
                         self.silent.discard(s)  # it speaks again: wait for it again
                 if s < self.world and ph_l[i] != PHASE_NORM:
@@ -411,6 +450,8 @@ class LossyCollective:
         waited_late = False  # waited past the deadline for a peer that had not started
         was_late = False
         base = t0  # when this phase's deadline started to run
+        if self._t_first is None:
+            self._t_first = t0
         with self._cond:
             while True:
                 now = time.perf_counter()
@@ -477,7 +518,33 @@ class LossyCollective:
         # (a wait for a late peer measures its lateness, not the network: not a sample)
         if adapt and not waited_late and (not out.deadline_hit or completion > 0):
             self.deadline.observe(self.rank, out.elapsed, completion)
+        self._check_silence()
         return out
+
+    def _check_silence(self) -> None:
+        """Raise ``PeerLost`` for a peer silent for ``give_up_s``. A silent peer costs no wait
+        once marked, so without this bound a dead owner's shard would freeze for the rest of the
+        run (or, with every peer silent, each phase would wait a deadline forever) and a rank
+        that never hears anyone -- a bind address its peers cannot reach -- would train on its
+        own gradient."""
+        assert self._t_first is not None
+        now = time.perf_counter()
+        for s in sorted(self.silent):
+            quiet = now - max(self._heard[s], self._t_first)
+            if quiet < self.give_up_s:
+                continue
+            me = f"{self.transport.addr[0]}:{self.transport.addr[1]}"
+            if not self._ever[s]:
+                peer = self.transport.peers[s]
+                raise PeerLost(
+                    f"stalwart.comm: rank {self.rank} (bound to {me}) never received a packet "
+                    f"from rank {s} (at {peer[0]}:{peer[1]}) in {quiet:.0f} s: UDP between them "
+                    f"is blocked or an address is wrong (set STALWART_HOST_ADDR to an address "
+                    f"the other hosts can reach)")
+            raise PeerLost(
+                f"stalwart.comm: rank {s} sent nothing to rank {self.rank} for {quiet:.0f} s "
+                f"(give_up_s={self.give_up_s:g}): it died or its path is cut; stopping instead "
+                f"of training without it")
 
     def reduce_scatter(self, flat: np.ndarray) -> tuple[np.ndarray, PhaseStats]:
         """Phase 1 of the current round: returns this rank's shard, averaged per chunk over the

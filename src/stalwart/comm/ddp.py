@@ -7,7 +7,7 @@ owner update and parameter broadcast then happen in ``opt.step()``
 (``optim.ShardedLossyOptimizer``). Model code and the optimizer class are unchanged.
 
 Guarantee: after ``attach`` returns, every rank holds the same parameters (DDP synchronised
-them at construction) and a UDP socket bound to ``STALWART_HOST_ADDR``, with peers' addresses
+them at construction) and a UDP socket bound to ``transport.default_host()``, with peers' addresses
 and the job's secret exchanged through torch.distributed. Gradients reaching ``step()`` are
 LOCAL: ``clip_grad_norm_`` before ``step()`` clips each rank's own gradient (a per-rank rule);
 ``attach(..., max_grad_norm=C)`` instead clips the averaged gradient by its global norm, the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stalwart.comm.collective import LossyCollective
+from stalwart.comm.collective import GIVE_UP_S, LossyCollective
 from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.optim import ShardedLossyOptimizer
 
@@ -46,7 +46,7 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
            mode: str = "params", mtu: int | None = None, host: str | None = None,
            group: Any = None, deadline: AdaptiveDeadline | None = None,
            max_grad_norm: float | None = None, copies: int | str = "auto",
-           copies_target: float = AUTO_TARGET,
+           copies_target: float = AUTO_TARGET, give_up_s: float = GIVE_UP_S,
            **optimizer_kwargs: Any) -> ShardedLossyOptimizer:
     """Switch a DDP model to the loss-tolerant transport; returns its optimizer.
 
@@ -60,6 +60,8 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     link gets the fewest copies (2-5) that bring its measured loss rate to ``copies_target``
     (``copies.py``): 2 on a clean network, 3 at 1%, 4 at 5%, 5 at 10% loss; a link not yet
     measured (the first step) gets 5.
+    ``give_up_s``: a peer silent this long (dead, or unreachable from the start) raises
+    ``collective.PeerLost`` in ``step()`` instead of training on without it.
     """
     if copies == "auto":
         initial, target, floor = AUTO_MAX_COPIES, copies_target, 2
@@ -74,6 +76,7 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     numel = sum(p.numel() for p in params)
     coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline,
                            value_copies=initial, grad_copies=initial, copies_target=target,
-                           min_copies=floor, max_copies=max(initial, AUTO_MAX_COPIES))
+                           min_copies=floor, max_copies=max(initial, AUTO_MAX_COPIES),
+                           give_up_s=give_up_s)
     return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode,
                                  max_grad_norm=max_grad_norm, **optimizer_kwargs)
