@@ -85,6 +85,28 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
     dist.destroy_process_group()
 
 
+def subgroup_worker(rank: int, world: int, port: int, out: str, members: list[int],
+                    numel: int = 5000) -> None:
+    """The collective over a subgroup of the world (``members``), e.g. one without global
+    rank 0: each member all-reduces ``rank`` everywhere and records the result."""
+    from stalwart.comm.collective import LossyCollective
+
+    _init(rank, world, port)
+    sub = dist.new_group(members)  # every rank of the world takes part in creating it
+    rec: dict = {"member": rank in members}
+    if rank in members:
+        coll = LossyCollective(numel, group=sub)
+        try:
+            got, _ = coll.allreduce(np.full(numel, float(rank), np.float32))
+            rec["mean"] = [float(got.min()), float(got.max())]
+            rec["world"], rec["rank"] = coll.world, coll.rank
+        finally:
+            coll.close()
+    _dump(out, rank, rec)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def ddp_worker(rank: int, world: int, port: int, steps: int, out: str, comm: str,
                mtu: int = 1500, patient: bool = True) -> None:
     """A tiny GPT trained with DDP, either reliable (gloo all-reduce) or via comm.attach."""

@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 def _run(rank: int, world: int, port: int, out: str, kind: str, kw: dict) -> None:
-    fn = mp_workers.allreduce_worker if kind == "allreduce" else mp_workers.ddp_worker
+    fn = {"allreduce": mp_workers.allreduce_worker, "ddp": mp_workers.ddp_worker,
+          "subgroup": mp_workers.subgroup_worker}[kind]
     fn(rank, world, port, out=out, **kw)
 
 
@@ -61,6 +62,16 @@ def test_a_late_rank_is_waited_for_not_dropped() -> None:
         assert all(sum(h) == 0 for h in r["hits"]), r["hits"]
         assert max(r["err"]) < 1e-5
     assert max(recs[0]["elapsed"][3], recs[1]["elapsed"][3]) > 1.0  # they did wait
+
+
+def test_a_subgroup_without_global_rank_0_sets_up_and_reduces() -> None:
+    # the secret comes from the GROUP's rank 0 (global rank 1 here); naming global rank 0 as
+    # the source failed for every subgroup that does not contain it
+    recs = spawn("subgroup", 3, members=[1, 2])
+    assert not recs[0]["member"]
+    for g in (1, 2):
+        assert recs[g]["world"] == 2 and recs[g]["rank"] == g - 1
+        assert recs[g]["mean"] == [1.5, 1.5]
 
 
 def test_a_silent_rank_costs_at_most_one_cap_not_a_hang() -> None:

@@ -662,7 +662,9 @@ class _DistExchange:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        # src is a GLOBAL rank: the group's rank 0 (global rank 0 may not be in the group)
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def all_gather(self, obj) -> list:
