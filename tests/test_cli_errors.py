@@ -28,6 +28,8 @@ def assert_one_line_error(proc, *needles: str) -> None:
         (["--comm", "carrier-pigeon"], ["carrier-pigeon"]),
         (["--testbed", "cloud"], ["cloud"]),
         (["--overlap", "maybe"], ["maybe"]),
+        (["--global-batch", "0"], ["--global-batch", "0"]),
+        (["--cpu-cap", "half"], ["--cpu-cap", "half"]),
         (["--nproc", "three"], ["three"]),
         (["--nproc", "3", "--tp", "2"], ["--tp 2"]),
         (["--fault", "meteor:rank=1"], ["meteor"]),

@@ -61,6 +61,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples per micro-batch, the unit mitigation moves between ranks "
                         "(default: --batch-size, or a quarter of it with --mitigate)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per step over all ranks, fixed for the run (default: "
+                        "batch-size x micro-batches x data-parallel ranks at the first start; "
+                        "kept when a restart or an elastic torchrun job changes the world size)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)

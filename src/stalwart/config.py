@@ -150,6 +150,7 @@ class RunConfig:
         mbs = self.resolved_micro_batch_size()
         need(mbs >= 1, f"--micro-batch-size must be >= 1, got {mbs}")
         gb = self.resolved_global_batch()
+        need(gb >= 1, f"--global-batch must be >= 1, got {gb}")
         need(gb % mbs == 0,
              f"--micro-batch-size {mbs} does not divide the global batch of {gb} samples")
         floor = 2 if self.tp > 1 else 1
