@@ -84,10 +84,18 @@ MAX_ANNOUNCED_COPIES = 16  # a marker's copy count is believed up to this (sanit
 # long enough for a restart of a neighbour's eval or checkpoint under loss (seconds), short
 # enough that a dead rank or a blocked path is reported within the first minute
 GIVE_UP_S = 60.0
+# receive-handler failures (each one loses a batch of up to 64 datagrams) past which the job
+# stops: a handler bug repeats on every batch, so this is reached within milliseconds, while
+# letting it pass would silently turn a code bug into "packet loss" for the rest of the run
+MAX_HANDLER_ERRORS = 10
 
 
 class PeerLost(RuntimeError):
     """A peer sent nothing for ``give_up_s``: dead, or its packets cannot reach this rank."""
+
+
+class ReceiveFailed(RuntimeError):
+    """The receiving thread's handler failed more than ``MAX_HANDLER_ERRORS`` times."""
 
 
 def check_addresses(addrs: list[tuple[str, int]], hosts: list[str]) -> None:
@@ -207,6 +215,7 @@ class LossyCollective:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.transport.on_error = self._wake
         self.transport.start(self._on_batch)
         ex.barrier()  # every socket is bound and draining before anyone sends
 
@@ -218,6 +227,17 @@ class LossyCollective:
                       np.full((3, self.world), -1))
 
     # ---- receiving thread -----------------------------------------------------------------
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()  # a waiting phase re-checks the handler's failures
+
+    def _check_handler(self) -> None:
+        n = self.transport.handler_errors
+        if n > MAX_HANDLER_ERRORS:
+            raise ReceiveFailed(
+                f"stalwart.comm: rank {self.rank}'s receive handler failed {n} times (bound "
+                f"{MAX_HANDLER_ERRORS}); last: {self.transport.last_error!r}")
+
     def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
         hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0), self._placed)
         # plain Python ints once per batch: per-field numpy scalar access is what costs here
@@ -454,6 +474,7 @@ class LossyCollective:
             self._t_first = t0
         with self._cond:
             while True:
+                self._check_handler()
                 now = time.perf_counter()
                 live = [s for s in exp if s not in self.silent]
                 if not live:

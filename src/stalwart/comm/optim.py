@@ -20,7 +20,8 @@ also works but is a different (per-rank) clipping rule.
 Per-step statistics (``stats()``): pkts_sent/pkts_recv/pkts_lost/pkts_rejected (all phases;
 rejected = failed a check; authentic packets that came after their phase are pkts_late),
 deadline_hits, copies (most copies of a packet sent this step), loss_in (the highest raw loss
-rate this rank measures on its incoming links), drift, stale_max, silent_ranks, comm_time.
+rate this rank measures on its incoming links), drift, stale_max, silent_ranks, comm_time,
+rx_errors (receive-handler failures this step; past a bound the step raises instead).
 ``drift`` is the largest |replica - owner| this rank observed this step: for every chunk that
 landed, the gap between the stale local copy and the owner's value that replaced it (with no
 loss: one step's update);
@@ -172,11 +173,15 @@ class ShardedLossyOptimizer:
         self._scatter_params()
         rej = coll.bad_packets()
         late = int(coll.rejected[R["late"]])
+        rx_err = coll.transport.handler_errors
         self._stats = {
             "pkts_sent": sum(p.sent for p in phases), "pkts_recv": sum(p.recv for p in phases),
             "pkts_lost": sum(p.lost for p in phases),
             "pkts_rejected": rej - self._stats.get("_rej_total", 0), "_rej_total": rej,
             "pkts_late": late - self._stats.get("_late_total", 0), "_late_total": late,
+            # receive-handler failures (each lost a batch of datagrams); past
+            # collective.MAX_HANDLER_ERRORS the step raises ReceiveFailed instead
+            "rx_errors": rx_err - self._stats.get("_rx_err_total", 0), "_rx_err_total": rx_err,
             "deadline_hits": sum(int(p.deadline_hit) for p in phases),
             # forward error protection in force, and the worst incoming loss measured
             "copies": max(p.copies for p in phases),

@@ -13,7 +13,10 @@ Guarantees: datagrams never exceed the slot size chosen from the MTU by the call
 fragmentation); the receive buffer is made as large as the kernel allows (SO_RCVBUFFORCE as
 root) and is drained by a dedicated thread so overflow is rare; sends go in bursts that
 alternate destinations and can be paced to a byte rate, so no single receiver is flooded.
-``close()`` stops the thread within one socket timeout and closes the socket.
+``close()`` stops the thread within one socket timeout and closes the socket. A handler that
+raises does not stop the drain (packets would pile up in the kernel): every failure is counted
+in ``handler_errors``, the latest kept in ``last_error``, the first printed, and ``on_error`` is
+called so that the owner can stop the job past its bound (``collective.MAX_HANDLER_ERRORS``).
 
 Segmentation offload (UDP GSO, ``UDP_SEGMENT``, Linux >= 4.18): with it on, one message of the
 batch may carry a run of up to ``gso_segments`` consecutive slot-sized datagrams to one peer;
@@ -137,6 +140,10 @@ class UdpTransport:
         self.send_errors = 0
         self.recv_batches = 0
         self.handler_errors = 0
+        self.last_error: BaseException | None = None
+        # called (on the receiving thread) after each handler failure: the owner wakes its
+        # waiting thread, which decides whether to stop
+        self.on_error: Callable[[], None] | None = None
 
     def _offload(self, opt: int, value: int) -> bool:
         """Turn on a UDP offload option; False where the kernel lacks it (plain datagrams)."""
@@ -250,12 +257,15 @@ class UdpTransport:
             try:
                 assert self._handler is not None
                 self._handler(rows, sizes, src_ok)
-            except Exception:  # a handler bug must not kill the drain (packets would pile up)
+            except Exception as e:  # a handler bug must not kill the drain (packets pile up)
                 self.handler_errors += 1
+                self.last_error = e
                 if self.handler_errors == 1:
                     import traceback
 
                     traceback.print_exc()
+                if self.on_error is not None:
+                    self.on_error()
 
     def _split(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The n received messages as datagrams: (rows (k, slot), sizes (k,), message index
