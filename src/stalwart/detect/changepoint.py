@@ -162,6 +162,10 @@ class ChangeDetector:
         self._pos = 0  # position of the next sample (counts samples after warm-up)
         self._seg_start_pos = 0
         self.changes: list[Change] = []
+        # True after a sample at which the posterior already put a change within the last
+        # ``max_lag`` samples but verification has not accepted it (yet): a cheap "something
+        # may be starting" signal, e.g. to exchange data sooner while it is confirmed
+        self.pending = False
 
     @property
     def level(self) -> float | None:
@@ -208,6 +212,7 @@ class ChangeDetector:
 
     def add(self, key: int, seconds: float) -> Change | None:
         self.seen += 1
+        self.pending = False
         if self.seen <= self.warmup or not seconds > 0 or not math.isfinite(seconds):
             return None
         x = math.log(seconds)
@@ -232,6 +237,7 @@ class ChangeDetector:
             return None
         if post[:lag].sum() <= self.threshold:
             return None
+        self.pending = True
         # The posterior says "a change within the last `lag` samples"; where exactly is left to
         # the data: short runs with uncertain variance tend to absorb the first new samples, so
         # the posterior's own argmax places the onset a few samples early.
@@ -267,6 +273,7 @@ class ChangeDetector:
             return None
         keys = list(self._keys)
         change = Change(onset=keys[-run], decided=key, before=math.exp(lb), after=math.exp(la))
+        self.pending = False
         self.changes.append(change)
         self._last_onset_pos = onset_pos
         self._last_up = up

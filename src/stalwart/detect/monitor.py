@@ -6,22 +6,36 @@ per rank):
 2. the iteration-time series comes from ``monitor.step(step, metrics)`` hints when the loop
    gives them, otherwise from the op sequence's period (period.py) -- no call needed;
 3. rank 0 runs BOCD+V on it (changepoint.py), and on per-rank channels: each rank's compute
-   time relative to the job's median (NVIDIA-style relative score), gathered each step; at
-   every check point (each step hint, or each iteration boundary found from the op
-   sequence) every rank contributes a 6-number row (rank 0's decision, its own compute time)
-   to an asynchronous all-gather on the monitor's own gloo group, read at the next check
-   point, so all ranks pause at the same collective boundary without ever blocking on it;
+   time relative to the job's median (NVIDIA-style relative score). Every rank sends its
+   compute times in a small row (rank 0's decision, the samples since the last exchange) to
+   an asynchronous all-gather on the monitor's own gloo group, read one check point later
+   (each step hint, or each iteration boundary found from the op sequence), so all ranks
+   pause at the same collective boundary without ever blocking on it;
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
    profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
    it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the channel that found
-   it returns to within 10% of its healthy level, ``straggler_recovered``. A slowdown that
-   validation pins on no rank or link (kind "unknown") is logged as
-   ``slowdown_unexplained`` instead: a job-wide slowdown is not a straggler.
+   it returns to within 10% of its healthy level, ``straggler_recovered``.
+
+Cost (per step, rank 0 does the most): with step hints that carry compute and communication
+times the tracker records nothing (its records would only re-derive those times); rows are
+exchanged every k steps, k chosen by rank 0 from measurement so that the exchange costs at
+most ``EXCHANGE_BUDGET`` (0.2%) of the process's CPU time per step, at most ``max_every``,
+and back to 1 as soon as a change detector sees a change starting (its posterior fired) or a
+decision is on its way -- so the batching adds no decision latency when it matters; k is
+carried in rank 0's row, so every rank switches at the same check. No thread is woken on the
+steps between exchanges.
+
+Silence on clean runs: a verified slowdown that validation pins on no rank or link (kind
+"unknown": the job as a whole slowed, or a fault already gone) is not logged at once. If the
+iteration time is still ``min_shift`` above its healthy level ``persist`` samples later, rank 0
+logs ``slowdown_unexplained``; otherwise it was an OS hiccup of a few steps that nothing
+confirmed: it is counted in ``monitor.hiccups`` and the debug log, and written with the
+monitor's other counters to ``run_dir/detect_stats.json`` at close -- never to events.
 
 Guarantees: bounded memory; no change to the training loop beyond creating the monitor (the
 step hint is optional); the monitor's own collectives are never tracked and are issued in
-the same order on every rank (decisions come from rank 0 only); iterations that contain a
-validation pause are excluded from detection.
+the same order on every rank (decisions and the exchange period come from rank 0 only);
+iterations that contain a validation pause are excluded from detection.
 
 Use: create it on every rank after ``init_process_group`` and before wrapping the model in
 DDP; call ``step`` on all ranks or on none.
@@ -29,6 +43,8 @@ DDP; call ``step`` on all ranks or on none.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import statistics
@@ -48,6 +64,11 @@ from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
 NONE, DETECT, RECOVER = 0, 1, 2
+HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
+EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
+ALERT_CHECKS = 4
+STATS_FILE = "detect_stats.json"  # exchange every step this long after a change detector fired
+log = logging.getLogger("stalwart.detect")
 
 
 def _suspect(channel: str) -> int:
@@ -91,23 +112,32 @@ class Monitor:
 
     def __init__(self, run_dir: Path | None = None, rank: int | None = None,
                  world: int | None = None, track_ddp: bool = True, *, warmup: int = 10,
-                 check_every: int = 1, validate_on_detect: bool = True,
+                 check_every: int | None = None, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
-                 capacity: int = 8192, history: int = 1000, lag: int = 1) -> None:
-        """``lag``: checks a decision row stays in flight before it is read (decision latency,
-        in exchanges). ``check_every``: steps per exchange (each exchange carries every step's
-        samples, so nothing is dropped). 1 and 1 suit reliable networks. Under packet loss
-        the monitor's small gloo all-gathers stall on TCP retransmission timeouts (>= 200 ms
+                 capacity: int = 8192, history: int = 1000, lag: int = 1,
+                 max_every: int = 4, persist: int = 20) -> None:
+        """``check_every``: steps per exchange of rows (each exchange carries every step's
+        samples, so nothing is dropped); None (default) lets rank 0 choose it from measured
+        costs, between 1 and ``max_every``, each row read at the next check. A fixed
+        ``check_every`` reads each row ``lag`` exchanges later: under packet loss the
+        monitor's small gloo all-gathers stall on TCP retransmission timeouts (>= 200 ms
         each, one op after the other on the group) while training itself does not
         (``--comm lossy``): one exchange per step would hold every rank to the group's
         ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
-        jobs exchange every 8 steps with 2 exchanges in flight."""
+        jobs exchange every 8 steps with 2 exchanges in flight. ``persist``: samples an
+        unexplained slowdown must last to be logged (see the module docstring)."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
             dist.get_rank() if ready else int(os.environ.get("RANK", "0")))
         self.world = world if world is not None else (
             dist.get_world_size() if ready else int(os.environ.get("WORLD_SIZE", "1")))
-        self.check_every = check_every
+        if lag < 1 or (check_every is not None and check_every < 1) or max_every < 1:
+            raise ValueError(f"need lag, check_every, max_every >= 1: {lag}, {check_every}, "
+                             f"{max_every}")
+        self.auto_every = check_every is None
+        self.check_every = 1 if check_every is None else check_every  # in force now
+        self.max_every = max_every if check_every is None else check_every
+        self.persist = persist
         self.validate_on_detect = validate_on_detect
         self.compute_reps = compute_reps
         self.link_bytes = link_bytes
@@ -124,14 +154,30 @@ class Monitor:
         self._healthy: float | None = None  # iteration time before it began
         # rank 0's decision, sent at the next check: (action, onset, severity, suspect rank)
         self._pending: tuple[int, int, float, int] = (NONE, 0, 0.0, -1)
-        if lag < 1:
-            raise ValueError(f"lag must be >= 1, got {lag}")
         self.lag = lag
         self._deciding = 0  # rank 0: rows in flight that carry a decision
         self._unsent: list[tuple[float, float]] = []  # (step, compute) since the last exchange
         self._last_key: int | None = None
-        # the rows being sent, oldest first: every rank issues and reads them in the same order
-        self._inflight: deque[tuple[Any, list[torch.Tensor]]] = deque()
+        # the rows being sent, oldest first, with the check at which each is read: every rank
+        # issues and reads them at the same checks
+        self._inflight: deque[tuple[Any, list[torch.Tensor], int]] = deque()
+        self._next_issue = self.check_every  # check number of the next exchange
+        self._last_issue = 0
+        self._alert_until = 0  # rank 0: exchange every step until this check
+        # rank 0's measurements for the exchange period: thread CPU seconds per exchange
+        # (pack, issue, wait, unpack) and process CPU seconds per check
+        self._exchange_cpu: float | None = None
+        self._cpu_at_check: float | None = None
+        self._step_cpu: deque[float] = deque(maxlen=32)
+        self._exchange_costs: deque[float] = deque(maxlen=16)
+        self.exchanges = 0
+        # silence on clean runs (rank 0): an unexplained slowdown waiting to prove it lasts
+        # (event fields, healthy level, decision key)
+        self._unexplained: tuple[dict[str, Any], float, int] | None = None
+        self.hiccups = 0
+        self.unexplained_logged = 0
+        self._step_cpu_us: deque[float] = deque(maxlen=4096)  # CPU inside step() (rank 0)
+        self._run_dir = Path(run_dir) if run_dir is not None else None
         self._pg: Any = None
         if dist.is_available() and dist.is_initialized() and self.world > 1:
             # made here, not at the first exchange: every rank constructs the monitor at the
@@ -170,17 +216,20 @@ class Monitor:
         """Optional hint at the end of each training step (call on all ranks or none)."""
         if not self._enabled or self._closed:
             return
+        c0 = time.thread_time()
         self._hinted = True
         now = time.perf_counter()
         m = metrics or {}
         since = self._last_hint
         self._last_hint = now
         seconds = m.get("step_time")
+        compute, comm = m.get("compute_time"), m.get("comm_time")
+        # the loop measures its own compute and communication: no record would be read
+        self.tracker.recording = seconds is None or compute is None or comm is None
         if seconds is None:
             if since is None:
                 return
             seconds = now - since
-        compute, comm = m.get("compute_time"), m.get("comm_time")
         if compute is None or comm is None:
             t0 = now - float(seconds)
             comm = comm_busy(self.tracker.recent(t0 - 1.0), t0, now)
@@ -190,6 +239,8 @@ class Monitor:
         self._check()
         if len(self.findings) != found:
             self._last_hint = time.perf_counter()  # a validation pause is not step time
+        else:
+            self._step_cpu_us.append(1e6 * (time.thread_time() - c0))
 
     def _on_issue(self, rec: OpRecord) -> None:
         """Every tracked op, before it is issued: find iterations without hints."""
@@ -215,6 +266,33 @@ class Monitor:
         ch = self.detector.add(s.key, s.seconds)
         if ch is not None:
             self._classify(ch)
+        if self._unexplained is not None:
+            self._settle_unexplained(s.key)
+
+    def _settle_unexplained(self, key: int, final: bool = False) -> None:
+        """Rank 0: log an unexplained slowdown that lasted, count one that did not.
+
+        Validation found no culprit; whether the job as a whole stays slower is what tells a
+        real job-wide slowdown (load from elsewhere) from an OS hiccup of a few steps.
+        """
+        assert self._unexplained is not None
+        fields, healthy, decided = self._unexplained
+        if key - decided < self.persist and not final:
+            return
+        self._unexplained = None
+        level = self.detector.level
+        lasting = level is not None and level >= healthy * (1.0 + self.detector.min_shift)
+        if lasting and key - decided >= self.persist:
+            self.unexplained_logged += 1
+            if self._events is not None:
+                fields["evidence"] = dict(fields["evidence"],
+                                          persisted_steps=key - fields["onset_step"],
+                                          level_ratio=round(level / healthy, 3))
+                self._events.log("slowdown_unexplained", **fields)
+        else:
+            self.hiccups += 1
+            log.debug("hiccup: slowdown at step %d (x%.2f) explained by no rank or link, "
+                      "gone by step %d", fields["onset_step"], fields["severity"], key)
 
     def _classify(self, ch: Change, channel: str = "iteration") -> None:
         if self._pending[0] != NONE or self._deciding:
@@ -239,7 +317,7 @@ class Monitor:
                 1.0 + self.detector.min_shift):
             self._pending = (RECOVER, ch.onset, ch.after / self._healthy, -1)
 
-    def _relative(self, rows: list[torch.Tensor], n: int) -> None:
+    def _relative(self, rows: list[list[float]], n: int) -> None:
         """Rank 0: each rank's compute time relative to the job's median, per step.
 
         A rank whose compute grows while its peers' does not is a compute straggler even when
@@ -248,14 +326,16 @@ class Monitor:
         same BOCD+V as the iteration time, one detector per rank.
         """
         for j in range(n):  # the first n entries: every rank sent at least n
-            key = int(rows[0][5 + 2 * j])
-            comps = [float(r[6 + 2 * j]) for r in rows]
+            key = int(rows[0][HEADER + 2 * j])
+            comps = [r[HEADER + 2 * j + 1] for r in rows]
             if any(not c > 0 or not math.isfinite(c) for c in comps):
                 continue
             med = statistics.median(comps)
             for r, c in enumerate(comps):
-                det = self.rel_detectors.setdefault(
-                    r, ChangeDetector(warmup=self.detector.warmup, min_shift=0.15))
+                det = self.rel_detectors.get(r)
+                if det is None:
+                    det = self.rel_detectors[r] = ChangeDetector(
+                        warmup=self.detector.warmup, min_shift=0.15)
                 ch = det.add(key, c / med)
                 if ch is not None:
                     self._classify(ch, f"rank{r}")
@@ -270,50 +350,40 @@ class Monitor:
     def _check(self) -> None:
         """Collective: rank 0's decision reaches every rank; act on it together.
 
-        Every rank contributes one small row -- rank 0's pending decision, and each rank's
-        compute time of every step since the last exchange -- to an asynchronous all-gather
-        on the monitor's own group, issued at one exchange and read ``lag`` exchanges later:
-        no rank ever blocks on it (it is long complete by then), at the price of
-        ``lag * check_every`` steps of decision latency.
+        Every rank contributes one small row -- rank 0's pending decision and next exchange
+        period, and each rank's compute time of every step since the last exchange -- to an
+        asynchronous all-gather on the monitor's own group, issued every ``check_every``
+        checks and read at a check fixed when it was issued (the next one, or ``lag``
+        exchanges later with a fixed period): no rank ever blocks on it (it is long complete
+        by then), and every rank reads the same rows at the same checks.
         """
         self._checks += 1
+        c = self._checks
         last = self.samples[-1] if self.samples else None
         if last is not None and last.compute and last.key != self._last_key:
             self._last_key = last.key  # a skipped sample leaves the last one in place
             self._unsent.append((float(last.key), float(last.compute)))
-        if self._checks % self.check_every:
-            return
-        action, onset, severity, suspect = self._pending
-        self._pending = (NONE, 0, 0.0, -1)
         distributed = dist.is_available() and dist.is_initialized() and self.world > 1
-        if distributed:
-            if action != NONE:
-                self._deciding += 1
-            # the same length on every rank; a rank with fewer samples sends fewer entries
-            # and rank 0 uses the entries every rank has
-            width = 5 + 2 * self.check_every
-            msg = torch.zeros(width, dtype=torch.float64)
-            unsent = self._unsent[-self.check_every:]
+        if not distributed:
+            if c < self._next_issue:
+                return
+            self._next_issue = c + self.check_every
+            action, onset, severity, suspect = self._pending
+            self._pending = (NONE, 0, 0.0, -1)
             self._unsent.clear()
-            msg[:5] = torch.tensor([float(action), float(onset), float(severity),
-                                    float(suspect), float(len(unsent))], dtype=torch.float64)
-            for j, (key, comp) in enumerate(unsent):
-                msg[5 + 2 * j], msg[6 + 2 * j] = key, comp
-            rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
-            with self.tracker.internal():
-                self._inflight.append((dist.all_gather(rows, msg, group=self._group(),
-                                                       async_op=True), rows))
-                if len(self._inflight) <= self.lag:
-                    return
-                prev = self._inflight.popleft()
-                prev[0].wait()
-            got = prev[1]
-            action, onset, severity = int(got[0][0]), int(got[0][1]), float(got[0][2])
-            if action != NONE and self.rank == 0:
-                self._deciding -= 1
-            suspect = int(got[0][3])
+        else:
             if self.rank == 0:
-                self._relative(got, min(int(r[4]) for r in got))
+                cpu = time.process_time()
+                if self._cpu_at_check is not None:
+                    self._step_cpu.append(cpu - self._cpu_at_check)
+                self._cpu_at_check = cpu
+            got = self._read(c)
+            if c >= self._next_issue:
+                self._issue(c)
+            if got is None:
+                return
+            action, onset, severity = int(got[0][0]), int(got[0][1]), float(got[0][2])
+            suspect = int(got[0][3])
         if action == NONE:
             return
         decided = self.samples[-1].key if self.samples else onset
@@ -322,6 +392,81 @@ class Monitor:
                             suspect if suspect >= 0 else None)
         else:
             self._on_recover(onset, decided, severity)
+
+    def _read(self, c: int) -> list[list[float]] | None:
+        """The rows due at check ``c``, if any; applies rank 0's exchange period."""
+        if not self._inflight or self._inflight[0][2] > c:
+            return None
+        t0 = time.thread_time()
+        work, rows, _ = self._inflight.popleft()
+        with self.tracker.internal():
+            work.wait()
+        got = [r.tolist() for r in rows]
+        if self.rank == 0:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+        if got[0][0] != NONE and self.rank == 0:
+            self._deciding -= 1
+        if self.auto_every:
+            # rank 0's choice, read by every rank at this same check
+            self.check_every = max(1, min(int(got[0][5]), self.max_every))
+            self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
+        if self.rank == 0:
+            self._relative(got, min(int(r[4]) for r in got))
+        return got
+
+    def _issue(self, c: int) -> None:
+        """Send this rank's row (and rank 0's pending decision) to every rank."""
+        t0 = time.thread_time()
+        action, onset, severity, suspect = self._pending
+        self._pending = (NONE, 0, 0.0, -1)
+        if action != NONE:
+            self._deciding += 1
+        # the same length on every rank; a rank with fewer samples sends fewer entries and
+        # rank 0 uses the entries every rank has
+        width = HEADER + 2 * self.max_every
+        unsent = self._unsent[-self.max_every:]
+        self._unsent.clear()
+        vals = [float(action), float(onset), float(severity), float(suspect),
+                float(len(unsent)), float(self._choose_every(c) if self.rank == 0 else 0)]
+        for key, comp in unsent:
+            vals += (key, comp)
+        vals += [0.0] * (width - len(vals))
+        msg = torch.tensor(vals, dtype=torch.float64)
+        rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
+        due = c + 1 if self.auto_every else c + self.lag * self.check_every
+        with self.tracker.internal():
+            work = dist.all_gather(rows, msg, group=self._group(), async_op=True)
+        self._inflight.append((work, rows, due))
+        self._last_issue = c
+        self._next_issue = c + self.check_every
+        self.exchanges += 1
+        if self.rank == 0:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+
+    def _choose_every(self, c: int) -> int:
+        """Rank 0: steps until the next exchange after this one is read.
+
+        The smallest k that keeps the exchange within ``EXCHANGE_BUDGET`` of the process's
+        CPU time per step (both measured here, medians of the last exchanges and checks),
+        capped at ``max_every``; 1 while a change detector's posterior has fired or a
+        decision is on its way, so that batching never delays a verdict.
+        """
+        if not self.auto_every:
+            return self.check_every
+        dets = [self.detector, *self.rel_detectors.values()]
+        if self._pending[0] != NONE or self._deciding or any(d.pending for d in dets):
+            self._alert_until = c + ALERT_CHECKS
+        per_exchange = self._exchange_cpu
+        self._exchange_cpu = 0.0  # the next exchange's cost accumulates from here
+        if per_exchange is not None and per_exchange > 0:
+            self._exchange_costs.append(per_exchange)
+        if c < self._alert_until or len(self._exchange_costs) < 3 or len(self._step_cpu) < 3:
+            return 1
+        cost = statistics.median(self._exchange_costs)
+        step_cpu = statistics.median(self._step_cpu)
+        if not step_cpu > 0:
+            return 1
+        return max(1, min(self.max_every, math.ceil(cost / (EXCHANGE_BUDGET * step_cpu))))
 
     def _evidence(self, onset: int, decided: int) -> RankEvidence:
         before = [s for s in self.samples if onset - 20 <= s.key < onset]
@@ -361,13 +506,27 @@ class Monitor:
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self._active = finding if finding.kind != "unknown" else None
-        if self._events is not None:
-            fields = finding.event_fields()
-            fields["evidence"] = dict(fields["evidence"], validation_s=pause)
+        if self.rank != 0:
+            return
+        fields = finding.event_fields()
+        fields["evidence"] = dict(fields["evidence"], validation_s=pause)
+        if finding.kind == "unknown":
             # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
-            # or link, the job as a whole slowed (load from elsewhere, a fault already gone).
-            name = "straggler_detected" if finding.kind != "unknown" else "slowdown_unexplained"
-            self._events.log(name, **fields)
+            # or link, the job as a whole slowed (load from elsewhere) or something passed
+            # (an OS hiccup, a fault already gone). Only a slowdown that lasts is logged.
+            if self._unexplained is None:
+                # the iteration time before the onset (the channel that fired may be a
+                # per-rank ratio): what the job's speed must stay above to count as lasting
+                before = [x.seconds for x in self.samples if onset - 20 <= x.key < onset]
+                healthy = statistics.median(before) if before else math.inf
+                self._unexplained = (fields, healthy, decided)
+            return
+        if self._unexplained is not None:
+            # a culprit was found after all: the earlier slowdown was its start or a hiccup
+            self._unexplained = None
+            self.hiccups += 1
+        if self._events is not None:
+            self._events.log("straggler_detected", **fields)
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         out: list[Any] = [None] * self.world
@@ -407,8 +566,24 @@ class Monitor:
             while self._inflight:
                 self._inflight.popleft()[0].wait()
         uninstall(self.tracker)
+        if self._unexplained is not None:
+            last = self.samples[-1].key if self.samples else self._unexplained[2]
+            self._settle_unexplained(last, final=True)
+        if self.rank == 0 and self._run_dir is not None:
+            try:
+                (self._run_dir / STATS_FILE).write_text(json.dumps(self.stats(), indent=1))
+            except OSError as e:  # statistics are a convenience, never a failure
+                log.debug("could not write %s: %s", STATS_FILE, e)
         if self._events is not None:
             self._events.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""
+        cpu = sorted(self._step_cpu_us)
+        return {"hiccups": self.hiccups, "unexplained_logged": self.unexplained_logged,
+                "findings": len(self.findings), "checks": self._checks,
+                "exchanges": self.exchanges, "check_every": self.check_every,
+                "monitor_step_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None}
 
     def __enter__(self) -> Monitor:
         return self

@@ -16,8 +16,11 @@ taken from Python, framework-agnostic and for any backend:
   it is untested here).
 
 Guarantees: bounded memory (a ring buffer of ``capacity`` records); the wrappers change no
-argument or return value; with tracking disabled a wrapped call costs one flag test; the
-tracker's own collectives (``Tracker.internal()``) are never recorded.
+argument or return value; with tracking disabled -- ``enabled`` off, or ``recording`` off
+because the training loop reports its own compute and communication times so no record
+would be read -- a wrapped call or DDP bucket costs one flag test (no record, no completion
+callback, hence no wake-up of a Python callback on the backend's thread); the tracker's own
+collectives (``Tracker.internal()``) are never recorded.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ class Tracker:
                  on_issue: Callable[[OpRecord], None] | None = None) -> None:
         self.records: deque[OpRecord] = deque(maxlen=capacity)
         self.enabled = True
+        # off when nothing reads the records: the Monitor turns it off while the loop's step
+        # hints carry compute and communication times (the records would only re-derive them)
+        self.recording = True
         self.on_issue = on_issue
         self._local = threading.local()
         self._group_keys: dict[int, tuple[int, ...] | None] = {}
@@ -173,7 +179,7 @@ class Tracker:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not tracker.enabled or tracker.suppressed:
+            if not (tracker.enabled and tracker.recording) or tracker.suppressed:
                 return fn(*args, **kwargs)
             group = kwargs.get("group", args[g_idx] if g_idx is not None and len(args) > g_idx
                                else None)
@@ -198,7 +204,7 @@ class Tracker:
         tracker = self
 
         def hook(state: Any, bucket: Any) -> Any:
-            if not tracker.enabled:
+            if not (tracker.enabled and tracker.recording):
                 return inner(state, bucket)
             rec = tracker.begin("ddp_allreduce", state if not isinstance(state, dict) else None,
                                 [bucket.buffer()], source="ddp")
