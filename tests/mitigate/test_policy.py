@@ -51,11 +51,26 @@ def test_rebalances_a_confirmed_compute_straggler_then_reverts() -> None:
     assert sum(counts) == M and counts[2] < 4 and min(counts) >= 1
     assert decisions[0].predicted_gain > 0.2
     assert all(d.kind == REBALANCE for d in decisions[:1]) and len(decisions) == 1  # no flapping
-    # healed: two healthy exchanges, then back to the uniform plan
-    out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 47, 2)]
+    # healed, without the detector's verdict: four healthy exchanges, then back to uniform
+    out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 51, 2)]
     reverts = [d for d in out if d is not None]
     assert len(reverts) == 1 and reverts[0].kind == REVERT and reverts[0].counts == [4] * 4
-    assert out[0] is None  # one healthy window is not enough (hysteresis)
+    assert out[:3] == [None] * 3 and out[3] is reverts[0]  # hysteresis
+
+
+def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    for s in range(25, 41, 2):
+        feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)
+    assert not p.uniform
+    healed = [{**fs[0], "recovered_step": 40}]
+    d = feed(p, 41, [UNIT] * G, healed)
+    assert d is not None and d.kind == REVERT
+    # and a reverted straggler the detector calls recovered is not followed again on noise
+    assert all(feed(p, s, [UNIT, UNIT, 1.5 * UNIT, UNIT], healed) is None
+               for s in range(43, 63, 2))
 
 
 def test_blip_over_before_the_verdict_is_not_acted_on() -> None:
@@ -138,15 +153,15 @@ def test_a_wrong_revert_is_undone_and_the_next_one_backs_off() -> None:
     fs = [finding(2, 25)]
     first = [d for s in range(25, 41, 2) if (d := feed(p, s, slow, fs)) is not None]
     assert [d.kind for d in first] == [REBALANCE]
-    looks_ok = [d for s in range(41, 47, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
+    looks_ok = [d for s in range(41, 49, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
     assert [d.kind for d in looks_ok] == [REVERT]
-    again = [feed(p, s, slow, fs) for s in range(47, 55, 2)]
+    again = [feed(p, s, slow, fs) for s in range(49, 57, 2)]
     kinds = [d.kind for d in again if d is not None]
     assert kinds == [REBALANCE]
     assert again[0] is None  # one slow exchange is not enough to call the revert wrong
-    # the next revert needs 4 healthy exchanges, not 2
-    out = [feed(p, s, [UNIT] * G, fs) for s in range(55, 65, 2)]
-    assert [i for i, d in enumerate(out) if d is not None] == [3] and out[3].kind == REVERT
+    # the next revert needs 8 healthy exchanges, not 4
+    out = [feed(p, s, [UNIT] * G, fs) for s in range(57, 77, 2)]
+    assert [i for i, d in enumerate(out) if d is not None] == [7] and out[7].kind == REVERT
 
 
 def test_a_right_revert_stays_reverted() -> None:
@@ -210,9 +225,9 @@ def test_recovery_is_judged_against_the_level_the_plan_was_made_for() -> None:
     first = [d for s in range(25, 41, 2)
              if (d := feed(p, s, [UNIT, UNIT, 2.3 * UNIT, UNIT], fs)) is not None]
     assert [d.kind for d in first] == [REBALANCE]
-    out = [feed(p, s, [UNIT, UNIT, 1.22 * UNIT, UNIT], fs) for s in range(41, 47, 2)]
+    out = [feed(p, s, [UNIT, UNIT, 1.22 * UNIT, UNIT], fs) for s in range(41, 49, 2)]
     assert [d.kind for d in out if d is not None] == [REVERT]
-    later = [feed(p, s, [UNIT, UNIT, 1.37 * UNIT, UNIT], fs) for s in range(47, 67, 2)]
+    later = [feed(p, s, [UNIT, UNIT, 1.37 * UNIT, UNIT], fs) for s in range(49, 69, 2)]
     assert all(d is None for d in later) and p.uniform
 
 
@@ -238,5 +253,5 @@ def test_a_fixed_cost_per_step_does_not_keep_a_healed_rank_slow() -> None:
                for s in range(41, 61, 2))
     # healed: per micro-batch it still reads above its peers, but the plan is reverted
     assert p.ratio_to_peers(_units(p.counts, {}, fixed), 2) == pytest.approx(1.0, abs=0.01)
-    out = [feed(p, s, _units(p.counts, {}, fixed), fs) for s in range(61, 67, 2)]
+    out = [feed(p, s, _units(p.counts, {}, fixed), fs) for s in range(61, 69, 2)]
     assert [d.kind for d in out if d is not None] == [REVERT]

@@ -76,6 +76,12 @@ class Straggler:
     remapped: bool = False
 
 
+def detector_recovered(s: Straggler, findings: list[dict]) -> bool:
+    """The detector's own verdict: it reported this straggler recovered."""
+    return any(f.get("recovered_step") is not None and int(f.get("step", 0)) >= s.detected_step
+               and s.rank in (f.get("ranks") or []) for f in findings)
+
+
 def recovery_ratio(s: Straggler) -> float:
     """Above this ratio to its peers a rebalanced straggler still counts as slow: the
     geometric midpoint between its level when the plan was made and healthy (1.0), at least
@@ -179,7 +185,7 @@ class Policy:
             self._on_finding(f)
         self._seen_findings = len(findings)
         if self.active is None:
-            self._rewatch(units)
+            self._rewatch(units, findings)
         s = self.active
         if s is None:
             if self.uniform and self._watch is None:  # the healthy level
@@ -193,9 +199,12 @@ class Policy:
         # the detector's recovery verdict (per-unit compute, its own change-point test): a
         # rank given one micro-batch carries the per-step fixed cost alone and reads up to
         # ~1.3x per micro-batch when healthy, so the verdict is trusted below RECOVERED_RATIO
-        confirmed = any(f.get("recovered_step") is not None and int(f.get("step", 0))
-                        >= s.detected_step and s.rank in (f.get("ranks") or [])
-                        for f in findings)
+        confirmed = detector_recovered(s, findings)
+        if s.kind == "compute" and not confirmed:
+            # the detector (validated by its own compute test) still holds the rank slow:
+            # the policy's own evidence must last twice as long (measured: a quota'd rank on 2
+            # micro-batches read healthy for 2 exchanges mid-fault on a loaded machine)
+            need = max(need, 2 * self.revert_windows)
         if (confirmed and s.kind == "compute" and not s.wrong_reverts
                 and not self._slow(units, s.group, RECOVERED_RATIO)):
             slow_now = False
@@ -223,7 +232,10 @@ class Policy:
         now_mk = planner.makespan(self.counts, cur)
         gain = 1.0 - planner.makespan(best, cur) / now_mk
         needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
-        if s.kind == "compute" and gain >= needed and s.rent_s >= self.s2_price(cur):
+        # a plan is about the straggler: one that does not take work off it is noise elsewhere
+        about_it = best[s.group] < planner.uniform(self.micro, self.groups)[s.group]
+        if s.kind == "compute" and about_it and gain >= needed \
+                and s.rent_s >= self.s2_price(cur):
             s.rebalanced_version = self.version + 1
             s.level = self.ratio_to_peers(cur, s.group)
             return self._decide(REBALANCE, best, start_step, s.group, gain,
@@ -281,14 +293,14 @@ class Policy:
         steps = (self.revert_windows + 1) * self.every + 1
         return max(extra, 0.0) * steps
 
-    def _rewatch(self, units: list[float]) -> None:
+    def _rewatch(self, units: list[float], findings: list[dict]) -> None:
         """Follow the last reverted straggler again if it is slow under the uniform plan for
-        two exchanges in a row (its rent so far carries over; twice the healthy exchanges
-        are needed before the next revert)."""
+        two exchanges in a row while the detector has not reported it recovered (its rent so
+        far carries over; twice the healthy exchanges are needed before the next revert)."""
         w = self._watch
         if w is None:
             return
-        if len(self._unit_hist) > self._watch_until:
+        if len(self._unit_hist) > self._watch_until or detector_recovered(w, findings):
             self._watch = None
             return
         slow = w.kind == "compute" and self.uniform and self._slow(units, w.group,
@@ -299,7 +311,8 @@ class Policy:
 
     def _resume(self, w: Straggler) -> None:
         w.wrong_reverts += 1
-        w.revert_need = min(2 * (w.revert_need or self.revert_windows), 16)
+        # twice what the last revert needed without the detector's verdict
+        w.revert_need = min(2 * max(w.revert_need, 2 * self.revert_windows), 16)
         w.healthy_windows, w.recovered_step = 0, None
         w.since = max(len(self._unit_hist) - 2, 0)
         self.active, self._watch = w, None
