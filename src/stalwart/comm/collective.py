@@ -61,19 +61,22 @@ from stalwart.comm.wire import (
     PHASE_NORM,
     PHASE_VALUE,
     REASONS,
+    TAG_BYTES,
     R,
     Wire,
     max_floats_for_mtu,
 )
 
 _UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
-_OLD, _LATE = R["old_round"], R["late"]
-# data datagrams that count as arrived for the loss estimate: placed, late, of a round that
-# already ended, or a copy of a placed chunk (dropped before its tag is checked: a forged one
-# could only lower the estimate). Markers are booked in the same cases, in time or not: when
-# only in-time markers were booked, copies that arrived after their round ended were counted
-# with no debt, and a real 1% loss read as 0.0-0.3%.
-_ARRIVED = (0, R["spare"], R["duplicate"], _OLD)
+_OLD, _LATE, _SPARE = R["old_round"], R["late"], R["spare"]
+# data datagrams that count as arrived for the loss estimate: authenticated ones only -- placed,
+# late, of a round that already ended (wire.check tags these too), or, for a copy of a chunk
+# already placed (dropped before its tag is computed), one whose tag equals the placed copy's
+# (copies are the same sealed bytes). Counting unchecked spares let forged packets hide real
+# loss and talk a link down to fewer copies. Markers are booked in the same cases, in time or
+# not: when only in-time markers were booked, copies that arrived after their round ended were
+# counted with no debt, and a real 1% loss read as 0.0-0.3%.
+_ARRIVED = (0, R["duplicate"], _OLD)
 MARKER_COPIES = 4  # an end marker is lost only if all copies are: p**4 (0.01% at 10% loss)
 # a norm is the whole phase (one float per owner), and a lost one holds its receiver a full
 # deadline while the others go on to the broadcast without it: 1e-8 at 10% loss
@@ -122,6 +125,8 @@ class _Round:
     norm: np.ndarray  # (world,): owners' squared norms (PHASE_NORM)
     got: np.ndarray  # (3 phases, world): data packets accepted per sender
     marker: np.ndarray  # (3 phases, world): announced count, -1 = no marker yet
+    gtag: np.ndarray  # (world, own shard's chunks, 16): tag of each placed contribution
+    vtag: np.ndarray  # (all chunks, 16): tag of each placed owner chunk (by global chunk)
     closed: list[bool] = field(default_factory=lambda: [False, False, False])
 
     def reset(self, rnd: int) -> None:
@@ -202,6 +207,9 @@ class LossyCollective:
         self.deadline = deadline or AdaptiveDeadline()
         b = self.layout.bounds
         self._lo, self._hi = b[self.rank], b[self.rank + 1]
+        # global index of each shard's first chunk (where its tags start in _Round.vtag)
+        self._chunk_base = np.concatenate(
+            [[0], np.cumsum([self.layout.n_chunks(s) for s in range(self.world)])]).astype(int)
         self._rounds = [self._new_round(i) for i in range(ROUNDS_OPEN)]
         self.round = -1
         self.silent: set[int] = set()
@@ -224,7 +232,9 @@ class LossyCollective:
         return _Round(rnd, ShardAccumulator(lay, self.rank), np.zeros(lay.numel, np.float32),
                       [np.zeros(lay.n_chunks(s), bool) for s in range(self.world)],
                       np.zeros(self.world), np.zeros((3, self.world), np.int64),
-                      np.full((3, self.world), -1))
+                      np.full((3, self.world), -1),
+                      np.zeros((self.world, lay.n_chunks(self.rank), TAG_BYTES), np.uint8),
+                      np.zeros((int(self._chunk_base[-1]), TAG_BYTES), np.uint8))
 
     # ---- receiving thread -----------------------------------------------------------------
     def _wake(self) -> None:
@@ -267,7 +277,9 @@ class LossyCollective:
                         self.silent.discard(s)  # it speaks again: wait for it again
                 if s < self.world and ph_l[i] != PHASE_NORM:
                     if not fl_l[i] & FLAG_END:
-                        if why in _ARRIVED:  # a data datagram from s reached us
+                        # an authenticated data datagram from s reached us
+                        if why in _ARRIVED or (why == _SPARE and self._same_tag(
+                                rows[i], rnd_l[i], ph_l[i], s, off_l[i], len_l[i])):
                             self.loss_in.arrived(s)
                     elif why == 0 or why == _OLD:
                         # an authenticated marker (the tag is checked before the round), in
@@ -289,6 +301,24 @@ class LossyCollective:
                 if why:
                     self.rejected[why] += 1
             self._cond.notify_all()
+
+    def _same_tag(self, row: np.ndarray, rnd: int, ph: int, s: int, off: int, n: int) -> bool:
+        """Whether a spare copy carries the tag of the copy placed for its chunk this round
+        (so it is a copy of an authenticated packet). Called under the lock."""
+        st = self._rounds[rnd % ROUNDS_OPEN]
+        if st.rnd != rnd or s == self.rank:
+            return False  # the round moved on since wire.check: not booked (a harmless miss)
+        c = off // self.chunk
+        if ph == PHASE_GRAD:
+            if c >= st.gtag.shape[1] or not st.acc.seen[s][c]:
+                return False
+            ref = st.gtag[s, c]
+        else:
+            if c >= st.vseen[s].size or not st.vseen[s][c]:
+                return False
+            ref = st.vtag[self._chunk_base[s] + c]
+        at = HEADER_BYTES + 4 * n
+        return bool(np.array_equal(row[at: at + TAG_BYTES], ref))
 
     def _placed(self, hdr: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Which datagrams ``idx`` name a data chunk this rank already placed (read without the
@@ -341,6 +371,7 @@ class LossyCollective:
         elif ph == PHASE_GRAD:
             if not st.acc.add(s, off, pay):  # never counted twice
                 return 0 if self._may_copy else R["duplicate"]
+            st.gtag[s, off // C] = row[HEADER_BYTES + 4 * n: HEADER_BYTES + 4 * n + TAG_BYTES]
         else:
             seen = st.vseen[s]
             c = off // C
@@ -349,6 +380,8 @@ class LossyCollective:
             seen[c] = True
             lo = bounds[s] + off
             st.vals[lo: lo + n] = pay
+            st.vtag[self._chunk_base[s] + c] = row[HEADER_BYTES + 4 * n:
+                                                   HEADER_BYTES + 4 * n + TAG_BYTES]
         st.got[ph, s] += 1
         return 0
 

@@ -37,10 +37,14 @@ arrays. Every packet it accepts has a valid tag under this job's key, comes from
 (claimed sender id and source address both match), belongs to the current round or one of
 the next ``rounds_open - 1`` and a known phase, covers exactly one chunk of the right shard,
 and carries only finite floats.
-Everything else is rejected with a reason code that the caller counts. Two kinds of packet are
-rejected before their tag is computed, because accepting or refusing them can change nothing:
-a data packet naming a chunk already placed ("spare") and a data packet of a round that has
-ended ("old_round"); a forged one of either kind is dropped just the same.
+Everything else is rejected with a reason code that the caller counts. One kind of packet is
+rejected before its tag is computed, because accepting or refusing it can change nothing: a
+data packet naming a chunk already placed ("spare"; a forged one is dropped just the same). Its
+caller may count a spare as an arrival only if its tag equals the tag of the copy it placed
+(``collective``): copies of a packet are the same sealed bytes. A data packet of a round that
+has ended ("old_round") is tag-checked like any other, because the loss estimate counts it as
+an arrived copy: an unauthenticated one could otherwise hide real loss. (These are rare: a copy
+is old only when it arrives after the receiver's whole next step has begun.)
 """
 
 from __future__ import annotations
@@ -193,11 +197,7 @@ class Wire:
             idx = np.flatnonzero(reasons == 0)
             if idx.size:
                 reasons[idx[placed(hdr, idx)]] = R["spare"]
-        # a data packet of a round that already ended is dropped before its tag is computed,
-        # like a spare: it can change nothing (late copies of placed chunks are most of these)
         cur = int(cur_round) & 0xFFFFFFFF
-        stale = (reasons == 0) & (hdr["round"].astype(np.int64) < cur) & (hdr["flags"] == 0)
-        reasons[stale] = R["old_round"]
         # the tag: per packet, only for well-formed ones (rejects garbage before hashing it)
         mv = memoryview(np.ascontiguousarray(rows)).cast("B")
         nv = memoryview(_nonces(hdr)).cast("B")

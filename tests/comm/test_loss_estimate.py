@@ -1,0 +1,69 @@
+"""Only authenticated datagrams move the loss estimate: forged copies of placed chunks (dropped
+before their tag is computed) and forged packets of an ended round must not count as arrivals,
+or an off-path sender could hide real loss and talk a link down to fewer copies."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+from inproc import make_group, run_threads
+
+from stalwart.comm.wire import PHASE_GRAD, PHASE_VALUE, Wire
+
+N = 6000
+K = 40  # forged datagrams of each kind
+
+
+def _round(group: list) -> None:
+    outs = run_threads([lambda c=c: c.allreduce(np.ones(N, np.float32)) for c in group])
+    assert not any(isinstance(o, BaseException) for o in outs), outs
+
+
+def _forge(victim, rnd: int, k: int) -> None:
+    """k packets claiming to be rank 0's, for chunks rank 1 has placed, under a wrong key."""
+    w = Wire(os.urandom(32), victim.wire.job, victim.world, 0, victim.layout.shard_lens,
+             victim.chunk)
+    n1 = min(victim.chunk, victim.layout.shard_lens[1])
+    n0 = min(victim.chunk, victim.layout.shard_lens[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for j in range(k):
+            if j % 2:  # a contribution to rank 1's shard
+                pkt = w.packet(PHASE_GRAD, rnd, 1, 0, np.zeros(n1, np.float32))
+            else:  # rank 0's broadcast values
+                pkt = w.packet(PHASE_VALUE, rnd, 0, 0, np.zeros(n0, np.float32))
+            s.sendto(pkt, victim.transport.addr)
+
+
+def _wait_rejected(c, reason: str, at_least: int) -> None:
+    end = time.monotonic() + 10
+    while c.rejected_counts().get(reason, 0) < at_least and time.monotonic() < end:
+        time.sleep(0.02)
+    assert c.rejected_counts().get(reason, 0) >= at_least, c.rejected_counts()
+
+
+def test_forged_spares_and_old_round_packets_do_not_count_as_arrivals() -> None:
+    # two copies of every packet: the second copy of each placed chunk is a "spare"
+    group = make_group(2, N, grad_copies=2, value_copies=2)
+    victim = group[1]
+    try:
+        _round(group)
+        time.sleep(0.3)  # the round's own second copies have landed
+        spares = victim.rejected_counts().get("spare", 0)
+        _forge(victim, rnd=0, k=K)  # round 0 is still rank 1's current round
+        _wait_rejected(victim, "spare", spares + K)
+        _round(group)  # rank 0's markers book what arrived since
+        est = victim.loss_in
+        # every owed datagram arrived on loopback; forged ones must not come on top
+        assert est.got[0] <= est.owed[0] + 1e-6, (est.got[0], est.owed[0])
+        bad = victim.rejected_counts().get("bad_tag", 0)
+        _forge(victim, rnd=0, k=K)  # now of an ended round: its tag is checked
+        _wait_rejected(victim, "bad_tag", bad + K)
+        _round(group)
+        assert est.got[0] <= est.owed[0] + 1e-6, (est.got[0], est.owed[0])
+        assert est.loss(0) is not None and est.loss(0) < 0.05  # and nothing real was lost
+    finally:
+        for c in group:
+            c.close()
