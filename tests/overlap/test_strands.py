@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from stalwart.overlap import TPGPT, Interleaved, TPComm
 from stalwart.overlap.comm import CommLedger
 from stalwart.overlap.memory import SavedTensorMeter
 from stalwart.overlap.plan import Profile, make_plan
-from stalwart.overlap.strands import Strand, StrandError, run_plan
+from stalwart.overlap.strands import Strand, StrandCancelled, StrandError, run_plan
 from stalwart.train.model import GPT, GPTConfig
 
 CFG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -73,6 +75,52 @@ def test_strand_errors_surface_in_the_scheduler() -> None:
     s = Strand("F", boom)
     with pytest.raises(KeyError):
         s.resume()
+
+
+def test_a_failing_strand_stops_its_partner_too() -> None:
+    from stalwart.overlap.comm import Pending, current_strand
+
+    unwound: list[str] = []
+
+    def passes(tag: str, n: int, fail_at: int) -> None:
+        try:
+            for k in range(n):
+                if k == fail_at:
+                    raise KeyError(f"{tag}{k} failed")
+                current_strand().park(Pending(torch.zeros(1), None, 0.0, 0.0))
+        finally:
+            unwound.append(tag)
+
+    f = Strand("F", lambda: passes("f", 4, fail_at=2))
+    b = Strand("B", lambda: passes("b", 4, fail_at=99))
+    with pytest.raises(KeyError, match="f2 failed"):
+        run_plan(["FB", "FB", "FB", "FB"], f, b)
+    # the partner was parked mid-pass: it got the error too, unwound and ended (before: it
+    # stayed parked for ever, holding its thread and its pass's activations)
+    assert f.done and b.done
+    assert isinstance(b.error, StrandCancelled) and isinstance(b.error.__cause__, KeyError)
+    assert sorted(unwound) == ["b", "f"]
+    assert not any(t.name.startswith("strand-") for t in threading.enumerate())
+
+
+def test_an_error_inside_an_interleaved_step_leaves_no_strand_behind() -> None:
+    _, model, comm = _model()
+    m = n = 2 * CFG.n_layer + 1
+    prof = Profile.uniform([1.0] * m, [1.0] * n, 0.1, 0.1)
+    calls = [0]
+
+    def loss_fn(mdl: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:  # the forward of micro-batch 2, while B(1) is parked mid-pass
+            raise RuntimeError("bad batch")
+        return mdl(x, y)[1]
+
+    step = Interleaved(model, comm, schedule="si", loss_fn=loss_fn, plan=make_plan({}, prof))
+    with pytest.raises(RuntimeError, match="bad batch"):
+        step.forward_backward(_mbs(4))
+    assert not any(t.name.startswith("strand-") for t in threading.enumerate())
+    calls[0] = -100  # and the executor still works afterwards
+    step.forward_backward(_mbs(4))
 
 
 def test_interleaved_gradients_equal_sequential_accumulation() -> None:

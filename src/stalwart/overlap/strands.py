@@ -13,7 +13,15 @@ gradients.
 
 The backward is driven segment by segment through autograd itself: the backward strand calls
 ``torch.autograd.backward`` once per pass and parks inside each column-parallel layer's
-backward, at its input-gradient all-reduce (CPU autograd runs on the calling thread).
+backward, at its input-gradient all-reduce (CPU autograd runs on the calling thread; CUDA
+autograd runs backward on its own device threads, where no strand is current, so the executor
+refuses CUDA models -- see ``executor.Interleaved``).
+
+Errors: a strand that raises ends its pass; ``resume`` re-raises the error on the scheduler's
+thread, and ``run_plan`` then cancels the partner strand: it wakes up inside its ``park`` with
+``StrandCancelled`` (chained to the first error), unwinds its pass (finally blocks run,
+autograd releases its graph) and ends. So an error reaches both strands and no thread is left
+parked for ever holding its activations.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from stalwart.overlap.comm import Pending, set_current_strand
 
 class StrandError(RuntimeError):
     pass
+
+
+class StrandCancelled(StrandError):
+    """Raised inside a parked strand whose partner failed (``__cause__`` is that error)."""
 
 
 class Strand:
@@ -45,6 +57,7 @@ class Strand:
         self.result: Any = None
         self.error: BaseException | None = None
         self.pending: Pending | None = None  # the collective it parked on
+        self._cancel: BaseException | None = None  # set by cancel(): raise at the next park
         self.segments = 0  # segments completed
 
     def _main(self) -> None:
@@ -70,11 +83,18 @@ class Strand:
         self.park(None)
 
     def park(self, pending: Pending | None) -> None:
-        """End the current segment with `pending` in flight; block until resumed."""
-        self.pending = pending
-        self._parked.release()
-        self._go.acquire()
-        self.pending = None
+        """End the current segment with `pending` in flight; block until resumed.
+
+        Raises ``StrandCancelled`` when the scheduler cancelled this strand (at once if it was
+        already cancelled: unwinding code that parks again must not block for ever)."""
+        if self._cancel is None:
+            self.pending = pending
+            self._parked.release()
+            self._go.acquire()
+            self.pending = None
+        if self._cancel is not None:
+            raise StrandCancelled(f"strand {self.name} stopped: its partner strand failed "
+                                  f"({self._cancel!r})") from self._cancel
 
     # ---- called by the scheduler ------------------------------------------------------------
     def resume(self) -> None:
@@ -89,6 +109,22 @@ class Strand:
         self.segments += 1
         if self.error is not None:
             raise self.error
+
+    def cancel(self, cause: BaseException) -> None:
+        """Stop this strand because of `cause` (its partner's error): a parked strand raises
+        ``StrandCancelled`` in its ``park`` and unwinds; returns when its thread has ended."""
+        if self.done:
+            self.join()
+            return
+        self._cancel = cause
+        if not self._started:  # never ran: nothing to unwind
+            self.done = True
+            self.error = StrandCancelled(f"strand {self.name} never ran: its partner failed")
+            self.error.__cause__ = cause
+            return
+        self._go.release()
+        self._parked.acquire()  # released by _main's finally once the pass has unwound
+        self._thread.join()
 
     def run_to_end(self) -> None:
         while not self.done:
@@ -108,16 +144,24 @@ def run_plan(plan_steps: list[str], fwd: Strand | None, bwd: Strand | None,
 
     Steps that name a finished strand are skipped; whatever remains after the plan runs alone.
     `barrier` (the profiler's) is called after each step with the strands that ran in it.
+    If a strand (or the barrier) raises, the other strand is cancelled (it raises
+    ``StrandCancelled`` where it is parked and unwinds) before the error propagates.
     """
-    for step in plan_steps:
-        ran = []
-        for s, tag in ((bwd, "B"), (fwd, "F")):
-            if tag in step and s is not None and not s.done:
-                s.resume()
-                ran.append(s)
-        if barrier is not None and ran:
-            barrier(ran)
-    for s in (fwd, bwd):
-        if s is not None:
-            s.run_to_end()
-            s.join()
+    try:
+        for step in plan_steps:
+            ran = []
+            for s, tag in ((bwd, "B"), (fwd, "F")):
+                if tag in step and s is not None and not s.done:
+                    s.resume()
+                    ran.append(s)
+            if barrier is not None and ran:
+                barrier(ran)
+        for s in (fwd, bwd):
+            if s is not None:
+                s.run_to_end()
+                s.join()
+    except BaseException as e:
+        for s in (fwd, bwd):
+            if s is not None:
+                s.cancel(e)
+        raise
