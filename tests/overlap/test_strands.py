@@ -166,6 +166,47 @@ def test_union_of_comm_intervals() -> None:
     assert led.comm_time() == pytest.approx(3.0)
 
 
+def _exact_union(iv: list[tuple[float, float]]) -> float:
+    return CommLedger(intervals=list(iv)).comm_time()
+
+
+def test_comm_ledger_stays_bounded_without_resets_and_keeps_the_union() -> None:
+    # a model using the layers outside Interleaved never resets its ledger: 20,000 collectives
+    # (two strands' worth, overlapping) must not grow it past its bound, and the union stays
+    # exact because every fold happens behind the oldest collective in flight
+    from stalwart.overlap.comm import Pending
+
+    led = CommLedger(max_intervals=64)
+    rng = torch.Generator().manual_seed(3)
+    done: list[tuple[float, float]] = []
+    t = 0.0
+    for _ in range(10_000):
+        gaps = torch.rand(4, generator=rng).tolist()
+        p1 = Pending(torch.zeros(1), None, t)
+        p2 = Pending(torch.zeros(1), None, t + gaps[0])
+        with led.lock:
+            led.issued(p1)
+            led.issued(p2)
+            led.completed(p1, t + gaps[0] + gaps[1])
+            led.completed(p2, t + gaps[0] + gaps[2])
+        done += [(t, t + gaps[0] + gaps[1]), (t + gaps[0], t + gaps[0] + gaps[2])]
+        t += gaps[0] + gaps[3] * 1.5
+        assert len(led.intervals) <= 64
+    assert led.comm_time() == pytest.approx(_exact_union(done), rel=1e-9)
+    # one collective stuck in flight: still bounded
+    stuck = Pending(torch.zeros(1), None, t)
+    with led.lock:
+        led.issued(stuck)
+    for k in range(1000):
+        p = Pending(torch.zeros(1), None, t + k + 1)
+        with led.lock:
+            led.issued(p)
+            led.completed(p, t + k + 1.5)
+        assert len(led.intervals) <= 64
+    led.reset()
+    assert led.comm_time() == 0.0 and not led.intervals
+
+
 def test_unknown_schedule_is_rejected() -> None:
     _, model, comm = _model()
     with pytest.raises(ValueError, match="schedule"):

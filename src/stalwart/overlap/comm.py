@@ -18,11 +18,17 @@ Guarantee: the numerical result never depends on the mode -- only the moment of 
 Accounting: each collective records when it was issued and when gloo completed it (a callback on
 its future, run by gloo's thread), and every wait records how long the caller was blocked. Per
 step, ``comm_time`` is the union of in-flight intervals, ``exposed`` the blocked time, and
-``hidden = comm_time - exposed``.
+``hidden = comm_time - exposed``. ``Interleaved`` resets the ledger every step; a model that
+uses the layers without it never does, so the ledger bounds itself: past ``max_intervals``
+completed intervals it folds the union of those that ended before the oldest collective still
+in flight into one number (exact: every later interval starts after them), and if a collective
+stuck in flight keeps that from shrinking the list, it folds the oldest half anyway (then a
+collective in flight across the fold may lose the gaps it spanned from its length).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("sync", "async")
+MAX_INTERVALS = 4096  # completed intervals a ledger keeps before folding (a few steps' worth)
 
 # The strand (if any) that runs on the current thread; set by stalwart.overlap.strands.
 _local = threading.local()
@@ -67,10 +74,51 @@ class CommLedger:
     count: int = 0
     bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    max_intervals: int = MAX_INTERVALS
+    folded: float = 0.0  # union length of the intervals folded away ...
+    folded_end: float = -math.inf  # ... all of which ended by this time
+    in_flight: dict[int, float] = field(default_factory=dict)  # id(Pending) -> issue time
+
+    def issued(self, p: Pending) -> None:
+        """A collective went in flight (call under ``lock``)."""
+        self.in_flight[id(p)] = p.t_issue
+
+    def completed(self, p: Pending, t_done: float) -> None:
+        """It completed (call under ``lock``): record its interval, fold if over the bound."""
+        self.in_flight.pop(id(p), None)
+        self.intervals.append((p.t_issue, t_done))
+        if len(self.intervals) > self.max_intervals:
+            self._fold(t_done)
+
+    @staticmethod
+    def _merge(intervals: list[tuple[float, float]], start: float) -> list[list[float]]:
+        """Disjoint union of the intervals, clipped to begin at `start` or later."""
+        out: list[list[float]] = []
+        for a, b in sorted(intervals):
+            a = max(a, start)
+            if b <= a:
+                continue
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def _fold(self, now: float) -> None:
+        merged = self._merge(self.intervals, self.folded_end)
+        cut = min(self.in_flight.values(), default=now)  # nothing later can start before
+        old = [m for m in merged if m[1] <= cut]
+        keep = [m for m in merged if m[1] > cut]
+        if len(keep) > self.max_intervals // 2:  # a collective stuck in flight: fold anyway
+            old, keep = old + keep[: -(self.max_intervals // 2)], keep[-(self.max_intervals // 2):]
+        if old:
+            self.folded += sum(b - a for a, b in old)
+            self.folded_end = old[-1][1]
+        self.intervals = [(a, b) for a, b in keep]
 
     def comm_time(self) -> float:
         """Length of the union of in-flight intervals (two strands' transfers may coincide)."""
-        total, end = 0.0, float("-inf")
+        total, end = self.folded, self.folded_end
         for a, b in sorted(self.intervals):
             if b <= end:
                 continue
@@ -79,11 +127,13 @@ class CommLedger:
         return total
 
     def reset(self) -> None:
-        with self.lock:
+        with self.lock:  # (collectives still in flight stay in in_flight: they are)
             self.intervals.clear()
             self.exposed = 0.0
             self.count = 0
             self.bytes = 0
+            self.folded = 0.0
+            self.folded_end = -math.inf
 
 
 class TPComm:
@@ -119,6 +169,7 @@ class TPComm:
         with led.lock:
             led.count += 1
             led.bytes += tensor.numel() * tensor.element_size()
+            led.issued(p)
 
         work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
         if self.mode == "sync":
@@ -141,7 +192,7 @@ class TPComm:
         with self.ledger.lock:
             if p.t_done is None:
                 p.t_done = now
-                self.ledger.intervals.append((p.t_issue, now))
+                self.ledger.completed(p, now)
 
     def _wait(self, p: Pending) -> None:
         if p.waited:
