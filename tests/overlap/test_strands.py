@@ -161,6 +161,39 @@ def test_memory_meter_counts_saved_activations_and_frees_them() -> None:
     del l1, l2
 
 
+def test_meter_release_inside_its_locked_region_does_not_deadlock() -> None:
+    # a saved tensor's release runs in a weakref finalizer, which the cyclic collector can run
+    # on any allocation -- also while this very meter holds its lock (inside _pack). Holding
+    # the lock while the last reference goes is that situation made deterministic.
+    meter = SavedTensorMeter()
+    x = torch.ones(1000, requires_grad=True)
+    with meter.tracking():
+        y = (x * x).sum()  # saves x for backward
+    assert meter.live == 4000
+    box = [y]
+    del y
+
+    def release_under_lock() -> None:
+        with meter._lock:
+            box.clear()  # the graph and its saved x go: the finalizer runs here
+
+    t = threading.Thread(target=release_under_lock, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "the finalizer deadlocked on the meter's lock"
+    assert meter.live == 0  # and the release was accounted
+
+
+def test_memory_is_measured_only_when_asked() -> None:
+    _, model, comm = _model()
+    quiet = Interleaved(model, comm, schedule="off")
+    _, t = quiet.forward_backward(_mbs(2))
+    assert "act_peak_bytes" not in t and quiet.meter.peak == 0  # no hooks ran
+    loud = Interleaved(model, comm, schedule="off", measure_memory=True)
+    _, t = loud.forward_backward(_mbs(2))
+    assert t["act_peak_bytes"] > 0
+
+
 def test_union_of_comm_intervals() -> None:
     led = CommLedger(intervals=[(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)])
     assert led.comm_time() == pytest.approx(3.0)
@@ -219,9 +252,9 @@ def test_whole_step_stream_plan_keeps_gradients_and_memory() -> None:
     for x, y in mbs:
         (gpt(x, y)[1] / len(mbs)).backward()
     ref = {n: p.grad.clone() for n, p in gpt.named_parameters()}
-    off = Interleaved(model, comm, schedule="off")
+    off = Interleaved(model, comm, schedule="off", measure_memory=True)
     _, t_off = off.forward_backward(mbs)
-    step = Interleaved(model, comm, schedule="si", max_extra_memory=0.05)
+    step = Interleaved(model, comm, schedule="si", max_extra_memory=0.05, measure_memory=True)
     _, t_si = step.forward_backward(mbs)
     assert step.plan_source == "profiled"
     steps = step.stream_steps(len(mbs))

@@ -151,7 +151,8 @@ def _equivalence(rank: int, world: int, out: str) -> None:
     # 2. the three schedules; the plan is profiled once, stored, and reused by a new executor
     plan_path = Path(out) / "plan.json"
     for sched in ("off", "async", "si"):
-        step = Interleaved(model, comm, schedule=sched, plan_path=plan_path)
+        step = Interleaved(model, comm, schedule=sched, plan_path=plan_path,
+                           measure_memory=True)
         loss, timings = step.forward_backward(mbs)
         report[f"loss_{sched}"] = abs(loss - ref_loss)
         report[f"grads_{sched}"] = _max_err(model.full_grads(), ref_grads)

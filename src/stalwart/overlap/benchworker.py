@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g))
                for _ in range(a.micro_batches)]
         scheds = a.schedules.split(",")
-        execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps)
+        execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps,
+                                measure_memory=True)
                  for s in scheds}
         t0 = time.perf_counter()
         if "si" in execs:

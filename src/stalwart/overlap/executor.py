@@ -22,6 +22,7 @@ are max-reduced, a reused plan is checked by hash), as gloo's matching of collec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -63,13 +64,15 @@ class Interleaved:
     (default: ``model(x, y)[1]``, the GPT convention). `plan` is "auto" (load the plan stored at
     `plan_path` when it matches, else profile, search and store it) or a ``Plan``.
     `max_extra_memory` bounds the plan's live activations to (1 + it) x one micro-batch's
-    (None: unbounded).
+    (None: unbounded). `measure_memory` adds ``act_peak_bytes`` to every step's timings (a
+    saved-tensor hook per saved tensor; off by default, profiling measures regardless).
     """
 
     def __init__(self, model: nn.Module, comm: TPComm, schedule: str = "si",
                  loss_fn: LossFn | None = None, dp_group: dist.ProcessGroup | None = None,
                  plan: str | Plan = "auto", plan_path: Path | None = None,
-                 profile_reps: int = 3, max_extra_memory: float | None = 0.05) -> None:
+                 profile_reps: int = 3, max_extra_memory: float | None = 0.05,
+                 measure_memory: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         self.model = model
@@ -85,16 +88,23 @@ class Interleaved:
         self.max_extra_memory = max_extra_memory
         self._plan_shapes: list[list[int]] | None = None
         self._stream: dict[int, tuple[list[str], float]] = {}
+        self.measure_memory = measure_memory
         self.meter = SavedTensorMeter(exclude=list(model.parameters()))
+        # the saved-tensor hooks are on only while they are needed: profiling with a memory
+        # bound, or every step when measuring
+        self._track = measure_memory
 
     # ---- strands ------------------------------------------------------------------------
+    def _tracking(self) -> contextlib.AbstractContextManager[None]:
+        return self.meter.tracking() if self._track else contextlib.nullcontext()
+
     def _fwd_strand(self, mb: MicroBatch) -> Strand:
         x, y = mb
-        return Strand("F", lambda: self.loss_fn(self.model, x, y), setup=self.meter.tracking)
+        return Strand("F", lambda: self.loss_fn(self.model, x, y), setup=self._tracking)
 
     def _bwd_strand(self, loss: torch.Tensor, scale: float = 1.0) -> Strand:
         return Strand("B", lambda: torch.autograd.backward(loss * scale),
-                      setup=self.meter.tracking)
+                      setup=self._tracking)
 
     # ---- plan ---------------------------------------------------------------------------
     def signature(self, mb: MicroBatch, m: int, n: int) -> dict[str, Any]:
@@ -139,8 +149,14 @@ class Interleaved:
             self.plan, self.plan_source = stored, "loaded"
             return stored
         mbs = iter([mb_a, mb_b] * 10_000)
-        prof = profile_pairs(self.comm, lambda: self._fwd_strand(next(mbs)), self._bwd_strand,
-                             m, n, reps=self.profile_reps, live_bytes=lambda: self.meter.live)
+        bound = self.max_extra_memory is not None
+        self._track = bound or self.measure_memory
+        try:
+            prof = profile_pairs(self.comm, lambda: self._fwd_strand(next(mbs)),
+                                 self._bwd_strand, m, n, reps=self.profile_reps,
+                                 live_bytes=(lambda: self.meter.live) if bound else None)
+        finally:
+            self._track = self.measure_memory
         plan = make_plan(sig, prof, self.max_extra_memory)
         self.plan, self.plan_source = plan, "profiled"
         if self.plan_path is not None and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -173,7 +189,7 @@ class Interleaved:
         self.meter.reset_peak()
         scale = 1.0 / len(micro_batches) if micro_weight is None else micro_weight
         t0 = time.perf_counter()
-        with self.meter.tracking():
+        with self._tracking():
             losses = self._run(micro_batches, scale)
         dp_time = self._reduce_dp()
         wall = time.perf_counter() - t0
@@ -184,8 +200,9 @@ class Interleaved:
             "comm_time": comm_time,
             "comm_hidden": max(comm_time - exposed, 0.0),
             "comm_exposed": exposed,
-            "act_peak_bytes": float(self.meter.peak),
         }
+        if self.measure_memory:
+            timings["act_peak_bytes"] = float(self.meter.peak)
         return sum(losses) / len(losses), timings
 
     def _run(self, mbs: Sequence[MicroBatch], scale: float) -> list[float]:
@@ -220,8 +237,8 @@ class Interleaved:
                     raise RuntimeError("plan started a backward before its forward")
                 torch.autograd.backward(loss * scale)
 
-        f = Strand("F", forwards, setup=self.meter.tracking)
-        b = Strand("B", backwards, setup=self.meter.tracking)
+        f = Strand("F", forwards, setup=self._tracking)
+        b = Strand("B", backwards, setup=self._tracking)
         run_plan(steps, f, b)
         return [t.item() for t in losses]  # type: ignore[union-attr]
 
