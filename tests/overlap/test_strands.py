@@ -268,3 +268,10 @@ def test_whole_step_stream_plan_keeps_gradients_and_memory() -> None:
         assert torch.allclose(got[name].grad, g, atol=1e-5, rtol=0), name
     # the plan search bounded live activations to one micro-batch's + 5%
     assert t_si["act_peak_bytes"] <= 1.05 * t_off["act_peak_bytes"]
+
+
+def test_strand_interleaving_refuses_a_model_off_the_cpu() -> None:
+    # CUDA cannot exist here; a "meta" tensor is off the CPU in the same way (device type)
+    model = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match=r"CPU models only \(got meta\)"):
+        Interleaved(model, TPComm(None), schedule="si")

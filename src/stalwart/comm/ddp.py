@@ -22,7 +22,7 @@ import torch
 
 from stalwart.comm.collective import GIVE_UP_S, LossyCollective
 from stalwart.comm.deadline import AdaptiveDeadline
-from stalwart.comm.optim import ShardedLossyOptimizer
+from stalwart.comm.optim import ShardedLossyOptimizer, require_cpu
 
 # chunks missed per step with "auto" copies: 0.002% (at 10% loss: 5 copies). Why so low: early
 # training amplifies any perturbation. On the tiny preset a single loss event injected at step
@@ -69,10 +69,11 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
         initial, target, floor = copies, None, 1
     else:
         raise ValueError(f"copies must be 'auto' or an int >= 1, got {copies!r}")
-    if hasattr(ddp_model, "register_comm_hook"):
-        ddp_model.register_comm_hook(None, _keep_local)
     module = getattr(ddp_model, "module", ddp_model)
     params = [p for p in module.parameters() if p.requires_grad]
+    require_cpu(params)  # before the hook and the socket: nothing to undo
+    if hasattr(ddp_model, "register_comm_hook"):
+        ddp_model.register_comm_hook(None, _keep_local)
     numel = sum(p.numel() for p in params)
     coll = LossyCollective(numel, group=group, host=host, mtu=mtu, deadline=deadline,
                            value_copies=initial, grad_copies=initial, copies_target=target,

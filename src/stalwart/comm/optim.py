@@ -43,6 +43,16 @@ from stalwart.comm.wire import R
 MAX_EXTRAPOLATE = 4  # steps a missed chunk is moved along its last update before it freezes
 
 
+def require_cpu(params: list[torch.Tensor]) -> None:
+    """Refuse parameters off the CPU with one line. The transport reads gradients and writes
+    parameters through numpy views of host memory (``.numpy()``), which CUDA tensors do not
+    have; staging through pinned host buffers would work but was never run on a GPU here."""
+    devs = sorted({str(p.device) for p in params if p.device.type != "cpu"})
+    if devs:
+        raise ValueError(f"stalwart.comm works on CPU parameters only (got {', '.join(devs)}): "
+                         f"use the reliable backend (NCCL) for GPU training")
+
+
 class ShardedLossyOptimizer:
     """Optimizer-like object over a list of parameters, communicating through ``coll``."""
 
@@ -52,6 +62,7 @@ class ShardedLossyOptimizer:
                  **kwargs: Any) -> None:
         if mode not in ("params", "naive"):
             raise ValueError(f"unknown mode {mode!r} (params or naive)")
+        require_cpu(params)
         self.params = params
         self.coll = coll
         if stale not in ("extrapolate", "keep"):
