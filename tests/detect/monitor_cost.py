@@ -79,6 +79,9 @@ def worker(a: argparse.Namespace) -> int:
     timed(monitor.Monitor, "step", "monitor_step")
     timed(monitor.Monitor, "_check", "check")
     timed(changepoint.ChangeDetector, "add", "changepoint_add")
+    timed(changepoint.ChangeDetector, "add_many", "changepoint_add_many")
+    timed(changepoint.ChangeDetector, "_best_split", "best_split")
+    timed(changepoint.BOCPDBank, "update", "bocpd_update")
     for meth in ("_relative", "_read", "_issue", "_sample"):
         if hasattr(monitor.Monitor, meth):
             timed(monitor.Monitor, meth, meth.strip("_"))

@@ -111,3 +111,21 @@ def test_posterior_matches_the_textbook_recursion() -> None:
         post = b.update(float(x))
     ref = textbook_bocpd(xs, 0.0, 0.05, 1 / 50, 40)
     assert np.allclose(post, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_detectors_sharing_a_bank_find_what_they_find_alone() -> None:
+    from stalwart.detect.changepoint import BOCPDBank
+
+    xs = [series(160, 0.05, s, shift_at=60 + 10 * s, factor=1.3 + 0.2 * s,
+                 end_at=120 if s == 1 else None) for s in range(4)]
+    xs[2][30] = np.nan  # a missing sample: that detector alone skips it
+    alone = [run(x) for x in xs]
+    bank = BOCPDBank()
+    dets = [ChangeDetector(bank=bank) for _ in xs]
+    together: list[list] = [[] for _ in xs]
+    for i in range(160):
+        for j, c in enumerate(ChangeDetector.add_many(dets, i, [float(x[i]) for x in xs])):
+            if c is not None:
+                together[j].append(c)
+    assert together == alone
+    assert [len(c) for c in alone] == [1, 2, 1, 1]

@@ -21,6 +21,7 @@ Guarantees of ``ChangeDetector``:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -43,80 +44,161 @@ def drop_outliers(x: np.ndarray, z: float = 3.0) -> np.ndarray:
     return x[np.abs(x - np.median(x)) <= z * s]
 
 
+@functools.lru_cache(maxsize=8)
+def _tables(max_run: int, kappa0: float, alpha0: float) -> tuple[np.ndarray, ...]:
+    """Per-run-length terms of the Normal-Gamma model, over n = samples absorbed 0..max_run.
+
+    Of the model's parameters only ``mu`` and ``beta`` depend on the data: ``kappa = kappa0 +
+    n`` and ``alpha = alpha0 + n/2`` depend only on n, so every term built from them is
+    computed once. Student-t predictive: var = beta (kappa+1) / (alpha kappa), hence
+    log p(x) = c - 0.5 log(beta) - e log1p(f (x-mu)^2 / beta); f is also beta's update weight
+    (beta after x = beta + f (x-mu)^2) and g mu's.
+    """
+    n = np.arange(max_run + 1, dtype=float)
+    kappa = kappa0 + n
+    alpha = alpha0 + 0.5 * n
+    nu = 2.0 * alpha
+    lg = np.array([math.lgamma((v + 1) / 2) - math.lgamma(v / 2) for v in nu])
+    c = lg - 0.5 * np.log(nu * math.pi * (kappa + 1.0) / (alpha * kappa))
+    e = (nu + 1.0) / 2.0
+    f = kappa / (2.0 * (kappa + 1.0))
+    g = 1.0 / (kappa + 1.0)
+    for t in (c, e, f, g):
+        t.flags.writeable = False
+    return c, e, f, g
+
+
+class BOCPDBank:
+    """The run-length posteriors of several independent BOCPDs, updated together.
+
+    One row per series (e.g. one per rank's compute channel). ``update`` advances any subset
+    of rows by one sample each in a single set of vector operations over (rows x run
+    lengths): the cost is that of one series, not one per series. Rows hold hypotheses for
+    run lengths 1..n (``n`` per row, at most ``max_run``); the columns past a row's ``n`` hold
+    finite placeholders with log posterior -inf, so they carry no mass.
+    """
+
+    def __init__(self, hazard: float = 1 / 200, max_run: int = 300, kappa0: float = 0.1,
+                 alpha0: float = 5.0) -> None:
+        self.hazard = hazard
+        self.max_run = max_run
+        self.kappa0 = kappa0
+        self.alpha0 = alpha0
+        self._log_h = math.log(hazard)
+        self._log_1mh = math.log1p(-hazard)
+        self._c, self._e, self._f, self._g = _tables(max_run, kappa0, alpha0)
+        self._em = self._e - 0.5
+        # parameters per row, column n = samples absorbed; column 0 is the row's prior
+        self.mu = np.zeros((0, max_run + 2))
+        self.beta = np.ones((0, max_run + 2))
+        self.log_beta = np.zeros((0, max_run + 2))
+        self.logpost = np.full((0, max_run), -np.inf)  # column r-1: run length r
+        self.n = np.zeros(0, dtype=np.int64)
+
+    def add_row(self) -> int:
+        self.mu = np.vstack([self.mu, np.zeros((1, self.max_run + 2))])
+        self.beta = np.vstack([self.beta, np.ones((1, self.max_run + 2))])
+        self.log_beta = np.vstack([self.log_beta, np.zeros((1, self.max_run + 2))])
+        self.logpost = np.vstack([self.logpost, np.full((1, self.max_run), -np.inf)])
+        self.n = np.append(self.n, 0)
+        return len(self.n) - 1
+
+    def reset(self, row: int, mu0: float, beta0: float) -> None:
+        """Forget row's data: only the prior (mu0, beta0) remains."""
+        self.mu[row] = mu0
+        self.beta[row] = beta0
+        self.log_beta[row] = math.log(beta0)
+        self.logpost[row] = -np.inf
+        self.n[row] = 0
+
+    def update(self, rows: np.ndarray | slice, xs: np.ndarray) -> np.ndarray:
+        """One sample per row in ``rows``; returns their posteriors (row i: run lengths
+        1..n_i in columns 0..n_i-1, zeros after). A slice of rows costs less than a list
+        (views instead of copies)."""
+        n = self.n[rows]
+        w = int(n.max()) + 1
+        mu, beta = self.mu[rows, :w], self.beta[rows, :w]
+        d = xs[:, None] - mu
+        d2 = d * d
+        # beta after x is beta + f d^2, the same sum the Student-t needs: log p(x) = c +
+        # (e - 1/2) log(beta) - e log(beta after x), with log(beta) kept from the last update
+        new_beta = beta + self._f[:w] * d2
+        log_new_beta = np.log(new_beta)
+        lp = self._c[:w] + self._em[:w] * self.log_beta[rows, :w] - self._e[:w] * log_new_beta
+        logs = np.empty((len(xs), w))
+        logs[:, 0] = self._log_h + lp[:, 0]  # a new segment starts with x
+        logs[:, 1:] = self.logpost[rows, :w - 1] + (self._log_1mh + lp[:, 1:])  # runs grow
+        logs -= logs.max(axis=1, keepdims=True)
+        post = np.exp(logs)
+        total = post.sum(axis=1, keepdims=True)
+        post /= total
+        logs -= np.log(total)
+        # parameters after x for n = 1..w (the prior stays in column 0)
+        self.mu[rows, 1:w + 1] = mu + d * self._g[:w]
+        self.beta[rows, 1:w + 1] = new_beta
+        self.log_beta[rows, 1:w + 1] = log_new_beta
+        if w > self.max_run:
+            # Fold the longest run into the cap instead of dropping it: dropping the mass of a
+            # long stable segment would make a recent change look certain.
+            cap = self.max_run
+            post[:, cap - 1] += post[:, cap]
+            post, logs = post[:, :cap], logs[:, :cap]
+            with np.errstate(divide="ignore"):
+                logs[:, cap - 1] = np.log(post[:, cap - 1])
+            w = cap
+        self.logpost[rows, :w] = logs
+        self.n[rows] = np.minimum(n + 1, self.max_run)
+        return post
+
+
 class BOCPD:
     """Run-length posterior of Adams & MacKay's BOCPD with a Normal-Gamma model.
 
     Convention: run length r >= 1 counts the samples of the current segment including the
     newest one; ``posterior[r-1]`` is P(run length = r | data).
 
-    Cost: one update is ~15 vector operations over the run lengths. Of the Normal-Gamma
-    parameters only ``mu`` and ``beta`` depend on the data: ``kappa = kappa0 + n`` and
-    ``alpha = alpha0 + n/2`` depend only on the number n of samples a hypothesis has
-    absorbed, so every term built from them (the Student-t's lgamma ratio and scale factor,
-    the update weights) is tabulated once per detector. The posterior is kept in log space,
-    so no logarithm of it is taken per update.
+    Cost: one update is ~15 vector operations over the run lengths (terms that depend only
+    on the run length are tabulated, the posterior is kept in log space). Several BOCPDs that
+    share a ``BOCPDBank`` can be updated together (``update_rows``).
     """
 
     def __init__(self, mu0: float, scale: float, hazard: float = 1 / 200,
-                 max_run: int = 300, kappa0: float = 0.1, alpha0: float = 5.0) -> None:
+                 max_run: int = 300, kappa0: float = 0.1, alpha0: float = 5.0,
+                 bank: BOCPDBank | None = None, row: int | None = None) -> None:
+        if bank is None:
+            bank = BOCPDBank(hazard, max_run, kappa0, alpha0)
+        elif (bank.hazard, bank.max_run, bank.kappa0, bank.alpha0) != (
+                hazard, max_run, kappa0, alpha0):
+            raise ValueError("a BOCPD must have its bank's hazard, max_run and prior")
+        self.bank = bank
+        self.row = bank.add_row() if row is None else row
         self.hazard = hazard
         self.max_run = max_run
         self.prior = (mu0, kappa0, alpha0, scale * scale * (alpha0 - 1.0))
-        self._log_h = math.log(hazard)
-        self._log_1mh = math.log1p(-hazard)
-        # tables over n = samples absorbed, 0 (the prior) .. max_run
-        n = np.arange(max_run + 1, dtype=float)
-        kappa = kappa0 + n
-        alpha = alpha0 + 0.5 * n
-        nu = 2.0 * alpha
-        lg = np.array([math.lgamma((v + 1) / 2) - math.lgamma(v / 2) for v in nu])
-        # Student-t predictive: var = beta (kappa+1) / (alpha kappa), so
-        # log p(x) = c - 0.5 log(beta) - e log1p(f (x-mu)^2 / beta)
-        self._c = lg - 0.5 * np.log(nu * math.pi * (kappa + 1.0) / (alpha * kappa))
-        self._e = (nu + 1.0) / 2.0
-        self._f = kappa / (2.0 * (kappa + 1.0))  # also beta's update weight
-        self._g = 1.0 / (kappa + 1.0)  # mu's update weight
-        # parameters of the hypotheses, index n = samples absorbed; index 0 is the prior
-        self._mu = np.empty(max_run + 2)
-        self._beta = np.empty(max_run + 2)
-        self._mu[0], self._beta[0] = mu0, self.prior[3]
-        self._n = 0  # hypotheses held (run lengths 1 .. _n)
-        self._logpost = np.empty(0)
+        bank.reset(self.row, mu0, self.prior[3])
         self.posterior = np.empty(0)
 
     def update(self, x: float) -> np.ndarray:
-        n = self._n
-        mu, beta = self._mu[:n + 1], self._beta[:n + 1]
-        d = x - mu
-        d2 = d * d
-        lp = self._c[:n + 1] - 0.5 * np.log(beta) - self._e[:n + 1] * np.log1p(
-            self._f[:n + 1] * d2 / beta)
-        logs = np.empty(n + 1)
-        logs[0] = self._log_h + lp[0]  # a new segment starts with x
-        logs[1:] = self._logpost + (self._log_1mh + lp[1:])  # every run grows by one
-        m = logs.max()
-        logs -= m
-        post = np.exp(logs)
-        total = post.sum()
-        post /= total
-        logs -= math.log(total)
-        # parameters after x, for n = 1 .. n+1 (the prior stays at index 0)
-        new_mu = mu + d * self._g[:n + 1]
-        new_beta = beta + self._f[:n + 1] * d2
-        self._mu[1:n + 2] = new_mu
-        self._beta[1:n + 2] = new_beta
-        if n + 1 > self.max_run:
-            # Fold the longest run into the cap instead of dropping it: dropping the mass of a
-            # long stable segment would make a recent change look certain.
-            post[self.max_run - 1] += post[self.max_run:].sum()
-            post = post[:self.max_run]
-            logs = logs[:self.max_run]
-            logs[-1] = math.log(post[-1]) if post[-1] > 0 else -math.inf
-            n = self.max_run - 1
-        self._n = n + 1
-        self._logpost = logs
-        self.posterior = post
-        return post
+        post = self.bank.update(slice(self.row, self.row + 1), np.array([x]))
+        self.posterior = post[0, :self.bank.n[self.row]]
+        return self.posterior
+
+
+def update_rows(models: list[BOCPD], xs: list[float]) -> list[np.ndarray]:
+    """``m.update(x)`` for each pair, as one vector update (all models share one bank)."""
+    if not models:
+        return []
+    bank = models[0].bank
+    ids = [m.row for m in models]
+    rows: np.ndarray | slice = np.array(ids)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        rows = slice(ids[0], ids[0] + len(ids))
+    post = bank.update(rows, np.asarray(xs, dtype=float))
+    out = []
+    for i, m in enumerate(models):
+        m.posterior = post[i, :bank.n[m.row]]
+        out.append(m.posterior)
+    return out
 
 
 @dataclass
@@ -139,7 +221,11 @@ class ChangeDetector:
     def __init__(self, warmup: int = 10, min_baseline: int = 8, min_shift: float = 0.10,
                  min_spacing: int = 10, threshold: float = 0.9, confirm: int = 3,
                  max_lag: int = 12, hazard: float = 1 / 200, min_scale: float = 0.01,
-                 history: int = 400, z_sig: float = 2.5, clip: float = 4.0) -> None:
+                 history: int = 400, z_sig: float = 2.5, clip: float = 4.0,
+                 bank: BOCPDBank | None = None) -> None:
+        """``bank``: detectors that share one are updated together by ``add_many``."""
+        self.bank = bank if bank is not None else BOCPDBank(hazard=hazard)
+        self._row: int | None = None  # this detector's row in the bank, once it has one
         self.clip = clip
         self.z_sig = z_sig
         self.warmup = warmup
@@ -180,7 +266,9 @@ class ChangeDetector:
             self._scale = max(robust_scale(v), self.min_scale)
             self._scale_n = len(v)
         centre = float(np.median(v))
-        self._bocpd = BOCPD(centre, self._scale, hazard=self.hazard)
+        self._bocpd = BOCPD(centre, self._scale, hazard=self.hazard, bank=self.bank,
+                            row=self._row)
+        self._row = self._bocpd.row  # a new segment reuses the row
         c = self.clip * self._scale
         for x in v:
             self._bocpd.update(min(max(float(x), centre - c), centre + c))
@@ -211,12 +299,19 @@ class ChangeDetector:
         return best_run
 
     def add(self, key: int, seconds: float) -> Change | None:
+        x = self._push(key, seconds)
+        if x is None:
+            return None
+        assert self._bocpd is not None
+        return self._verify(key, self._bocpd.update(x))
+
+    def _push(self, key: int, seconds: float) -> float | None:
+        """Take a sample; the value the model must see next, or None (no model update)."""
         self.seen += 1
         self.pending = False
         if self.seen <= self.warmup or not seconds > 0 or not math.isfinite(seconds):
             return None
         x = math.log(seconds)
-        pos = self._pos
         self._pos += 1
         self._keys.append(key)
         self._vals.append(x)
@@ -230,7 +325,11 @@ class ChangeDetector:
         self._refresh_scale()
         centre = self._bocpd.prior[0]
         c = self.clip * (self._scale or self.min_scale)
-        post = self._bocpd.update(min(max(x, centre - c), centre + c))
+        return min(max(x, centre - c), centre + c)
+
+    def _verify(self, key: int, post: np.ndarray) -> Change | None:
+        """Given the posterior after the newest sample: the change it verifies, if any."""
+        pos = self._pos - 1
         seg_len = len(self._vals)
         lag = min(self.max_lag, seg_len - 1)
         if lag < 1:
@@ -285,6 +384,25 @@ class ChangeDetector:
         self._vals.extend(new_vals)
         self._start_bocpd()
         return change
+
+    @staticmethod
+    def add_many(detectors: list[ChangeDetector], key: int,
+                 values: list[float]) -> list[Change | None]:
+        """``d.add(key, v)`` for each pair, the model updates done as one vector update.
+
+        Same results as calling ``add`` one by one (which it does when they do not all
+        share one bank).
+        """
+        if any(d.bank is not detectors[0].bank for d in detectors):
+            return [d.add(key, v) for d, v in zip(detectors, values, strict=True)]
+        xs = [d._push(key, v) for d, v in zip(detectors, values, strict=True)]
+        idx = [i for i, x in enumerate(xs) if x is not None]
+        posts = update_rows([detectors[i]._bocpd for i in idx],  # type: ignore[misc]
+                            [xs[i] for i in idx])
+        out: list[Change | None] = [None] * len(detectors)
+        for i, post in zip(idx, posts, strict=True):
+            out[i] = detectors[i]._verify(key, post)
+        return out
 
     def force_change(self, onset: int, decided: int) -> None:
         """Start a new segment at key ``onset`` (another rank decided; keep in agreement)."""

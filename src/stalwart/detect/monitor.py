@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.detect import validate
-from stalwart.detect.changepoint import Change, ChangeDetector
+from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector
 from stalwart.detect.localize import Finding, RankEvidence, decide
 from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
@@ -323,7 +323,7 @@ class Monitor:
         A rank whose compute grows while its peers' does not is a compute straggler even when
         the job's iteration time moves little (its peers were waiting anyway, or got the CPU
         it lost): the per-rank relative score of NVIDIA's straggler detection, here fed to the
-        same BOCD+V as the iteration time, one detector per rank.
+        same BOCD+V as the iteration time, one detector per rank, all updated together.
         """
         for j in range(n):  # the first n entries: every rank sent at least n
             key = int(rows[0][HEADER + 2 * j])
@@ -331,12 +331,15 @@ class Monitor:
             if any(not c > 0 or not math.isfinite(c) for c in comps):
                 continue
             med = statistics.median(comps)
-            for r, c in enumerate(comps):
-                det = self.rel_detectors.get(r)
-                if det is None:
-                    det = self.rel_detectors[r] = ChangeDetector(
-                        warmup=self.detector.warmup, min_shift=0.15)
-                ch = det.add(key, c / med)
+            if not self.rel_detectors:
+                # one bank: every rank's channel advances in one vector update per step
+                bank = BOCPDBank(hazard=self.detector.hazard)
+                self.rel_detectors = {r: ChangeDetector(
+                    warmup=self.detector.warmup, min_shift=0.15, bank=bank)
+                    for r in range(len(comps))}
+            dets = [self.rel_detectors[r] for r in range(len(comps))]
+            for r, ch in enumerate(ChangeDetector.add_many(dets, key,
+                                                           [c / med for c in comps])):
                 if ch is not None:
                     self._classify(ch, f"rank{r}")
 
@@ -434,8 +437,14 @@ class Monitor:
         msg = torch.tensor(vals, dtype=torch.float64)
         rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
         due = c + 1 if self.auto_every else c + self.lag * self.check_every
-        with self.tracker.internal():
-            work = dist.all_gather(rows, msg, group=self._group(), async_op=True)
+        pg = self._group()
+        try:
+            # the group's own method: a third less CPU than dist.all_gather's checks and
+            # dispatch (and never seen by the tracker)
+            work = pg.allgather([rows], [msg])
+        except (AttributeError, TypeError):  # a ProcessGroup without the method
+            with self.tracker.internal():
+                work = dist.all_gather(rows, msg, group=pg, async_op=True)
         self._inflight.append((work, rows, due))
         self._last_issue = c
         self._next_issue = c + self.check_every
