@@ -1,6 +1,10 @@
 """The report's plots, each a function RunData -> PNG file (or None when the run lacks the data).
 
-matplotlib with the Agg backend (no display needed). Ground-truth faults from the testbed are
+matplotlib through its object API: every figure is a ``matplotlib.figure.Figure`` with its own
+Agg canvas (no display needed), never a pyplot figure, so importing or calling this module
+leaves the user's pyplot backend and figure list alone (it used to call
+``matplotlib.use("Agg")`` at import, which switched an interactive session's backend).
+Ground-truth faults from the testbed are
 shaded on every time axis, and straggler detections and mitigation actions are marked, so a
 reader can compare what happened with what stalwart saw and did. In a run with mitigation the
 iteration-time plot becomes a timeline: faults (shaded spans), detections (markers, a bar from
@@ -11,22 +15,22 @@ micro-batches each host or rank computed at every step.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.transforms import blended_transform_factory
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
-
-from stalwart.report.mitigation import (  # noqa: E402
+from stalwart.report.mitigation import (
     Action,
     actions,
     has_mitigation,
     plan_grid,
     rows_by_host,
 )
-from stalwart.rundir import RunData  # noqa: E402
+from stalwart.rundir import RunData
 
 DPI = 110
 # mitigation actions: colour and legend entry per kind (see mitigation.Action)
@@ -79,17 +83,23 @@ def _legend(ax: Axes) -> None:
         ax.legend(seen.values(), seen.keys(), fontsize=7, loc="best")
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _subplots(*grid: int, figsize: tuple[float, float], **kw: Any) -> tuple[Figure, Any]:
+    """``plt.subplots`` without pyplot: a Figure on its own Agg canvas (freed with it)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid, **kw)
+
+
+def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
     return path
 
 
 def plot_loss(run: RunData, out: Path) -> Path | None:
     if not run.metrics:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _subplots(figsize=(7, 3.6))
     table = run.step_table("loss")
     steps = sorted(table)
     ax.plot(steps, [sum(table[s].values()) / len(table[s]) for s in steps], lw=1,
@@ -108,7 +118,7 @@ def plot_loss(run: RunData, out: Path) -> Path | None:
 def plot_rank_times(run: RunData, out: Path) -> Path | None:
     if not run.metrics:
         return None
-    fig, axes = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True)
+    fig, axes = _subplots(2, 1, figsize=(7, 5.2), sharex=True)
     for key, ax, title in ((("compute_time"), axes[0], "compute time per step"),
                            (("comm_time"), axes[1], "communication / wait time per step")):
         for r in run.ranks:
@@ -153,7 +163,7 @@ def plot_slowness(run: RunData, out: Path) -> Path | None:
         for i, r in enumerate(rows):
             if r in row:
                 grid[i, j] = row[r] / med
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.6))
+    fig, ax = _subplots(figsize=(7, 0.5 * len(rows) + 1.6))
     im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=0.5, vmax=2.0, interpolation="none",
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
     ax.set_yticks(range(len(rows)), [f"{'host' if by_host else 'rank'} {r}" for r in rows])
@@ -174,7 +184,7 @@ def plot_share(run: RunData, out: Path) -> Path | None:
     comp = [sum(m["compute_time"] for m in run.rank_metrics(r)) for r in ranks]
     comm = [sum(m["comm_time"] for m in run.rank_metrics(r)) for r in ranks]
     tot = [c + m or 1.0 for c, m in zip(comp, comm, strict=True)]
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _subplots(figsize=(6, 3))
     ax.bar([str(r) for r in ranks], [c / t for c, t in zip(comp, tot, strict=True)],
            label="compute")
     ax.bar([str(r) for r in ranks], [c / t for c, t in zip(comm, tot, strict=True)],
@@ -193,7 +203,7 @@ def plot_iteration(run: RunData, out: Path) -> Path | None:
         return None
     if has_mitigation(run):
         return plot_timeline(run, out)
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = _subplots(figsize=(7, 3.4))
     ax.plot(steps, [t * 1000 for t in times], lw=1, color="k",
             label="iteration time (slowest rank)")
     ax.set_xlabel("step")
@@ -258,7 +268,7 @@ def _plan_panel(ax: Axes, run: RunData) -> bool:
         return False
     data = np.array(grid.counts, dtype=float)
     lo, hi = float(np.nanmin(data)), float(np.nanmax(data))
-    cmap = plt.get_cmap("YlGnBu").with_extremes(bad="#e6e6e6")
+    cmap = matplotlib.colormaps["YlGnBu"].with_extremes(bad="#e6e6e6")
     norm = Normalize(vmin=lo - 1.0, vmax=hi + 0.5)  # the smallest count stays legible
     s0, s1 = grid.steps[0], grid.steps[-1]
     ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=cmap, norm=norm,
@@ -298,11 +308,11 @@ def plot_timeline(run: RunData, out: Path) -> Path | None:
     n_rows = len(grid.rows) if grid is not None else 0
     acts = actions(run)
     if n_rows:
-        fig, (ax, axp) = plt.subplots(
+        fig, (ax, axp) = _subplots(
             2, 1, figsize=(7.5, 3.6 + 0.3 * n_rows + 0.7), sharex=True,
             gridspec_kw={"height_ratios": [3.6, 0.3 * n_rows + 0.5]})
     else:
-        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+        fig, ax = _subplots(figsize=(7.5, 3.8))
         axp = None
     ms = [t * 1000 for t in times]
     ax.plot(steps, ms, lw=1, color="k", label="iteration time (slowest rank)")
@@ -340,7 +350,7 @@ def plot_extra(run: RunData, out: Path, key: str, title: str, fname: str,
     """One line per rank for a capability's own metric (e.g. drift, pkts_lost, comm_hidden)."""
     if not any(key in m for m in run.metrics):
         return None
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = _subplots(figsize=(7, 3))
     for r in run.ranks:
         s, v = run.series(key, r)
         ax.plot(s, [x * scale for x in v], lw=0.9, label=f"rank {r}")
