@@ -10,7 +10,7 @@ def test_full_mode_has_at_least_twenty_runs_covering_every_fault_kind() -> None:
     assert len(full) >= 20
     kinds = {f.split(":")[0] for sc in full for f in sc.faults}
     assert kinds == {"compute", "link", "pairlink", "contention"}
-    assert any(not sc.faults for sc in full)
+    assert sum(not sc.faults for sc in full) >= 10  # silence is scored over 10 clean runs
     assert any("end=" in f for sc in full for f in sc.faults)
 
 

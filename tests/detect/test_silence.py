@@ -1,0 +1,75 @@
+"""Silence on clean runs: what reaches events.jsonl, and what is only counted.
+
+Single-process monitors fed synthetic step hints (no process group: decisions are applied
+locally, validation is skipped, so every verified slowdown is "unknown" -- exactly the
+slowdowns that nothing confirms).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from stalwart.detect import Monitor
+from stalwart.rundir import RunData
+
+
+def feed(mon: Monitor, times: np.ndarray) -> None:
+    for step, t in enumerate(times):
+        mon.step(step, {"step_time": float(t), "compute_time": 0.8 * float(t),
+                        "comm_time": 0.2 * float(t)})
+
+
+def steps(n: int, seed: int) -> np.ndarray:
+    return 0.1 * np.exp(np.random.default_rng(seed).normal(0.0, 0.03, n))
+
+
+def logged(run_dir: Path) -> list[str]:
+    return [e["event"] for e in RunData.load(run_dir).events]
+
+
+def test_an_os_hiccup_of_a_few_steps_is_counted_not_logged(tmp_path: Path) -> None:
+    times = steps(100, 0)
+    times[40:45] *= 3.0  # five slow steps, then back: nothing confirms a culprit
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    feed(mon, times)
+    assert len(mon.findings) == 1 and mon.findings[0].kind == "unknown"  # it was seen...
+    mon.close()
+    assert mon.hiccups == 1  # ...and counted
+    events = logged(tmp_path)
+    assert "slowdown_unexplained" not in events and "straggler_detected" not in events
+    stats = json.loads((tmp_path / "detect_stats.json").read_text())
+    assert stats["hiccups"] == 1 and stats["unexplained_logged"] == 0
+
+
+def test_a_clean_run_logs_nothing(tmp_path: Path) -> None:
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    feed(mon, steps(150, 1))
+    mon.close()
+    assert logged(tmp_path) == []
+    assert json.loads((tmp_path / "detect_stats.json").read_text())["hiccups"] == 0
+
+
+def test_a_lasting_job_wide_slowdown_is_logged_once(tmp_path: Path) -> None:
+    times = steps(110, 2)
+    times[40:] *= 1.6  # the whole job slower from step 40 on (load from elsewhere)
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1, persist=20)
+    feed(mon, times)
+    mon.close()
+    ev = RunData.load(tmp_path).events_of("slowdown_unexplained")
+    assert len(ev) == 1 and mon.hiccups == 0
+    assert abs(ev[0]["onset_step"] - 40) <= 2
+    assert ev[0]["evidence"]["persisted_steps"] >= 20
+    assert ev[0]["evidence"]["level_ratio"] > 1.3
+
+
+def test_a_slowdown_still_open_at_close_is_not_logged_early(tmp_path: Path) -> None:
+    times = steps(60, 3)
+    times[45:] *= 2.0  # starts 15 steps before the end: too short to call lasting
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1, persist=20)
+    feed(mon, times)
+    mon.close()
+    assert "slowdown_unexplained" not in logged(tmp_path)
+    assert mon.hiccups == 1
