@@ -15,7 +15,6 @@ Each rank's stdout/stderr go to logs/rank-R.log; the terminal shows one progress
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -34,14 +33,6 @@ from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 
 GRACE_S = 3.0
 POLL_S = 0.1
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel kills it if the launcher dies."""
-    os.setsid()  # Ctrl-C reaches the launcher only; it stops the ranks itself
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -192,11 +183,12 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
             "OMP_NUM_THREADS": str(cfg.threads),
             **tb.env(r),
         }
-        cmd = [*tb.command_prefix(r), sys.executable, "-m", module,
-               "--config", str((run_dir / CONFIG).resolve()), *(args or [])]
+        cmd = [*tb.command_prefix(r), sys.executable, "-m", "stalwart.lifeline",
+               str(os.getpid()), module, "--config", str((run_dir / CONFIG).resolve()),
+               *(args or [])]
         log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
         procs[r] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
     tb.attach_ranks({r: p.pid for r, p in procs.items()})
     return procs
