@@ -255,3 +255,30 @@ def test_a_fixed_cost_per_step_does_not_keep_a_healed_rank_slow() -> None:
     assert p.ratio_to_peers(_units(p.counts, {}, fixed), 2) == pytest.approx(1.0, abs=0.01)
     out = [feed(p, s, _units(p.counts, {}, fixed), fs) for s in range(61, 69, 2)]
     assert [d.kind for d in out if d is not None] == [REVERT]
+
+
+def test_a_plan_that_made_steps_slower_is_undone_and_not_repeated() -> None:
+    """A false verdict on a loaded machine (seen on a healthy TP run: 1.16x, measured gain
+    -0.34): the measured loss undoes the plan, and the same rank is not acted on again."""
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(1, 25)]
+    slowish = [UNIT, 1.6 * UNIT, UNIT, UNIT]
+    first = [d for s in range(25, 41, 2) if (d := feed(p, s, slowish, fs)) is not None]
+    assert [d.kind for d in first] == [REBALANCE]
+    p.measured("rebalance", first[0].version, -0.34)
+    d = feed(p, 41, slowish, fs)
+    assert d is not None and d.kind == REVERT and p.uniform
+    fs2 = [*fs, finding(1, 45)]  # the detector says so again
+    assert all(feed(p, s, slowish, fs2) is None for s in range(43, 83, 2))
+
+
+def test_a_plan_that_helped_is_kept() -> None:
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    first = [d for s in range(25, 41, 2)
+             if (d := feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)) is not None]
+    p.measured("rebalance", first[0].version, 0.4)
+    assert all(feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None for s in range(41, 61, 2))
+    assert not p.uniform

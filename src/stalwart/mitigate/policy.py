@@ -48,6 +48,7 @@ SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' me
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
 WATCH = 10  # exchanges a reverted straggler is watched for a wrong revert
 FIT = 8  # exchanges of peers' (micro-batches, compute) behind the fixed-cost fit
+MUTE = 25  # exchanges a rank's findings are ignored after its plan was undone
 
 
 @dataclass
@@ -124,6 +125,10 @@ class Policy:
     _watch: Straggler | None = None
     _watch_until: int = 0
     _watch_slow: int = 0
+    # a rebalance whose measured gain came out negative is undone, and its rank's findings
+    # are ignored for MUTE exchanges (rank -> last muted exchange)
+    _undo: str = ""
+    _muted: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -184,6 +189,15 @@ class Policy:
         for f in findings[self._seen_findings:]:
             self._on_finding(f)
         self._seen_findings = len(findings)
+        if self._undo:
+            reason, self._undo = self._undo, ""
+            s = self.active
+            if s is not None:
+                self._muted[s.rank] = len(self._unit_hist) + MUTE
+            self.active, self._watch = None, None
+            if not self.uniform:
+                return self._decide(REVERT, planner.uniform(self.micro, self.groups),
+                                    start_step, -1, 0.0, reason)
         if self.active is None:
             self._rewatch(units, findings)
         s = self.active
@@ -293,6 +307,16 @@ class Policy:
         steps = (self.revert_windows + 1) * self.every + 1
         return max(extra, 0.0) * steps
 
+    def measured(self, strategy: str, version: int, gain: float) -> None:
+        """The step-time gain measured after a switch (rebalance.py). A rebalance that made
+        steps slower -- the verdict was wrong, or the plan was -- is undone at the next
+        exchange, and the rank's findings are ignored for a while (no action on a false
+        positive twice in a row)."""
+        if strategy == "rebalance" and version == self.version and gain < -self.min_gain \
+                and not self.uniform:
+            self._undo = (f"plan v{version} made steps slower (measured gain {gain:+.2f}): "
+                          "undone")
+
     def _rewatch(self, units: list[float], findings: list[dict]) -> None:
         """Follow the last reverted straggler again if it is slow under the uniform plan for
         two exchanges in a row while the detector has not reported it recovered (its rent so
@@ -330,6 +354,8 @@ class Policy:
         if kind not in ("compute", "link") or len(ranks) != 1:
             return  # unexplained slowdowns are not stragglers
         r = int(ranks[0])
+        if self._muted.get(r, -1) >= len(self._unit_hist):
+            return  # its last plan was undone: it made steps slower
         if self.active is not None and self.active.rank == r:
             return
         if self.active is None and self._watch is not None and self._watch.rank == r:

@@ -255,7 +255,7 @@ class Rebalancer:
         return statistics.median(xs) if xs else None
 
     def _check_measure(self, step: int) -> None:
-        if self._measure is None or self._events is None:
+        if self._measure is None:
             return
         strategy, version, predicted, before, start = self._measure
         after = [t for s, t in self._step_times if s >= start]
@@ -263,10 +263,14 @@ class Rebalancer:
             return
         self._measure = None
         t = statistics.median(after)
-        self._events.log("mitigation_measured", step=step, version=version, strategy=strategy,
-                         predicted_gain=round(predicted, 4),
-                         measured_gain=round(1.0 - t / before, 4),
-                         step_time_before=round(before, 5), step_time_after=round(t, 5))
+        gain = 1.0 - t / before
+        if self.policy is not None:
+            self.policy.measured(strategy, version, gain)  # a plan that hurts is undone
+        if self._events is not None:
+            self._events.log("mitigation_measured", step=step, version=version,
+                             strategy=strategy, predicted_gain=round(predicted, 4),
+                             measured_gain=round(gain, 4), step_time_before=round(before, 5),
+                             step_time_after=round(t, 5))
 
     def _measure_restart(self) -> None:
         """After a planned restart (S3/S4), measure its gain like a plan switch's: the step
