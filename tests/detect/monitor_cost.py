@@ -101,6 +101,9 @@ def worker(a: argparse.Namespace) -> int:
     except (TypeError, AttributeError):
         pass
     mon = Monitor(run_dir=None, rank=rank, world=world, check_every=a.check_every or None)
+    if a.null:
+        mon.step = lambda *_a, **_k: None  # type: ignore[method-assign]
+        mon.tracker.recording = False
     dist.all_gather = ag  # the monitor's own exchange (the tracker routes the rest)
     mcfg = PRESETS["tiny"]["model"]
     torch.manual_seed(0)
@@ -187,6 +190,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--check-every", type=int, default=0, help="0: auto")
+    ap.add_argument("--null", action="store_true",
+                    help="monitor.step does nothing: the noise floor of the on/off pairing")
     ap.add_argument("--profile", action="store_true", help="rank 0: cProfile of step()")
     ap.add_argument("--worker", action="store_true")
     a = ap.parse_args()

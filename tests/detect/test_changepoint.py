@@ -129,3 +129,18 @@ def test_detectors_sharing_a_bank_find_what_they_find_alone() -> None:
                 together[j].append(c)
     assert together == alone
     assert [len(c) for c in alone] == [1, 2, 1, 1]
+
+
+def test_a_bank_update_matches_single_updates_past_the_cap() -> None:
+    from stalwart.detect.changepoint import BOCPDBank, update_rows
+
+    rng = np.random.default_rng(4)
+    bank = BOCPDBank(max_run=20)
+    together = [BOCPD(0.0, 0.05, max_run=20, bank=bank) for _ in range(3)]
+    alone = [BOCPD(0.0, 0.05, max_run=20) for _ in range(3)]
+    for _ in range(60):
+        xs = [float(v) for v in rng.normal(0.0, 0.05, 3)]
+        posts = update_rows(together, xs)
+        for m, x, p in zip(alone, xs, posts, strict=True):
+            assert np.allclose(m.update(x), p, rtol=1e-12, atol=1e-15)
+    assert all(len(p) == 20 for p in posts)

@@ -111,26 +111,28 @@ class BOCPDBank:
         self.logpost[row] = -np.inf
         self.n[row] = 0
 
-    def update(self, rows: np.ndarray | slice, xs: np.ndarray) -> np.ndarray:
+    def update(self, rows: int | np.ndarray | slice, xs: float | np.ndarray) -> np.ndarray:
         """One sample per row in ``rows``; returns their posteriors (row i: run lengths
-        1..n_i in columns 0..n_i-1, zeros after). A slice of rows costs less than a list
-        (views instead of copies)."""
+        1..n_i in columns 0..n_i-1, zeros after). One row (an int, one float) works on 1-d
+        views and costs least; a slice of rows costs less than a list (views, not copies)."""
+        if isinstance(rows, int):
+            return self._update_one(rows, float(xs))
         n = self.n[rows]
-        w = int(n.max()) + 1
+        w = int(np.max(n)) + 1
         mu, beta = self.mu[rows, :w], self.beta[rows, :w]
-        d = xs[:, None] - mu
+        d = (xs[:, None] if np.ndim(xs) else xs) - mu
         d2 = d * d
         # beta after x is beta + f d^2, the same sum the Student-t needs: log p(x) = c +
         # (e - 1/2) log(beta) - e log(beta after x), with log(beta) kept from the last update
         new_beta = beta + self._f[:w] * d2
         log_new_beta = np.log(new_beta)
         lp = self._c[:w] + self._em[:w] * self.log_beta[rows, :w] - self._e[:w] * log_new_beta
-        logs = np.empty((len(xs), w))
-        logs[:, 0] = self._log_h + lp[:, 0]  # a new segment starts with x
-        logs[:, 1:] = self.logpost[rows, :w - 1] + (self._log_1mh + lp[:, 1:])  # runs grow
-        logs -= logs.max(axis=1, keepdims=True)
+        logs = np.empty(lp.shape)
+        logs[..., 0] = self._log_h + lp[..., 0]  # a new segment starts with x
+        logs[..., 1:] = self.logpost[rows, :w - 1] + (self._log_1mh + lp[..., 1:])  # growth
+        logs -= logs.max(axis=-1, keepdims=True)
         post = np.exp(logs)
-        total = post.sum(axis=1, keepdims=True)
+        total = post.sum(axis=-1, keepdims=True)
         post /= total
         logs -= np.log(total)
         # parameters after x for n = 1..w (the prior stays in column 0)
@@ -141,13 +143,46 @@ class BOCPDBank:
             # Fold the longest run into the cap instead of dropping it: dropping the mass of a
             # long stable segment would make a recent change look certain.
             cap = self.max_run
-            post[:, cap - 1] += post[:, cap]
-            post, logs = post[:, :cap], logs[:, :cap]
+            post[..., cap - 1] += post[..., cap]
+            post, logs = post[..., :cap], logs[..., :cap]
             with np.errstate(divide="ignore"):
-                logs[:, cap - 1] = np.log(post[:, cap - 1])
+                logs[..., cap - 1] = np.log(post[..., cap - 1])
             w = cap
         self.logpost[rows, :w] = logs
         self.n[rows] = np.minimum(n + 1, self.max_run)
+        return post
+
+
+    def _update_one(self, row: int, x: float) -> np.ndarray:
+        """``update`` for one row, on 1-d views with scalar reductions: the same arithmetic
+        as the general path, about half of its numpy call overhead."""
+        n = int(self.n[row])
+        w = n + 1
+        mu, beta = self.mu[row, :w], self.beta[row, :w]
+        d = x - mu
+        d2 = d * d
+        new_beta = beta + self._f[:w] * d2
+        log_new_beta = np.log(new_beta)
+        lp = self._c[:w] + self._em[:w] * self.log_beta[row, :w] - self._e[:w] * log_new_beta
+        logs = np.empty(w)
+        logs[0] = self._log_h + lp[0]
+        logs[1:] = self.logpost[row, :n] + (self._log_1mh + lp[1:])
+        logs -= logs.max()
+        post = np.exp(logs)
+        total = post.sum()
+        post /= total
+        logs -= math.log(total)
+        self.mu[row, 1:w + 1] = mu + d * self._g[:w]
+        self.beta[row, 1:w + 1] = new_beta
+        self.log_beta[row, 1:w + 1] = log_new_beta
+        if w > self.max_run:
+            cap = self.max_run  # fold the longest run into the cap (see update)
+            post[cap - 1] += post[cap]
+            post, logs = post[:cap], logs[:cap]
+            logs[cap - 1] = math.log(post[cap - 1]) if post[cap - 1] > 0 else -math.inf
+            w = cap
+        self.logpost[row, :w] = logs
+        self.n[row] = w
         return post
 
 
@@ -179,8 +214,8 @@ class BOCPD:
         self.posterior = np.empty(0)
 
     def update(self, x: float) -> np.ndarray:
-        post = self.bank.update(slice(self.row, self.row + 1), np.array([x]))
-        self.posterior = post[0, :self.bank.n[self.row]]
+        post = self.bank.update(self.row, x)
+        self.posterior = post[:self.bank.n[self.row]]
         return self.posterior
 
 
