@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--hogs", type=int, default=1)
     ap.add_argument("--nice", type=int, default=8)
-    ap.add_argument("--check-every", type=int, default=1)
+    ap.add_argument("--check-every", type=int, default=0, help="0: chosen by the monitor")
     ap.add_argument("--lag", type=int, default=1)
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,7 +44,7 @@ def main() -> int:
     os.sched_setaffinity(0, {rank % ncpu})
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     mon = Monitor(run_dir=a.out if rank == 0 else None, rank=rank, world=world,
-                  compute_reps=48, check_every=a.check_every, lag=a.lag)
+                  compute_reps=48, check_every=a.check_every or None, lag=a.lag)
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU(),
                               nn.Linear(a.width, a.width), nn.ReLU(),

@@ -261,7 +261,7 @@ def _paired(xs: list[tuple[bool, float]]) -> tuple[float, float]:
     return mean, 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
 
 
-def overhead_worker(cfg_path: Path, steps: int) -> int:
+def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = 1) -> int:
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
     Every rank switches at the same step. Steps pair up as (on, off), (off, on), ...; the
@@ -285,7 +285,10 @@ def overhead_worker(cfg_path: Path, steps: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     run_dir = Path(os.environ["STALWART_RUN_DIR"])
-    mon = Monitor(run_dir=None, rank=rank, world=world)
+    # the exchange period stalwart's worker uses for reliable communication (one exchange per
+    # step, src/stalwart/train/worker.py): the figure is the cost of what `stalwart run`
+    # does; ``check_every=None`` (the library's default) lets the monitor batch exchanges
+    mon = Monitor(run_dir=None, rank=rank, world=world, check_every=check_every)
     torch.manual_seed(cfg.seed)
     mcfg = PRESETS[cfg.preset]["model"]
     model = DDP(GPT(mcfg))
@@ -342,7 +345,7 @@ def overhead_worker(cfg_path: Path, steps: int) -> int:
                "monitor_step_cpu_us_median": round(1e6 * statistics.median(in_step_cpu), 1),
                "monitor_step_cpu_us_quantiles": [round(1e6 * q, 1) for q in
                                                  statistics.quantiles(in_step_cpu, n=10)],
-               "monitor": mon.stats(), "nproc": world}
+               "monitor": mon.stats(), "check_every_arg": check_every, "nproc": world}
         (run_dir / "overhead.json").write_text(json.dumps(out, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -353,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stalwart.bench.detect")
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--overhead-steps", type=int, default=200)
+    ap.add_argument("--check-every", type=int, default=1,
+                    help="the monitor's exchange period; 0: chosen by the monitor")
     a = ap.parse_args(argv)
-    return overhead_worker(a.config, a.overhead_steps)
+    return overhead_worker(a.config, a.overhead_steps, a.check_every or None)
 
 
 if __name__ == "__main__":
