@@ -144,3 +144,12 @@ def test_a_bank_update_matches_single_updates_past_the_cap() -> None:
         for m, x, p in zip(alone, xs, posts, strict=True):
             assert np.allclose(m.update(x), p, rtol=1e-12, atol=1e-15)
     assert all(len(p) == 20 for p in posts)
+
+
+def test_absolute_deviation_from_the_median_by_halves() -> None:
+    from stalwart.detect.changepoint import _abs_dev
+
+    rng = np.random.default_rng(5)
+    for n in range(1, 40):
+        x = rng.normal(0.0, 1.0, n)
+        assert _abs_dev(x) == pytest.approx(float(np.abs(x - np.median(x)).sum()), rel=1e-12)
