@@ -13,7 +13,7 @@ Procedure (all on the netns testbed: one emulated host per rank, links shaped by
    the main run is reported as ``comm_to_compute``;
 2. main run at R2: one model, three executors (sequential "off", intra-micro-batch "async",
    strand interleaving "si"), repetitions in rotating order with a barrier before each step
-   (``stalwart.overlap.benchworker``). Figures are medians over repetitions of per-repetition
+   (``stalwart.bench.overlap_worker``). Figures are medians over repetitions of per-repetition
    ratios, so slow drifts of the shared machine cancel.
 
 Figures: si_comm_hidden = (T_seq - T_si) / T_comm; baseline_comm_hidden likewise for "async";
@@ -66,7 +66,7 @@ def _launch(workdir: Path, name: str, nproc: int, rate_mbit: float, args: list[s
                     faults=[f"link:host={h},rate={rate}" for h in range(nproc)], detect=False)
     shutil.rmtree(workdir / name, ignore_errors=True)
     flat = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
-    rc = launch(cfg, module="stalwart.overlap.benchworker", args=[*flat, *args],
+    rc = launch(cfg, module="stalwart.bench.overlap_worker", args=[*flat, *args],
                 show_progress=False, on_line=lambda s: None)
     if rc != 0:
         logs = workdir / name / "logs"

@@ -9,7 +9,7 @@ hit all three alike. Each step's wall time and the executor's own accounting (co
 in flight, exposed, activation peak) go to ``RUN_DIR/bench-rank-R.json``.
 
 Started by ``stalwart.bench.overlap`` through the launcher (``python -m
-stalwart.overlap.benchworker --config RUN_DIR/config.json [options]``), inside testbed hosts.
+stalwart.bench.overlap_worker --config RUN_DIR/config.json [options]``), inside testbed hosts.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from stalwart.train.model import GPT, GPTConfig
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="stalwart.overlap.benchworker")
+    p = argparse.ArgumentParser(prog="stalwart.bench.overlap_worker")
     p.add_argument("--config", required=True)  # the launcher passes it; shapes come from below
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
