@@ -24,8 +24,9 @@ CPU per rank here (only ~0.2 ms of it on the calling thread; the rest on gloo's 
 in the kernel), measured once at construction. With ``check_every=None`` (the default) rows
 are exchanged every k steps, k chosen by rank 0 so that the exchange costs at most
 ``EXCHANGE_BUDGET`` (0.2%) of the process's CPU time per step, capped at ``max_every``, and
-back to 1 while a change detector's posterior has fired or a decision is on its way; k is
-carried in rank 0's row, so every rank switches at the same check, and no thread is woken on
+back to 1 while a change detector's posterior has fired, a decision is on its way, or any
+rank's own compute time jumped (a cheap pre-filter on each rank); every rank's request is in
+its row and every rank takes the minimum, so all switch at the same check, and no thread is woken on
 the steps between exchanges. The cap is a latency trade: a rank's compute samples reach
 rank 0 up to k-1 steps later, so a compute straggler found by its per-rank channel is
 decided ~(k-1) steps later (measured with k <= 2: median +1 step); ``max_every=1`` keeps the
@@ -73,6 +74,7 @@ NONE, DETECT, RECOVER = 0, 1, 2
 HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4
+ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
 STATS_FILE = "detect_stats.json"  # exchange every step this long after a change detector fired
 log = logging.getLogger("stalwart.detect")
 
@@ -179,6 +181,8 @@ class Monitor:
         self._cpu_at_check: float | None = None
         self._step_cpu: deque[float] = deque(maxlen=32)
         self._exchange_costs: deque[float] = deque(maxlen=16)
+        self._own_compute: deque[float] = deque(maxlen=16)  # for _request_every
+        self._own_high = False
         self.exchanges = 0
         # silence on clean runs (rank 0): an unexplained slowdown waiting to prove it lasts
         # (event fields, healthy level, decision key)
@@ -422,7 +426,9 @@ class Monitor:
             self._deciding -= 1
         if self.auto_every:
             # rank 0's choice, read by every rank at this same check
-            self.check_every = max(1, min(int(got[0][5]), self.max_every))
+            # rank 0's choice, or 1 if any rank's own compute just jumped: every rank reads
+            # every row, so the minimum is the same everywhere
+            self.check_every = max(1, min(min(int(r[5]) for r in got), self.max_every))
             self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
         if self.rank == 0:
             self._relative(got, min(int(r[4]) for r in got))
@@ -441,7 +447,8 @@ class Monitor:
         unsent = self._unsent[-self.max_every:]
         self._unsent.clear()
         vals = [float(action), float(onset), float(severity), float(suspect),
-                float(len(unsent)), float(self._choose_every(c) if self.rank == 0 else 0)]
+                float(len(unsent)),
+                float(self._choose_every(c) if self.rank == 0 else self._request_every(unsent))]
         for key, comp in unsent:
             vals += (key, comp)
         vals += [0.0] * (width - len(vals))
@@ -462,6 +469,21 @@ class Monitor:
         self.exchanges += 1
         if self.rank == 0:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+
+    def _request_every(self, unsent: list[tuple[float, float]]) -> int:
+        """Ranks other than 0: ask for one exchange per step when this rank's own compute
+        time stands out -- a cheap pre-filter (two samples in a row above its recent median
+        by ``ALERT_JUMP``), so that a rank turning slow gets its next samples to rank 0
+        without batching."""
+        hist = self._own_compute
+        alert = False
+        for _, comp in unsent:
+            # two samples in a row: single spikes are everyday noise on a loaded machine
+            high = len(hist) >= 8 and comp > (1.0 + ALERT_JUMP) * statistics.median(hist)
+            alert = alert or (high and self._own_high)
+            self._own_high = high
+            hist.append(comp)
+        return 1 if alert else self.max_every
 
     def _calibrate(self, rounds: int = 5) -> None:
         """Collective: the process CPU time of one exchange, measured on a few blocking ones.
