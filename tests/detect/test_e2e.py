@@ -1,10 +1,13 @@
 """End to end: `stalwart run --testbed netns` with real kernel faults, verdicts in events.jsonl.
 
 One run covers the issue's acceptance checks: a compute straggler on rank 3 (cgroup CPU quota,
-factor 1.5 from step 40) is reported as compute on rank 3 with its onset within 5 steps of 40,
+factor 2 from step 40) is reported as compute on rank 3 with its onset within 5 steps of 40,
 and a slow host link (tc tbf) injected later is reported as a link, not as a rank's compute.
-The micro-batch is raised to 32 so that a step is compute-bound enough for a 1.5x quota to
-show on a 2-core machine that other jobs load too.
+The micro-batch is raised to 32 so that a step is compute-bound enough for the quota to show
+on a 2-core machine that other jobs load too. (The factor was 1.5 while the testbed left
+healthy ranks uncapped: that 1.5 slowed the rank ~2x. With every host held at its fair share
+a factor now means itself, and 1.5x sits on the detector's 1.5x confirmation line -- a
+separate, open question (issue 13) -- so the test keeps the ~2x it always exercised.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from stalwart.rundir import RunData
 @pytest.mark.root
 def test_compute_then_link_fault_are_found_and_told_apart(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--testbed", "netns", "--nproc", "4",
-           "--fault", "compute:rank=3,factor=1.5,start=40,end=70",
+           "--fault", "compute:rank=3,factor=2,start=40,end=70",
            "--fault", "link:host=1,rate=30mbit,start=90",
            "--steps", "120", "--batch-size", "32", "--out", str(tmp_path), "--name", "e2e",
            "--no-progress"]
