@@ -7,6 +7,8 @@ never a traceback); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -168,6 +170,10 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a launcher
+    # that does not stop is waiting
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     handler = {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
                "testbed": _cmd_testbed}[args.cmd]
