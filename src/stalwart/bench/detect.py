@@ -261,7 +261,7 @@ def _paired(xs: list[tuple[bool, float]]) -> tuple[float, float]:
     return mean, 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
 
 
-def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = 1) -> int:
+def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) -> int:
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
     Every rank switches at the same step. Steps pair up as (on, off), (off, on), ...; the
@@ -285,9 +285,9 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = 1) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     run_dir = Path(os.environ["STALWART_RUN_DIR"])
-    # the exchange period stalwart's worker uses for reliable communication (one exchange per
-    # step, src/stalwart/train/worker.py): the figure is the cost of what `stalwart run`
-    # does; ``check_every=None`` (the library's default) lets the monitor batch exchanges
+    # the exchange period stalwart's worker uses for reliable communication (None: the
+    # monitor batches exchanges, src/stalwart/train/worker.py): the figure is the cost of
+    # what `stalwart run` does
     mon = Monitor(run_dir=None, rank=rank, world=world, check_every=check_every)
     torch.manual_seed(cfg.seed)
     mcfg = PRESETS[cfg.preset]["model"]
@@ -356,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stalwart.bench.detect")
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--overhead-steps", type=int, default=200)
-    ap.add_argument("--check-every", type=int, default=1,
-                    help="the monitor's exchange period; 0: chosen by the monitor")
+    ap.add_argument("--check-every", type=int, default=0,
+                    help="the monitor's exchange period; 0 (default, what `stalwart run` "
+                         "does for reliable comm): chosen by the monitor")
     a = ap.parse_args(argv)
     return overhead_worker(a.config, a.overhead_steps, a.check_every or None)
 
