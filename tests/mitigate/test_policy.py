@@ -282,3 +282,26 @@ def test_a_plan_that_helped_is_kept() -> None:
     p.measured("rebalance", first[0].version, 0.4)
     assert all(feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None for s in range(41, 61, 2))
     assert not p.uniform
+
+
+def test_a_replan_that_made_steps_slower_goes_back_to_the_plan_before() -> None:
+    """Seen in a quick bench: a 2.3x rank's plan [6,5,1,4] was re-planned to [4,4,3,5] on a
+    burst reading, measured worse, and the undo went to uniform while the fault lasted."""
+    p = Policy(G, M)
+    healthy(p, range(1, 21, 2))
+    fs = [finding(2, 25)]
+    first = [d for s in range(25, 41, 2)
+             if (d := feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)) is not None]
+    assert [d.kind for d in first] == [REBALANCE]
+    plan1 = list(p.counts)
+    p.measured("rebalance", first[0].version, 0.3)
+    # the rank reads worse (or a burst reads better): a re-plan
+    second = [d for s in range(41, 61, 2)
+              if (d := feed(p, s, [UNIT, UNIT, 6 * UNIT, UNIT], fs)) is not None]
+    assert second and second[0].kind == REBALANCE and p.counts != plan1
+    p.measured("rebalance", second[0].version, -0.3)
+    back = feed(p, 61, [UNIT, UNIT, 6 * UNIT, UNIT], fs)
+    assert back is not None and back.kind == REBALANCE and back.counts == plan1
+    # no more re-plans for it, and it is still followed (not muted)
+    assert all(feed(p, s, [UNIT, UNIT, 6 * UNIT, UNIT], fs) is None for s in range(63, 83, 2))
+    assert p.active is not None and p.counts == plan1

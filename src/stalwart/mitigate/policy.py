@@ -74,6 +74,7 @@ class Straggler:
     # while a plan is in force is the geometric midpoint between this level and 1 (see
     # ``recovery_ratio``)
     level: float = 0.0
+    no_replan: bool = False  # a re-plan for it measured worse than the plan before
     remapped: bool = False
 
 
@@ -128,6 +129,7 @@ class Policy:
     # a rebalance whose measured gain came out negative is undone, and its rank's findings
     # are ignored for MUTE exchanges (rank -> last muted exchange)
     _undo: str = ""
+    _prev_counts: list[int] = field(default_factory=list)  # the plan before the one in force
     _muted: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,12 +194,18 @@ class Policy:
         if self._undo:
             reason, self._undo = self._undo, ""
             s = self.active
+            uniform = planner.uniform(self.micro, self.groups)
+            if s is not None and self._prev_counts and self._prev_counts != uniform:
+                # a re-plan made things worse: back to the plan before it, and no more
+                # re-plans for this straggler (the first plan had measured a gain)
+                s.no_replan = True
+                return self._decide(REBALANCE, list(self._prev_counts), start_step, s.group,
+                                    0.0, reason + f"; back to {self._prev_counts}")
             if s is not None:
                 self._muted[s.rank] = len(self._unit_hist) + MUTE
             self.active, self._watch = None, None
             if not self.uniform:
-                return self._decide(REVERT, planner.uniform(self.micro, self.groups),
-                                    start_step, -1, 0.0, reason)
+                return self._decide(REVERT, uniform, start_step, -1, 0.0, reason)
         if self.active is None:
             self._rewatch(units, findings)
         s = self.active
@@ -247,7 +255,8 @@ class Policy:
         gain = 1.0 - planner.makespan(best, cur) / now_mk
         needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
         # a plan is about the straggler: one that does not take work off it is noise elsewhere
-        about_it = best[s.group] < planner.uniform(self.micro, self.groups)[s.group]
+        about_it = best[s.group] < planner.uniform(self.micro, self.groups)[s.group] \
+            and (self.uniform or not s.no_replan)
         if s.kind == "compute" and about_it and gain >= needed \
                 and s.rent_s >= self.s2_price(cur):
             s.rebalanced_version = self.version + 1
@@ -310,8 +319,9 @@ class Policy:
     def measured(self, strategy: str, version: int, gain: float) -> None:
         """The step-time gain measured after a switch (rebalance.py). A rebalance that made
         steps slower -- the verdict was wrong, or the plan was -- is undone at the next
-        exchange, and the rank's findings are ignored for a while (no action on a false
-        positive twice in a row)."""
+        exchange: a re-plan goes back to the plan before it (and the straggler is not
+        re-planned again); a first plan goes back to uniform and the rank's findings are
+        ignored for a while (no action on a false positive twice in a row)."""
         if strategy == "rebalance" and version == self.version and gain < -self.min_gain \
                 and not self.uniform:
             self._undo = (f"plan v{version} made steps slower (measured gain {gain:+.2f}): "
@@ -368,5 +378,6 @@ class Policy:
                 reason: str) -> Decision:
         self.version += 1
         if counts:
+            self._prev_counts = list(self.counts)
             self.counts = list(counts)
         return Decision(kind, self.version, start, list(counts), target, gain, reason)
