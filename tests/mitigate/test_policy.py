@@ -58,12 +58,18 @@ def test_rebalances_a_confirmed_compute_straggler_then_reverts() -> None:
     assert out[:3] == [None] * 3 and out[3] is reverts[0]  # hysteresis
 
 
-def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
+def rebalanced_2x() -> tuple[Policy, list[dict]]:
+    """A policy that has rebalanced away from a confirmed 2x straggler on rank 2."""
     p = Policy(G, M)
     healthy(p, range(1, 21, 2))
     fs = [finding(2, 25)]
     for s in range(25, 41, 2):
         feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)
+    return p, fs
+
+
+def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
+    p, fs = rebalanced_2x()
     assert not p.uniform
     healed = [{**fs[0], "recovered_step": 40}]
     d = feed(p, 41, [UNIT] * G, healed)
@@ -165,11 +171,8 @@ def test_a_wrong_revert_is_undone_and_the_next_one_backs_off() -> None:
 
 
 def test_a_right_revert_stays_reverted() -> None:
-    p = Policy(G, M)
-    healthy(p, range(1, 21, 2))
-    fs = [finding(2, 25)]
-    for s in range(25, 41, 2):
-        feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs)
+    p, fs = rebalanced_2x()
+    assert not p.uniform
     decisions = [d for s in range(41, 101, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
     assert [d.kind for d in decisions] == [REVERT] and p.uniform
 

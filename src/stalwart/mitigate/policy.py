@@ -62,8 +62,6 @@ class Straggler:
     detected_step: int
     rent_s: float = 0.0  # time it has cost since detection (seconds)
     healthy_windows: int = 0
-    rebalanced_version: int = 0
-    recovered_step: int | None = None
     since: int = 0  # first exchange (index) measured under this straggler
     # healthy exchanges needed before a revert (0: the policy's default); doubled each time a
     # revert proves wrong (the rank is slow again under the uniform plan)
@@ -238,7 +236,6 @@ class Policy:
         else:
             s.healthy_windows += 1
             if s.healthy_windows >= need:
-                s.recovered_step = step
                 self.active = None
                 self._watch, self._watch_slow = s, 0
                 self._watch_until = len(self._unit_hist) + WATCH
@@ -259,7 +256,6 @@ class Policy:
             and (self.uniform or not s.no_replan)
         if s.kind == "compute" and about_it and gain >= needed \
                 and s.rent_s >= self.s2_price(cur):
-            s.rebalanced_version = self.version + 1
             s.level = self.ratio_to_peers(cur, s.group)
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
@@ -347,7 +343,7 @@ class Policy:
         w.wrong_reverts += 1
         # twice what the last revert needed without the detector's verdict
         w.revert_need = min(2 * max(w.revert_need, 2 * self.revert_windows), 16)
-        w.healthy_windows, w.recovered_step = 0, None
+        w.healthy_windows = 0
         w.since = max(len(self._unit_hist) - 2, 0)
         self.active, self._watch = w, None
 
