@@ -113,7 +113,9 @@ class Testbed:
 
     def observe(self, metric: Mapping[str, Any]) -> None:
         """One metrics line (launcher): kept per host for the achieved factor of CPU faults."""
-        if self._backend is None or "compute_time" not in metric or "rank" not in metric:
+        # kept only while a CPU fault is applied: nothing else reads it, and a long run would
+        # otherwise grow it by a line per rank and step
+        if not self._applied_at or "compute_time" not in metric or "rank" not in metric:
             return
         rank = int(metric["rank"])
         if rank >= len(self._host_of):
@@ -154,9 +156,12 @@ class Testbed:
                 extra["achieved_factor"] = self.achieved_factor(
                     f.rank, self._applied_at.pop(f), step)
             self._log("fault_removed", f, step, self._logged.pop(f), at_close, **extra)
+            if not self._applied_at:
+                self._unit.clear()
         for f in new:
             self._logged[f] = mech.get(f, "")
-            self._applied_at[f] = step
+            if f.kind in CPU_KINDS:
+                self._applied_at[f] = step
             self._log("fault_applied", f, step, self._logged[f], at_close)
 
     @staticmethod
