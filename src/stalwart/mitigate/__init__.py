@@ -38,7 +38,8 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any
     # not yet for the lossy optimizer's sharded state, nor (in the policy) for TP
     mode = "rebalance" if cfg.comm == "lossy" else cfg.mitigate
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
-                      run_dir=run_dir, hosts=cfg.hosts, traffic=_traffic(cfg, world))
+                      run_dir=run_dir, hosts=cfg.hosts,
+                      traffic=_traffic(cfg, world) if rank == 0 else None)  # rank 0 decides
 
 
 def _traffic(cfg: Any, world: int) -> dict[tuple[int, int], float] | None:
