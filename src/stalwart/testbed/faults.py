@@ -8,7 +8,11 @@ Kinds (each realised by a kernel mechanism, see docs/testbed.md)::
     pairlink:hosts=A-B,rate=RATE    only A<->B traffic shaped        (tc htb + u32 filters)
     loss:host=H|all,p=P             incoming packets dropped w.p. P  (nftables numgen, input hook)
 
-Every kind takes ``start=STEP`` and ``end=STEP`` (end exclusive; default: the whole run).
+Every kind takes ``start`` and ``end`` (end exclusive; default: the whole run), each either a
+step (``start=20``) or seconds since the ranks were started (``start=10s``, ``end=42.5s``): a
+user's own script has no step counter stalwart can read unless the monitor counts its
+iterations (``--detect``), but the launcher always knows the time.
+
 ``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` hosts
 of the given kind; anything else raises ``ConfigError`` with one line naming the bad value.
 """
@@ -34,6 +38,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional)
     "loss": ({"host", "p"}, set()),
 }
 _WINDOW = {"start", "end"}
+_SECONDS_RE = re.compile(r"^(\d+(?:\.\d+)?)s$")
 
 # tc's units: "bit" units count bits, "bps" units count bytes; k/m/g/t are powers of 1000
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.IGNORECASE)
@@ -46,6 +51,10 @@ class Fault:
     spec: str
     start: int = 0
     end: int | None = None  # exclusive; None = until the end of the run
+    # the same bounds in seconds since the ranks were started (``start=10s``); a bound is
+    # given in steps or in seconds, and a bound not given is open (start 0, no end)
+    start_s: float | None = None
+    end_s: float | None = None
     rank: int | None = None  # compute, contention
     hosts: tuple[int, ...] = ()  # link (1), pairlink (2), loss (1 or all)
     factor: float = 1.0  # compute
@@ -54,8 +63,19 @@ class Fault:
     rate: str = ""  # as given, e.g. "50mbit"
     p: float = 0.0  # loss
 
-    def active_at(self, step: int) -> bool:
-        return self.start <= step and (self.end is None or step < self.end)
+    def active_at(self, step: int, elapsed: float | None = None) -> bool:
+        """Whether the fault is on at `step` and `elapsed` seconds since the ranks started
+        (None: not known yet, so a fault that starts at a time is not on)."""
+        started = self.start <= step and (
+            self.start_s is None or (elapsed is not None and elapsed >= self.start_s))
+        ended = (self.end is not None and step >= self.end) or (
+            self.end_s is not None and elapsed is not None and elapsed >= self.end_s)
+        return started and not ended
+
+    @property
+    def uses_steps(self) -> bool:
+        """True when a bound is a step (it needs a step counter: stalwart's or the monitor's)."""
+        return self.start > 0 or self.end is not None
 
     @property
     def magnitude(self) -> float:
@@ -78,6 +98,10 @@ class Fault:
         out: dict[str, Any] = {"kind": self.kind, "target": self.target,
                                "magnitude": self.magnitude, "spec": self.spec,
                                "start": self.start, "end": self.end}
+        if self.start_s is not None:
+            out["start_s"] = self.start_s
+        if self.end_s is not None:
+            out["end_s"] = self.end_s
         if self.rank is not None:
             out["rank"] = self.rank
         else:
@@ -116,6 +140,23 @@ def _float(key: str, value: str, spec: str) -> float:
     if not math.isfinite(x):
         raise ConfigError(f"{key}={value!r} is not a finite number in fault {spec!r}")
     return x
+
+
+def _bound(key: str, value: str | None, spec: str) -> tuple[int | None, float | None]:
+    """A window bound: (step, None) for "20", (None, seconds) for "10s" / "2.5s"."""
+    if value is None:
+        return None, None
+    m = _SECONDS_RE.match(value)
+    if m:
+        return None, float(m.group(1))
+    if value.endswith("s"):
+        raise ConfigError(f"{key}={value!r} is not a number of seconds (e.g. {key}=10s) "
+                          f"in fault {spec!r}")
+    try:
+        return int(value), None
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is neither a step nor seconds (e.g. {key}=20 or "
+                          f"{key}=10s) in fault {spec!r}") from None
 
 
 def _index(key: str, value: str, nproc: int, spec: str) -> int:
@@ -157,13 +198,18 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
         if key not in kv:
             raise ConfigError(f"fault {spec!r} is missing {key}=...")
 
-    start = _int("start", kv["start"], spec) if "start" in kv else 0
-    end = _int("end", kv["end"], spec) if "end" in kv else None
+    start, start_s = _bound("start", kv.get("start"), spec)
+    end, end_s = _bound("end", kv.get("end"), spec)
+    start = start or 0
     if start < 0:
         raise ConfigError(f"start={start} must be >= 0 in fault {spec!r}")
     if end is not None and end <= start:
         raise ConfigError(f"end={end} must be > start={start} in fault {spec!r}")
-    common: dict[str, Any] = {"kind": kind, "spec": spec.strip(), "start": start, "end": end}
+    if end_s is not None and end_s <= (start_s or 0.0):
+        raise ConfigError(f"end={kv['end']} must be after start={kv.get('start', '0')} "
+                          f"in fault {spec!r}")
+    common: dict[str, Any] = {"kind": kind, "spec": spec.strip(), "start": start, "end": end,
+                              "start_s": start_s, "end_s": end_s}
 
     if kind in ("compute", "contention"):
         rank = _index("rank", kv["rank"], nproc, spec)

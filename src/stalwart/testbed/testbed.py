@@ -7,9 +7,12 @@
 * ``netns``: rank r runs inside emulated host r (see hosts.py); gloo binds to that host's eth0;
   link, pairlink and loss faults act on the hosts' network paths as well.
 
-Schedule: the launcher calls ``on_step(next_step)`` as training advances. A fault is active
-while ``start <= next_step < end``. On every transition the kernel state is rebuilt from the set
-of active faults, and only once the new state is in force is the ground-truth line written:
+Schedule: the launcher calls ``on_step(next_step)`` as training advances (stalwart's metrics,
+or the monitor's iteration count for a user's script) and ``on_time(elapsed)`` with the seconds
+since the ranks were first started. A fault is active while ``start <= next_step < end`` for a
+window in steps, ``start_s <= elapsed < end_s`` for one in seconds (faults.py). On every
+transition the kernel state is rebuilt from the set of active faults, and only once the new
+state is in force is the ground-truth line written:
 ``fault_applied`` / ``fault_removed`` with step, kind, target, magnitude, spec, mechanism and
 the explicit rank (compute, contention) or hosts (link, pairlink, loss). Faults still active at
 ``close()`` are removed and logged with ``at_close: true``. A CPU fault whose rank has no pid
@@ -62,6 +65,7 @@ class Testbed:
         self._active: set[Fault] = set()  # desired: scheduled-on at the last step
         self._logged: dict[Fault, str] = {}  # applied and logged -> its mechanism
         self._step = 0
+        self._elapsed: float | None = None  # seconds since the ranks started (on_time)
         self._closed = False
         # rank -> host: rank r on host r at launch; a restart without a host (mitigation's
         # S4) moves ranks, and faults stay on their hosts (a compute fault's "rank" is the
@@ -140,8 +144,19 @@ class Testbed:
         if self._closed:
             return
         self._step = next_step
-        self._active = {f for f in self.faults if f.active_at(next_step)}
+        self._active = {f for f in self.faults if f.active_at(next_step, self._elapsed)}
         self._reconcile(next_step)
+
+    def on_time(self, elapsed: float) -> None:
+        """Seconds since the ranks were first started (launcher, every poll): faults whose
+        window is in seconds switch here."""
+        if self._closed:
+            return
+        self._elapsed = elapsed
+        active = {f for f in self.faults if f.active_at(self._step, elapsed)}
+        if active != self._active:
+            self._active = active
+            self._reconcile(self._step)
 
     def _reconcile(self, step: int, at_close: bool = False) -> None:
         desired = {f for f in self._active if f.kind not in CPU_KINDS or f.rank in self._pids}
@@ -179,6 +194,10 @@ class Testbed:
             return
         if at_close:
             extra["at_close"] = True
+        if self._elapsed is not None:
+            # the time axis of a run without steps (a user's script): seconds since the
+            # ranks started, as the fault's window counts them
+            extra["elapsed_s"] = round(self._elapsed, 3)
         try:
             self.events.log(event, step=step, testbed=self.kind, mechanism=mechanism,
                             **f.event_fields(), **extra)
