@@ -96,8 +96,14 @@ def test_owner_values_and_end_markers_are_accepted() -> None:
     assert check(vals) == R["ok"]
     end = wire(1).packet(PHASE_GRAD, 5, 0, 3, np.zeros(0, np.float32), flags=FLAG_END, hint=9)
     assert check(end) == R["ok"]
+    # a marker carries no payload (its length field counts the parity packets it announces)
     bad_end = wire(1).packet(PHASE_GRAD, 5, 0, 3, np.ones(2, np.float32), flags=FLAG_END)
-    assert check(bad_end) == R["bad_range"]
+    assert check(bad_end) == R["malformed"]
+    with_parity = wire(1).packet(PHASE_GRAD, 5, 0, 3, np.zeros(0, np.float32), flags=FLAG_END,
+                                 length=4)
+    assert check(with_parity) == R["ok"]
+    norm_end = wire(1).packet(PHASE_NORM, 5, 1, 0, np.zeros(0, np.float32), flags=FLAG_END)
+    assert check(norm_end) == R["bad_range"]
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -22,7 +22,7 @@ from stalwart.comm.layout import Layout
 class ShardAccumulator:
     """Sum and per-chunk contributor count of one shard for one round."""
 
-    def __init__(self, layout: Layout, owner: int) -> None:
+    def __init__(self, layout: Layout, owner: int, keep: bool = False) -> None:
         self.layout = layout
         self.owner = owner
         self.chunk = layout.chunk
@@ -31,6 +31,10 @@ class ShardAccumulator:
         nc = layout.n_chunks(owner)
         self.count = np.zeros(nc, np.int32)
         self.seen = np.zeros((layout.world, nc), bool)
+        # keep: every sender's contribution as it arrived (for the erasure decoder, which
+        # rebuilds a lost chunk from the others of its stripe); chunk-aligned, the tail of
+        # the last chunk stays zero (never written), as the sender's padding is
+        self.contrib = np.zeros((layout.world, nc * self.chunk), np.float32) if keep else None
 
     def reset(self) -> None:
         self.sum[:] = 0
@@ -49,6 +53,8 @@ class ShardAccumulator:
             return False
         self.seen[sender, c] = True
         self.sum[offset: offset + payload.size] += payload
+        if self.contrib is not None:
+            self.contrib[sender, offset: offset + payload.size] = payload
         self.count[c] += 1
         return True
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stalwart.comm import fec
 from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.copies import CopyPolicy, LossEstimator
 from stalwart.comm.deadline import AdaptiveDeadline
@@ -53,6 +54,7 @@ from stalwart.comm.wire import (
     FB_SCALE,
     FB_UNKNOWN,
     FLAG_END,
+    FLAG_PARITY,
     HEADER,
     HEADER_BYTES,
     MAGIC,
@@ -91,6 +93,11 @@ GIVE_UP_S = 60.0
 # stops: a handler bug repeats on every batch, so this is reached within milliseconds, while
 # letting it pass would silently turn a code bug into "packet loss" for the rest of the run
 MAX_HANDLER_ERRORS = 10
+# protection of a link not measured yet (the first step): parity sized for this loss rate.
+# Early training is the most sensitive to lost chunks (docs/comm.md), and the benchmark's
+# worst case is 20% loss
+FEC_INITIAL_LOSS = 0.2
+FEC_MODES = ("copies", "rs", "none")
 
 
 class PeerLost(RuntimeError):
@@ -115,6 +122,17 @@ def check_addresses(addrs: list[tuple[str, int]], hosts: list[str]) -> None:
 
 
 @dataclass
+class _FecRx:
+    """Receive side of one sender's erasure-coded phase in one round."""
+
+    geo: fec.Stripes
+    par: np.ndarray  # (m*S, chunk) float32: parity payloads as they arrive
+    pseen: np.ndarray  # (m*S,) bool
+    have: np.ndarray  # (S,) packets of each stripe in hand: data + parity + virtual
+    done: np.ndarray  # (S,) bool: the stripe's data is complete (arrived or rebuilt)
+
+
+@dataclass
 class _Round:
     """Receive-side state of one round (two of these alternate)."""
 
@@ -128,9 +146,13 @@ class _Round:
     gtag: np.ndarray  # (world, own shard's chunks, 16): tag of each placed contribution
     vtag: np.ndarray  # (all chunks, 16): tag of each placed owner chunk (by global chunk)
     closed: list[bool] = field(default_factory=lambda: [False, False, False])
+    fec: dict[tuple[int, int], _FecRx] = field(default_factory=dict)  # (phase, sender)
+    recovered: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))
 
     def reset(self, rnd: int) -> None:
         self.rnd = rnd
+        self.fec = {}
+        self.recovered[:] = 0
         self.acc.reset()
         for v in self.vseen:
             v[:] = False
@@ -149,6 +171,8 @@ class PhaseStats:
     elapsed: float = 0.0
     silent: list[int] = field(default_factory=list)
     copies: int = 1  # most copies of a data packet sent to any peer in this phase
+    parity: int = 0  # erasure-code parity packets sent
+    recovered: int = 0  # data chunks this rank rebuilt from parity
 
 
 class LossyCollective:
@@ -160,9 +184,21 @@ class LossyCollective:
                  world: int | None = None, rank: int | None = None,
                  exchange=None, value_copies: int = 1, grad_copies: int = 1,
                  copies_target: float | None = None, max_copies: int = 3,
-                 min_copies: int = 1, give_up_s: float = GIVE_UP_S) -> None:
+                 min_copies: int = 1, give_up_s: float = GIVE_UP_S, fec_mode: str = "copies",
+                 fec_target: float = 2e-5,
+                 fec_initial_loss: float = FEC_INITIAL_LOSS) -> None:
         import torch.distributed as dist
 
+        if fec_mode not in FEC_MODES:
+            raise ValueError(f"unknown fec mode {fec_mode!r} ({', '.join(FEC_MODES)})")
+        # "rs": systematic Reed-Solomon parity per stripe of each phase (fec.py), sized per
+        # link from its measured loss for ``fec_target``; "copies": repetition (below);
+        # "none": neither (the bare algorithm)
+        self.fec_mode = fec_mode
+        self.fec_target = float(fec_target)
+        self.fec_initial_loss = float(fec_initial_loss)
+        if fec_mode != "copies":
+            value_copies, grad_copies, copies_target = 1, 1, None
         self.group = group
         # Forward error protection of the broadcast (no retransmission: every chunk is simply
         # sent value_copies times): a missed parameter chunk makes a replica compute its next
@@ -229,7 +265,8 @@ class LossyCollective:
 
     def _new_round(self, rnd: int) -> _Round:
         lay = self.layout
-        return _Round(rnd, ShardAccumulator(lay, self.rank), np.zeros(lay.numel, np.float32),
+        return _Round(rnd, ShardAccumulator(lay, self.rank, keep=self.fec_mode == "rs"),
+                      np.zeros(lay.numel, np.float32),
                       [np.zeros(lay.n_chunks(s), bool) for s in range(self.world)],
                       np.zeros(self.world), np.zeros((3, self.world), np.int64),
                       np.full((3, self.world), -1),
@@ -288,7 +325,8 @@ class LossyCollective:
                         if rnd_l[i] > self._booked[ph_l[i], s]:
                             self._booked[ph_l[i], s] = rnd_l[i]
                             self.loss_in.owe(
-                                s, off_l[i] * min(max(cp_l[i], 1), MAX_ANNOUNCED_COPIES))
+                                s, off_l[i] * min(max(cp_l[i], 1), MAX_ANNOUNCED_COPIES)
+                                + len_l[i])
                         if fb_l[i] != FB_UNKNOWN:
                             rate = fb_l[i] / FB_SCALE
                             self._vpol.feedback(s, rate)
@@ -357,6 +395,8 @@ class LossyCollective:
             # harmless; a chunk that had not arrived before the phase ended is late
             if is_end or ph == PHASE_NORM:
                 return 0
+            if flags & FLAG_PARITY:
+                return R["late"]
             seen = st.acc.seen[s] if ph == PHASE_GRAD else st.vseen[s]
             return 0 if seen[off // C] else R["late"]
         if is_end:
@@ -364,6 +404,9 @@ class LossyCollective:
             self.deadline.hear(s, hint / 1e6)
             return 0
         pay = row[HEADER_BYTES: HEADER_BYTES + 4 * n].view("<f4")
+        if flags & FLAG_PARITY:
+            hdr = row[:HEADER_BYTES].view(HEADER)[0]
+            return self._place_parity(st, ph, s, off, int(hdr["fb"]), int(hdr["copies"]), pay)
         if ph == PHASE_NORM:
             if st.got[ph, s]:
                 return 0  # one of the deliberate copies
@@ -372,6 +415,7 @@ class LossyCollective:
             if not st.acc.add(s, off, pay):  # never counted twice
                 return 0 if self._may_copy else R["duplicate"]
             st.gtag[s, off // C] = row[HEADER_BYTES + 4 * n: HEADER_BYTES + 4 * n + TAG_BYTES]
+            self._fec_data_arrived(st, ph, s, off // C)
         else:
             seen = st.vseen[s]
             c = off // C
@@ -382,8 +426,106 @@ class LossyCollective:
             st.vals[lo: lo + n] = pay
             st.vtag[self._chunk_base[s] + c] = row[HEADER_BYTES + 4 * n:
                                                    HEADER_BYTES + 4 * n + TAG_BYTES]
+            self._fec_data_arrived(st, ph, s, c)
         st.got[ph, s] += 1
         return 0
+
+    # ---- erasure decoding (receiving thread, under the lock) ------------------------------
+    def _seen(self, st: _Round, ph: int, s: int) -> np.ndarray:
+        return st.acc.seen[s] if ph == PHASE_GRAD else st.vseen[s]
+
+    def _place_parity(self, st: _Round, ph: int, s: int, q: int, S: int, m: int,
+                      pay: np.ndarray) -> int:
+        shard = self.rank if ph == PHASE_GRAD else s
+        n = self.layout.n_chunks(shard)
+        rx = st.fec.get((ph, s))
+        if rx is None:
+            geo = fec.Stripes(n, S, m)
+            if not geo.valid():
+                return R["bad_range"]
+            seen = self._seen(st, ph, s)
+            k = geo.k
+            have = np.bincount(np.flatnonzero(seen) % S, minlength=S).astype(np.int64)
+            have += np.bincount(np.arange(n, k * S) % S, minlength=S)  # virtual: known zeros
+            rx = _FecRx(geo, np.empty((m * S, self.chunk), np.float32),
+                        np.zeros(m * S, bool), have, np.zeros(S, bool))
+            st.fec[(ph, s)] = rx
+        elif (rx.geo.S, rx.geo.m) != (S, m):
+            return R["bad_range"]  # one geometry per sender, phase and round
+        if rx.pseen[q]:
+            return R["duplicate"]
+        rx.pseen[q] = True
+        rx.par[q] = pay
+        i = q % S
+        rx.have[i] += 1
+        self._maybe_decode(st, ph, s, rx, i)
+        return 0
+
+    def _fec_data_arrived(self, st: _Round, ph: int, s: int, c: int) -> None:
+        rx = st.fec.get((ph, s))
+        if rx is not None:
+            i = c % rx.geo.S
+            rx.have[i] += 1
+            self._maybe_decode(st, ph, s, rx, i)
+
+    def _maybe_decode(self, st: _Round, ph: int, s: int, rx: _FecRx, i: int) -> None:
+        """Rebuild stripe i's lost data chunks once k of its packets are in (only stripes
+        that lost data are ever decoded)."""
+        geo = rx.geo
+        k, S, n = geo.k, geo.S, geo.n
+        if rx.done[i] or rx.have[i] < k:
+            return
+        rx.done[i] = True
+        seen = self._seen(st, ph, s)
+        rows = np.arange(i, n, S)  # the stripe's real data packets (members 0..)
+        missing = np.flatnonzero(~seen[rows]).tolist()
+        if not missing:
+            return
+        e = len(missing)
+        prow = [j for j in range(geo.m) if rx.pseen[j * S + i]][:e]
+        C = self.chunk
+        shard = self.rank if ph == PHASE_GRAD else s
+        slen = self.layout.shard_len(shard)
+        keep = []  # buffers that must stay alive during the native call
+        if ph == PHASE_GRAD:
+            buf, base = st.acc.contrib[s], 0  # chunk-aligned, zero past the shard's end
+        else:
+            buf, base = st.vals, self.layout.bounds[s]
+        zero = np.zeros(C, np.float32)
+        keep.append(zero)
+        miss = set(missing)
+        src = []
+        for j in range(k):
+            if j in miss:
+                continue
+            r = j * S + i
+            if r >= n:
+                src.append(zero.ctypes.data)
+            elif (r + 1) * C > slen and ph != PHASE_GRAD:
+                tail = np.zeros(C, np.float32)  # the short last chunk, zero-padded
+                tail[: slen - r * C] = buf[base + r * C: base + slen]
+                keep.append(tail)
+                src.append(tail.ctypes.data)
+            else:
+                src.append(buf.ctypes.data + 4 * (base + r * C))
+        src += [rx.par.ctypes.data + 4 * C * (j * S + i) for j in prow]
+        coef = fec.decode_matrix(k, geo.m, missing, prow)
+        out = fec.decode(coef, np.array(src, np.uint64), 4 * C).view(np.float32)
+        del keep
+        for x, j in enumerate(missing):
+            r = j * S + i
+            length = min(C, slen - r * C)
+            vals = out[x, :length]
+            if not np.isfinite(vals).all():  # the same rule as for a data packet
+                self.rejected[R["nonfinite"]] += 1
+                continue
+            if ph == PHASE_GRAD:
+                st.acc.add(s, r * C, vals)
+            else:
+                st.vseen[s][r] = True
+                st.vals[base + r * C: base + r * C + length] = vals
+            st.got[ph, s] += 1
+            st.recovered[ph] += 1
 
     # ---- sending --------------------------------------------------------------------------
     def _rows(self, phase: int, shard: int, values: np.ndarray,
@@ -410,6 +552,51 @@ class LossyCollective:
         pay[:full] = values[: full * C].reshape(full, C)
         if full < nc:
             pay[full, : values.size - full * C] = values[full * C:]
+        self.wire.seal_rows(rows, lengths)
+        return rows, lengths
+
+    def _link_loss(self, dest: int) -> float:
+        """The loss rate that ``dest`` reports on our packets to it (the upper estimate of
+        ``copies.LossEstimator``, fed back in its markers); ``fec_initial_loss`` until then."""
+        p = self._gpol.reported[dest]
+        return self.fec_initial_loss if p is None else p
+
+    def _parity(self, phase: int, shard: int, values: np.ndarray, dests: list[int],
+                hint_us: int) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], dict[int, int]]:
+        """Parity packets of ``values`` (shard ``shard``'s elements) for each destination, sized
+        from that link's loss; destinations with the same geometry share the packets (their
+        headers do not name the receiver). Returns (send plan, parity packets per dest)."""
+        plan: list[tuple[np.ndarray, np.ndarray, int]] = []
+        counts = {d: 0 for d in dests}
+        if self.fec_mode != "rs":
+            return plan, counts
+        n = self.layout.n_chunks(shard)
+        run = self.transport.gso_segments
+        made: dict[fec.Stripes, tuple[np.ndarray, np.ndarray]] = {}
+        for d in dests:
+            geo = fec.plan(n, self._link_loss(d), self.fec_target, run)
+            if geo is None:
+                continue
+            if geo not in made:
+                made[geo] = self._parity_rows(phase, shard, values, geo, hint_us)
+            rows, lengths = made[geo]
+            plan.append((rows, lengths, d))
+            counts[d] = len(lengths)
+        return plan, counts
+
+    def _parity_rows(self, phase: int, shard: int, values: np.ndarray, geo: fec.Stripes,
+                     hint_us: int) -> tuple[np.ndarray, np.ndarray]:
+        par = fec.encode(values, self.chunk, geo)
+        q = par.shape[0]
+        rows = np.zeros((q, self.slot), np.uint8)
+        lengths = np.full(q, self.chunk, np.int64)
+        h = np.zeros(q, HEADER)
+        h["magic"], h["phase"], h["flags"] = MAGIC, phase, FLAG_PARITY
+        h["job"], h["round"], h["sender"], h["shard"] = self.wire.job, self.round, self.rank, shard
+        h["offset"], h["length"], h["hint"] = np.arange(q), self.chunk, hint_us
+        h["fb"], h["copies"] = geo.S, geo.m
+        rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(q, HEADER_BYTES)
+        rows[:, HEADER_BYTES: HEADER_BYTES + 4 * self.chunk] = par.view(np.uint8)
         self.wire.seal_rows(rows, lengths)
         return rows, lengths
 
@@ -452,7 +639,7 @@ class LossyCollective:
         return sent, want
 
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,
-                      copies: dict[int, int]) -> int:
+                      copies: dict[int, int], parity: dict[int, int] | None = None) -> int:
         pkts = []
         for d, c in counts.items():
             shard = d if phase == PHASE_GRAD else self.rank
@@ -460,7 +647,8 @@ class LossyCollective:
             fb = FB_UNKNOWN if est is None else int(round(est * FB_SCALE))
             pkts.append((d, self.wire.packet(phase, self.round, shard, c,
                                              np.zeros(0, np.float32), flags=FLAG_END,
-                                             hint=hint_us, fb=fb, copies=copies.get(d, 1))))
+                                             hint=hint_us, fb=fb, copies=copies.get(d, 1),
+                                             length=(parity or {}).get(d, 0))))
         if not pkts:
             return 0
         slot = max(len(p) for _, p in pkts)
@@ -618,9 +806,19 @@ class LossyCollective:
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
         sent, want = self._send_copies(plan, self._gpol)
-        sent += self._send_markers(PHASE_GRAD, counts, hint, want)
+        # parity after all the data: a receiver decodes a stripe once k of its packets are in
+        par_plan: list[tuple[np.ndarray, np.ndarray, int]] = []
+        npar: dict[int, int] = {}
+        for k in range(1, self.world):
+            d = (self.rank + k) % self.world
+            pp, cnt = self._parity(PHASE_GRAD, d, flat[b[d]: b[d + 1]], [d], hint)
+            par_plan += pp
+            npar.update(cnt)
+        sent += self._send(par_plan)
+        sent += self._send_markers(PHASE_GRAD, counts, hint, want, npar)
         out = self._wait(PHASE_GRAD, t0)
         out.sent, out.copies = sent, max(want.values(), default=1)
+        out.parity, out.recovered = sum(npar.values()), int(st.recovered[PHASE_GRAD])
         return st.acc.average(), out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray) -> tuple[np.ndarray,
@@ -634,10 +832,14 @@ class LossyCollective:
         rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
         sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol)
-        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint, want)
+        par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint)
+        sent += self._send(par_plan)
+        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint, want,
+                                   npar)
         ps = self._wait(PHASE_VALUE, t0)
         ps.sent, ps.copies = sent, max(want.values(), default=1)
         st = self._rounds[self.round % ROUNDS_OPEN]
+        ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
         mask = np.zeros(self.layout.numel, bool)
         b = self.layout.bounds
         for s in range(self.world):

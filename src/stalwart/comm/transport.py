@@ -138,6 +138,7 @@ class UdpTransport:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.send_errors = 0
+        self.bytes_sent = 0  # UDP payload bytes handed to the kernel (all datagrams)
         self.recv_batches = 0
         self.handler_errors = 0
         self.last_error: BaseException | None = None
@@ -222,7 +223,9 @@ class UdpTransport:
                 self.send_errors += 1  # e.g. EPERM from a firewall: skip this datagram
                 i += 1
                 continue
-            nbytes += int(sizes[i:i + r].sum())
+            chunk_bytes = int(sizes[i:i + r].sum())
+            nbytes += chunk_bytes
+            self.bytes_sent += chunk_bytes
             sent += int(counts[i:i + r].sum())
             i += r
             if self.pace > 0:

@@ -74,6 +74,8 @@ PHASE_VALUE = 1  # an owner's values of its shard, sent to everyone (broadcast)
 PHASE_NORM = 2  # an owner's squared norm of its averaged shard (global gradient clipping)
 PHASES = (PHASE_GRAD, PHASE_VALUE, PHASE_NORM)
 FLAG_END = 1
+FLAG_PARITY = 2  # a parity packet of the phase's erasure code (``fec.py``)
+MAX_BLOCKS = 256  # data + parity packets of one stripe (GF(2^8))
 
 # reject reasons (index into REASONS); 0 = accepted
 OK = 0
@@ -157,12 +159,14 @@ class Wire:
 
     def packet(self, phase: int, rnd: int, shard: int, offset: int, payload: np.ndarray,
                flags: int = 0, hint: int = 0, sender: int | None = None,
-               fb: int = FB_UNKNOWN, copies: int = 0) -> bytes:
-        """One sealed packet as bytes (for tests, markers and tools; the hot path uses rows)."""
+               fb: int = FB_UNKNOWN, copies: int = 0, length: int | None = None) -> bytes:
+        """One sealed packet as bytes (for tests, markers and tools; the hot path uses rows).
+        ``length`` overrides the header's length field (a marker's parity count)."""
         payload = np.ascontiguousarray(payload, dtype="<f4")
         hdr = np.zeros(1, HEADER)
         hdr[0] = (MAGIC, phase, flags, self.job, rnd & 0xFFFFFFFF,
-                  self.me if sender is None else sender, shard, offset, payload.size, hint,
+                  self.me if sender is None else sender, shard, offset,
+                  payload.size if length is None else length, hint,
                   fb, copies, self._take_seq(1))
         body = hdr.tobytes() + payload.tobytes()
         return body + self.tag(_nonces(hdr).tobytes(), body)
@@ -191,7 +195,9 @@ class Wire:
         length = hdr["length"].astype(np.int64)
         bad = (sizes < OVERHEAD) | (sizes > slot) | (hdr["magic"] != MAGIC)
         bad |= (hdr["job"] != self.job) | (length > slot)
-        bad |= sizes != OVERHEAD + 4 * length
+        # a marker has no payload (its ``length`` counts the parity packets it announces)
+        is_end = hdr["flags"] == FLAG_END
+        bad |= sizes != np.where(is_end, OVERHEAD, OVERHEAD + 4 * length)
         reasons[bad] = R["malformed"]
         if placed is not None:
             idx = np.flatnonzero(reasons == 0)
@@ -227,17 +233,29 @@ class Wire:
         offset = hdr["offset"].astype(np.int64)
         want_shard = np.where(phase == PHASE_GRAD, self.me, sender)
         ok = (phase <= PHASE_NORM) & (shard == want_shard)
-        ok &= (flags == 0) | (flags == FLAG_END)
+        ok &= (flags == 0) | (flags == FLAG_END) | (flags == FLAG_PARITY)
         slen = self.shard_lens[np.clip(shard, 0, self.world - 1)]
+        nch = -(-slen // self.chunk)
         is_end = flags == FLAG_END
+        is_par = flags == FLAG_PARITY
         data_ok = (offset % self.chunk == 0) & (offset < slen)
         data_ok &= length == np.minimum(self.chunk, slen - offset)
         data_ok = np.where(phase == PHASE_NORM, (offset == 0) & (length == 1), data_ok)
-        ok &= np.where(is_end, (length == 0) & (phase != PHASE_NORM), data_ok)
+        # parity: fb = stripes S, copies = parity rows m, offset = parity packet index; the
+        # geometry must be a valid code (k + m <= 256, at most 2x the data in parity)
+        n_s = hdr["fb"].astype(np.int64)
+        m_p = hdr["copies"].astype(np.int64)
+        k_p = -(-nch // np.maximum(n_s, 1))
+        par_ok = (phase != PHASE_NORM) & (n_s >= 1) & (n_s <= nch) & (m_p >= 1)
+        par_ok &= (k_p + m_p <= MAX_BLOCKS) & (m_p * n_s <= 2 * nch + n_s)
+        par_ok &= (offset < m_p * n_s) & (length == self.chunk)
+        end_ok = (phase != PHASE_NORM) & (length <= 2 * nch + MAX_BLOCKS)
+        ok &= np.where(is_end, end_ok, np.where(is_par, par_ok, data_ok))
         reasons[live & ~ok] = R["bad_range"]
         live = reasons == 0
-        # payload must be finite (a NaN from a broken or hostile peer would poison the average)
-        check = live & ~is_end
+        # payload must be finite (a NaN from a broken or hostile peer would poison the average);
+        # parity is arbitrary bytes: what it rebuilds is checked instead (``collective``)
+        check = live & ~is_end & ~is_par
         if check.any():
             idx = np.flatnonzero(check)
             width = (slot - HEADER_BYTES) // 4

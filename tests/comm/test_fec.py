@@ -1,0 +1,164 @@
+"""Erasure-coded phases: the Reed-Solomon coder, the parity planner, parity packets on the wire,
+and the real UDP collective rebuilding chunks lost in bursts."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from inproc import make_group, run_threads
+
+from stalwart.comm import fec
+from stalwart.comm.collective import LossyCollective
+from stalwart.comm.layout import Layout
+from stalwart.comm.wire import FLAG_END, FLAG_PARITY, HEADER, HEADER_BYTES, PHASE_GRAD, R, Wire
+
+
+def _blocks(values: np.ndarray, chunk: int, geo: fec.Stripes) -> np.ndarray:
+    pad = np.zeros(geo.k * geo.S * chunk, np.float32)
+    pad[: values.size] = values
+    return pad.reshape(geo.k * geo.S, chunk)
+
+
+def _rebuild(blocks: np.ndarray, par: np.ndarray, geo: fec.Stripes, i: int,
+             lost: list[int], lost_par: list[int]) -> np.ndarray:
+    """Decode stripe i with data members ``lost`` and parity rows ``lost_par`` missing."""
+    k, S = geo.k, geo.S
+    prow = [j for j in range(geo.m) if j not in lost_par][: len(lost)]
+    known = [j for j in range(k) if j not in lost]
+    src = [blocks[j * S + i].ctypes.data for j in known]
+    src += [par[j * S + i].ctypes.data for j in prow]
+    coef = fec.decode_matrix(k, geo.m, lost, prow)
+    return fec.decode(coef, np.array(src, np.uint64), blocks.shape[1] * 4).view(np.float32)
+
+
+def test_every_erasure_pattern_up_to_m_is_rebuilt_exactly() -> None:
+    rng = np.random.default_rng(0)
+    chunk, geo = 7, fec.Stripes(n=14, S=3, m=3)  # k = 5, the last stripe has a virtual member
+    values = rng.standard_normal(14 * chunk - 3).astype(np.float32)  # short last chunk
+    par = fec.encode(values, chunk, geo)
+    blocks = _blocks(values, chunk, geo)
+    for i in range(geo.S):
+        for e in range(1, geo.m + 1):
+            for lost in itertools.combinations(range(geo.k), e):
+                for lost_par in itertools.combinations(range(geo.m), geo.m - e):
+                    out = _rebuild(blocks, par, geo, i, list(lost), list(lost_par))
+                    for x, j in enumerate(lost):
+                        assert np.array_equal(out[x], blocks[j * geo.S + i]), (i, lost, lost_par)
+
+
+def test_large_code_rebuilds_a_burst_and_native_equals_numpy(monkeypatch) -> None:
+    rng = np.random.default_rng(1)
+    chunk, geo = 354, fec.Stripes(n=700, S=4, m=40)  # k = 175
+    values = rng.standard_normal(700 * chunk).astype(np.float32)
+    par = fec.encode(values, chunk, geo)
+    blocks = _blocks(values, chunk, geo)
+    lost = list(range(60, 100))  # 40 consecutive members of stripe 2
+    out = _rebuild(blocks, par, geo, 2, lost, [])
+    assert all(np.array_equal(out[x], blocks[j * 4 + 2]) for x, j in enumerate(lost))
+    # the numpy arithmetic (the fallback, and the reference) gives the same bytes
+    small = fec.Stripes(n=12, S=2, m=3)
+    v = rng.standard_normal(12 * 16).astype(np.float32)
+    native = fec.encode(v, 16, small)
+    monkeypatch.setattr(fec, "_ISAL", None)
+    assert np.array_equal(fec.encode(v, 16, small).view(np.uint32), native.view(np.uint32))
+
+
+def test_gf_inverse_and_cauchy_submatrices() -> None:
+    a = fec.cauchy(6, 4)
+    for rows in itertools.combinations(range(4), 3):
+        sub = a[np.ix_(list(rows), [0, 2, 5])]
+        assert np.array_equal(fec.gf_matmul(fec.gf_invert(sub), sub), np.eye(3, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("n", [14, 85, 470, 2960])
+def test_plan_meets_the_target_within_bounds_and_grows_with_loss(n: int) -> None:
+    target, last = 2e-5, 0
+    for p in (1e-4, 1e-3, 0.01, 0.05, 0.1, 0.2):
+        for run in (1, 8):
+            geo = fec.plan(n, p, target, run)
+            assert geo is not None and geo.valid() and geo.k + geo.m <= 256
+            assert geo.parity <= 2 * n + geo.S
+            b = -(-run // geo.S) if geo.S < run else 1
+            if fec.residual(geo.k, geo.m, fec._bucket(p), b) > target:
+                # out of reach within 2x parity (tiny phases in runs): the most protection
+                assert geo.parity >= 2 * n - geo.S, (n, p, run, geo)
+        geo = fec.plan(n, p, target, 1)
+        assert geo.parity >= last  # more loss, never less parity
+        last = geo.parity
+    assert fec.plan(n, 1e-6, target) is None  # below the target: no parity at all
+
+
+def test_residual_matches_a_direct_count() -> None:
+    # k=4, m=2, p=0.3: a given packet is lost after decoding iff it is lost and >= 2 of the
+    # other 5 are -- enumerate all 2**6 patterns
+    k, m, p = 4, 2, 0.3
+    direct = 0.0
+    for pat in itertools.product([0, 1], repeat=k + m):
+        if pat[0] and sum(pat) > m:
+            direct += p ** sum(pat) * (1 - p) ** (k + m - sum(pat))
+    assert fec.residual(k, m, p) == pytest.approx(direct, rel=1e-9)
+
+
+def test_parity_packets_pass_the_parser_and_bad_geometry_is_rejected() -> None:
+    lay = Layout(numel=400, world=2, chunk=8)  # 25 chunks per shard
+    rx = Wire(bytes(32), 3, 2, 0, lay.shard_lens, 8)
+    tx = Wire(bytes(32), 3, 2, 1, lay.shard_lens, 8)
+    garbage = np.frombuffer(np.array([0x7FC00000] * 8, np.uint32).tobytes(), np.float32)
+
+    def par(S: int, m: int, q: int, length: int = 8) -> int:
+        pkt = tx.packet(PHASE_GRAD, 0, 0, q, garbage[:length], flags=FLAG_PARITY, fb=S,
+                        copies=m)
+        return rx.check_one(pkt, 1, 0)[1]
+
+    assert par(5, 3, 14) == R["ok"]  # NaN bit patterns are fine in parity
+    assert par(5, 3, 15) == R["bad_range"]  # index past m*S
+    assert par(0, 3, 0) == R["bad_range"]  # no stripes
+    assert par(26, 1, 0) == R["bad_range"]  # more stripes than packets
+    assert par(1, 240, 0) == R["bad_range"]  # k + m > 256
+    assert par(5, 3, 0, length=7) == R["bad_range"]  # parity is a whole chunk
+
+
+class Bursty(LossyCollective):
+    """Drops data and parity datagrams in bursts of ``BURST`` consecutive arrivals out of every
+    ``PERIOD`` (16% loss, all of it in bursts), before the handler sees them."""
+
+    PERIOD, BURST = 50, 8
+
+    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
+        n = rows.shape[0]
+        hdr = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER).reshape(n)
+        count = getattr(self, "count", 0)
+        drop = ((count + np.arange(n)) % self.PERIOD < self.BURST) & (hdr["flags"] != FLAG_END)
+        self.count = count + n
+        self.dropped = getattr(self, "dropped", 0) + int(drop.sum())
+        super()._on_batch(rows[~drop], sizes[~drop], src_ok[~drop])
+
+
+@pytest.mark.parametrize("mode", ["rs", "none"])
+def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str) -> None:
+    world, numel = 3, 120_000
+    group = make_group(world, numel, cls=Bursty, fec_mode=mode, cap=2.0)
+    try:
+        lost = recovered = 0
+        for it in range(3):
+            xs = [np.arange(numel, dtype=np.float32) * 1e-3 + 2.0 ** r + it for r in range(world)]
+            outs = run_threads([lambda c=c, x=x: c.allreduce(x)
+                                for c, x in zip(group, xs, strict=True)])
+            assert not any(isinstance(o, BaseException) for o in outs), outs
+            exact = sum(xs) / world
+            for out, phases in outs:
+                lost += sum(p.lost for p in phases)
+                recovered += sum(p.recovered for p in phases)
+                if mode == "rs":
+                    np.testing.assert_allclose(out, exact, rtol=1e-6)
+        assert all(c.dropped > 100 for c in group)  # the bursts really dropped packets
+        if mode == "rs":
+            assert lost == 0 and recovered > 100
+            assert all(c.bad_packets() == 0 for c in group)
+        else:
+            assert lost > 100 and recovered == 0
+    finally:
+        for c in group:
+            c.close()
