@@ -74,25 +74,51 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--halt-at", type=int, default=None,
                    help="stop after this step as if preempted (to try --resume)")
     p.add_argument("--mtu", type=int, default=d.mtu, help="testbed link MTU (default 1500)")
-    p.add_argument("--no-detect", dest="detect", action="store_false",
+    p.add_argument("--script", default=None, metavar="PATH",
+                   help="run your own torchrun script as the ranks instead of stalwart's GPT "
+                        "(its arguments after --); see docs/testbed.md")
+    p.add_argument("--detect", dest="detect", action="store_const", const=True, default=None,
+                   help="run the straggler monitor (default: on for stalwart's workload; a "
+                        "--script run gets it only when asked, without changing the script)")
+    p.add_argument("--no-detect", dest="detect", action="store_const", const=False,
                    help="do not run the straggler monitor")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
+def resolve_run_args(args: dict, script_args: list[str] | None = None) -> dict:
+    """Parsed run options -> RunConfig fields: the monitor's default depends on the workload
+    (a user's script gets it only with --detect), arguments after -- go to the script."""
+    if args.get("detect") is None:
+        args["detect"] = args.get("script") is None
+    args["script_args"] = list(script_args or [])
+    return args
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """`run ... -- A B` -> (`run ...`, [A, B]); (argv, None) without `--`."""
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def config_from_run_args(argv: list[str]) -> RunConfig:
     p = _Parser(prog="stalwart run")
     add_run_args(p)
+    argv, script_args = split_script_args(argv)
     args = vars(p.parse_args(argv))
     args.pop("no_progress")
-    return RunConfig(**args)
+    return RunConfig(**resolve_run_args(args, script_args))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stalwart", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="train the reference GPT on N ranks")
+    run = sub.add_parser("run", help="train the reference GPT (or run your own script: "
+                                     "--script PATH -- ARGS) on N ranks",
+                         usage="stalwart run [options] [--script PATH [-- SCRIPT ARGS]]")
     add_run_args(run)
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
@@ -112,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _cmd_run(args: argparse.Namespace, script_args: list[str] | None = None) -> int:
     from stalwart.launch import launch
 
     show = not args.__dict__.pop("no_progress")
     args.__dict__.pop("cmd")
-    cfg = RunConfig(**vars(args))
+    cfg = RunConfig(**resolve_run_args(vars(args), script_args))
     return launch(cfg, show_progress=show)
 
 
@@ -174,10 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     # that does not stop is waiting
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = None
+    if argv[:1] == ["run"]:
+        # everything after `--` belongs to the user's script, never to argparse
+        argv, script_args = split_script_args(argv)
     args = build_parser().parse_args(argv)
     handler = {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
                "testbed": _cmd_testbed}[args.cmd]
     try:
+        if args.cmd == "run":
+            return _cmd_run(args, script_args)
         return handler(args)
     except ConfigError as e:
         print(f"stalwart: error: {e}", file=sys.stderr)

@@ -71,6 +71,10 @@ class RunConfig:
     # "auto" caps when CPU faults are scheduled; "off" never (hosts borrow idle cores)
     cpu_cap: str = "auto"
     detect: bool = True  # run the straggler monitor inside each rank
+    # a user's own torchrun script run as the ranks instead of stalwart's workload
+    # (``stalwart run --script PATH -- ARGS``; see stalwart.script)
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
     threads: int = 1  # torch threads per rank (ranks share the machine's cores)
     max_data_bytes: int = 16 * 1024 * 1024
 
@@ -175,6 +179,10 @@ class RunConfig:
         hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
             parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
+        if self.script is not None or self.script_args:
+            from stalwart.script import validate_script_run
+
+            validate_script_run(self)
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------

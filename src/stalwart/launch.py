@@ -1,13 +1,20 @@
 """Start N ranks on this machine (or inside testbed hosts), supervise them, stop them cleanly.
 
 What it guarantees:
-- every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-  MASTER_PORT, ...), so the same entry point also runs under torchrun for multi-node jobs;
+- every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, ...), as torchrun
+  would set it for this layout -- on ``netns`` every rank is alone on its emulated host
+  (LOCAL_RANK 0, GROUP_RANK = the host), locally all ranks share one node -- plus
+  STALWART_HOST_ADDR, the address its sockets should bind; so the same entry point also runs
+  under torchrun for multi-node jobs, and a user's torchrun script (``--script``, script.py)
+  runs here unchanged;
 - if one rank dies, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
   the launcher returns non-zero naming the rank and the last line of its error; nothing hangs;
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
-- the testbed's fault schedule follows training progress, read from metrics.jsonl.
+- the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
+  script: the monitor's iterations, iterations.jsonl), and the clock: seconds since the ranks
+  were first started.
 
 Each rank's stdout/stderr go to logs/rank-R.log; the terminal shows one progress display.
 """
@@ -30,6 +37,7 @@ from stalwart.config import ConfigError, RunConfig, check_writable
 from stalwart.mitigate.rebalance import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
+from stalwart.script import ITERATIONS, ScriptProgress, first_errors
 
 GRACE_S = 3.0
 POLL_S = 0.1
@@ -89,11 +97,15 @@ def _describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def _blame_order(failure: tuple[int, int]) -> tuple[bool, bool, int]:
+def _blame_order(failure: tuple[int, int],
+                 raised_at: float | None = None) -> tuple[bool, bool, float, int]:
     """Sort key over (rank, exit code): a rank killed by an outside signal first, then one that
-    exited with an error, and last a SIGABRT, which is how peers of a dead rank usually end."""
+    exited with an error -- the one whose script raised first when that is known (a script
+    run's ranks record it) -- and last a SIGABRT, which is how peers of a dead rank usually
+    end."""
     rank, code = failure
-    return (code == -signal.SIGABRT, code > 0, rank)
+    return (code == -signal.SIGABRT, code > 0,
+            raised_at if raised_at is not None else float("inf"), rank)
 
 
 def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
@@ -122,20 +134,27 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     run_dir = prepare_run_dir(cfg)
     events = EventLog(run_dir)
     say = on_line or (lambda s: print(s, flush=True))
-    progress = Progress(cfg, run_dir, enabled=show_progress)
+    if cfg.script is not None:
+        # a user's script as the ranks: its bootstrap reads the script from config.json
+        module, args = "stalwart.scriptboot", None
+        progress: Any = ScriptProgress(cfg, run_dir, enabled=show_progress)
+    else:
+        progress = Progress(cfg, run_dir, enabled=show_progress)
     procs: dict[int, subprocess.Popen] = {}
     rc = 1
     events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
-               resume=cfg.resume)
+               resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
     try:
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
             all_hosts = list(range(cfg.nproc))
+            clock0 = time.monotonic()  # fault windows in seconds count from here
+            tb.on_time(0.0)
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
-                procs = _spawn(cfg, tb, run_dir, module, args, port)
+                procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation)
                 rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step,
-                                restart_t0)
+                                restart_t0, clock0)
                 if rc != RESTART_EXIT:
                     break
                 # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
@@ -156,7 +175,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
         progress.close()
     if rc != 130:
         events.log("run_finished", ok=rc == 0, exit_code=rc)
-    if module == "stalwart.train.worker":
+    if module in ("stalwart.train.worker", "stalwart.scriptboot"):
         try:
             from stalwart.report import build_report
 
@@ -169,16 +188,32 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     return rc
 
 
+def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: str,
+                 port: int, run_id: str, restarts: int = 0) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `nproc`: with one host per rank (netns),
+    as ``torchrun --nnodes N --nproc-per-node 1``; otherwise as ``--nproc-per-node N``."""
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(nproc),
+        "LOCAL_RANK": "0" if one_host_per_rank else str(rank),
+        "LOCAL_WORLD_SIZE": "1" if one_host_per_rank else str(nproc),
+        "GROUP_RANK": str(rank) if one_host_per_rank else "0",
+        "GROUP_WORLD_SIZE": str(nproc) if one_host_per_rank else "1",
+        "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restarts),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
 def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
-           port: int) -> dict[int, subprocess.Popen]:
+           port: int, incarnation: int = 0) -> dict[int, subprocess.Popen]:
     """One process per rank, inside its host (the testbed's prefix), with torchrun's env."""
     procs: dict[int, subprocess.Popen] = {}
     for r in range(cfg.nproc):
         env = {
             **os.environ,
-            "RANK": str(r), "WORLD_SIZE": str(cfg.nproc),
-            "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.nproc),
-            "MASTER_ADDR": tb.master_addr, "MASTER_PORT": str(port),
+            **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
+                           run_dir.name, incarnation),
             "STALWART_RUN_DIR": str(run_dir.resolve()),
             "OMP_NUM_THREADS": str(cfg.threads),
             **tb.env(r),
@@ -222,12 +257,13 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
 
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
                progress: Progress, events: EventLog, say: Callable[[str], None],
-               first_step: int = 0, restart_t0: float | None = None) -> int:
+               first_step: int = 0, restart_t0: float | None = None,
+               clock0: float | None = None) -> int:
     tb.on_step(first_step)  # type: ignore[attr-defined]
     probe = _start_probe(cfg, tb, run_dir)
     try:
         return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
-                      probe)
+                      probe, time.monotonic() if clock0 is None else clock0)
     finally:
         if probe is not None:
             probe.close()
@@ -247,14 +283,16 @@ def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
 
 def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
            progress: Progress, events: EventLog, say: Callable[[str], None],
-           first_step: int, restart_t0: float | None, probe: Any) -> int:
-    metrics_tail = JsonlTail(run_dir / METRICS)
+           first_step: int, restart_t0: float | None, probe: Any, clock0: float) -> int:
+    # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
+    metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
     events_tail = JsonlTail(run_dir / EVENTS)
     next_step = first_step
     restart_s: float | None = None
     recent: list[float] = []
     declined_logged = False
     while True:
+        tb.on_time(time.monotonic() - clock0)
         for m in metrics_tail.poll():
             progress.on_metric(m)
             tb.observe(m)
@@ -280,10 +318,12 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
         if failed:
             # When one rank dies its peers abort soon after (gloo raises, torch calls abort()),
             # and one poll may see several: name the likely cause, not the lowest rank.
-            r, code = min(failed, key=_blame_order)
+            raised = first_errors(run_dir) if cfg.script else {}
+            r, code = min(failed, key=lambda f: _blame_order(f, raised.get(f[0], {}).get("time")))
             _stop_all(procs)
             progress.close()
-            why = _last_error_line(run_dir / LOGS / f"rank-{r}.log")
+            why = raised.get(r, {}).get("error") or _last_error_line(
+                run_dir / LOGS / f"rank-{r}.log")
             events.log("rank_failed", rank=r, exit_code=code, error=why, step=next_step)
             say(f"stalwart: rank {r} failed ({_describe_exit(code)}): {why or 'no output'} "
                 f"[log: {run_dir / LOGS / f'rank-{r}.log'}]")
