@@ -1,5 +1,5 @@
 """Builds report.html: a summary, the event log, mitigation's actions and the plots of one run
-directory."""
+directory (a ``--script`` run's page comes from report/script.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from stalwart.report import mitigation
+from stalwart.report import mitigation, script
 from stalwart.report.plots import all_plots
 from stalwart.rundir import RunData, atomic_write_text
 
@@ -47,6 +47,11 @@ def _table(rows: dict[str, object]) -> str:
 def build_report(run_dir: str | Path) -> Path:
     """(Re)build run_dir/report.html and its PNGs; returns the report's path."""
     run = RunData.load(run_dir)
+    if script.is_script_run(run):
+        # a user's script: no metrics.jsonl; the monitor's iterations and the events instead
+        out = run.path / "report.html"
+        atomic_write_text(out, script.build_page(run))
+        return out
     plots = all_plots(run, run.path)
     events = [e for e in run.events if e.get("event") in SHOWN_EVENTS]
     ev_rows = "".join(
