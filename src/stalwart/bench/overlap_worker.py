@@ -43,7 +43,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--profile-reps", type=int, default=2)
+    p.add_argument("--defer-wgrad", type=int, default=1, help="split backward for si (0/1)")
+    p.add_argument("--wgrad-memory", type=float, default=0.05,
+                   help="deferred weight-gradient bytes, x one micro-batch's activations")
+    p.add_argument("--chunks", type=int, default=1, help="chunked collectives for si")
     p.add_argument("--tag", default="bench")
+    p.add_argument("--trace", action="store_true",
+                   help="after the timed steps, one traced step per schedule: every "
+                        "collective's issue, completion and wait times (monotonic clock)")
     return p.parse_args(argv)
 
 
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(a.micro_batches)]
         scheds = a.schedules.split(",")
         execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps,
-                                measure_memory=True)
+                                measure_memory=True, defer_wgrad=bool(a.defer_wgrad),
+                                wgrad_memory=a.wgrad_memory, chunks=a.chunks)
                  for s in scheds}
         t0 = time.perf_counter()
         if "si" in execs:
@@ -84,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
                 wall = time.perf_counter() - t
                 steps[s].append({"wall": wall, "loss": loss, "bytes": comm.ledger.bytes,
                                  **timings})
+        traces = {}
+        if a.trace:
+            for s in scheds:
+                comm.trace = []
+                dist.barrier()
+                t = time.perf_counter()
+                execs[s].forward_backward(mbs)
+                traces[s] = {"t0": t, "t1": time.perf_counter(), "collectives": [
+                    [p.t_issue, p.t_done, *(p.t_wait or (None, None)),
+                     p.tensor.numel() * p.tensor.element_size()] for p in comm.trace]}
+            comm.trace = None
         plan = execs["si"].plan if "si" in execs else None
         stream = execs["si"].stream_steps(a.micro_batches) if "si" in execs else None
         predicted = execs["si"].predicted_step_time(a.micro_batches) if "si" in execs else None
@@ -97,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "stream_steps": stream,
                                                "predicted_step_time": predicted},
             "steps": steps,
+            "traces": traces,
         }
         (run_dir / f"{a.tag}-rank-{rank}.json").write_text(json.dumps(out))
         dist.barrier()

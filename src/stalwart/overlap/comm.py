@@ -28,10 +28,12 @@ collective in flight across the fold may lose the gaps it spanned from its lengt
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,10 @@ class Pending:
     t_issue: float
     t_done: float | None = None
     waited: bool = False
+    # a chunked collective: its pieces (each recorded in the ledger on its own); t_issue is
+    # the last piece's issue, t_done the last completion
+    parts: list[Pending] = field(default_factory=list)
+    t_wait: tuple[float, float] | None = None  # when a waiter blocked on it, and until when
 
     def is_done(self) -> bool:
         return self.work is None or self.t_done is not None
@@ -145,6 +151,18 @@ class TPComm:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.mode = mode
         self.ledger = CommLedger()
+        # Completion stamps from gloo's own thread (a Python callback on the work's future).
+        # That callback needs the GIL, which the computing strand holds for whole ATen ops:
+        # gloo's worker thread then stalls in the callback, and the collectives queued behind
+        # it with it. Strand execution turns them off and stamps completion when it polls.
+        self.completion_callbacks = True
+        # Chunked collectives: ``start_matmul`` produces its product in this many row blocks
+        # and issues each block's all-reduce as soon as it is computed (1: one piece).
+        self.chunks = 1
+        # Split backward: the deferred weight-gradient queue (wgrad.WGradQueue) while a
+        # strand-interleaved step runs, else None (weight gradients computed at once).
+        self.wgrad: Any = None
+        self.trace: list[Pending] | None = None  # every collective issued, when set (bench)
 
     @property
     def mode(self) -> str:
@@ -165,23 +183,53 @@ class TPComm:
         tensor = tensor.contiguous()
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         p = Pending(tensor, work, t0)
+        if self.trace is not None:
+            self.trace.append(p)
         led = self.ledger
         with led.lock:
             led.count += 1
             led.bytes += tensor.numel() * tensor.element_size()
             led.issued(p)
 
-        work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
+        if self.completion_callbacks:
+            work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
         if self.mode == "sync":
             self._wait(p)
         return p
 
+    def start_matmul(self, a: torch.Tensor, b: torch.Tensor) -> Pending:
+        """Issue the sum all-reduce of ``a @ b`` (a: (..., K), b: (K, N)).
+
+        With ``chunks`` > 1 the product is computed in row blocks (rows = all of `a`'s leading
+        dimensions) and each block's all-reduce is issued as soon as the block exists, so the
+        transfer of one block overlaps the GEMM of the next (chunked collectives, as in async
+        tensor parallelism and FLUX). Every row of the result is the same dot products, so the
+        values equal the unchunked product's (up to the BLAS kernel's blocking).
+        """
+        k = self.chunks
+        rows = a.numel() // a.shape[-1]
+        if k <= 1 or self.world == 1 or rows < 2 * k:
+            return self.start(torch.matmul(a, b))
+        a2 = a.reshape(rows, a.shape[-1])
+        out = torch.empty(rows, b.shape[-1], dtype=torch.result_type(a, b))
+        bounds = [rows * i // k for i in range(k + 1)]
+        parts = []
+        for r0, r1 in itertools.pairwise(bounds):
+            torch.matmul(a2[r0:r1], b, out=out[r0:r1])
+            parts.append(self.start(out[r0:r1]))
+        return Pending(out.view(*a.shape[:-1], b.shape[-1]), parts[-1].work,
+                       parts[-1].t_issue, parts=parts)
+
     def finish(self, p: Pending) -> torch.Tensor:
-        """The reduced tensor. Inside a strand, first hand the baton to the other strand."""
+        """The reduced tensor. Inside a strand, first hand the baton to the other strand; when
+        resumed, run deferred weight-gradient pieces while the collective is still travelling.
+        """
         if not p.waited:
             strand = current_strand()
             if strand is not None:
                 strand.park(p)
+                if self.wgrad is not None:
+                    self.wgrad.fill(lambda: self.poll(p))
             self._wait(p)
         return p.tensor
 
@@ -197,14 +245,36 @@ class TPComm:
     def _wait(self, p: Pending) -> None:
         if p.waited:
             return
+        if p.parts:
+            for q in p.parts:
+                self._wait(q)
+            p.t_done = max(q.t_done or 0.0 for q in p.parts)
+            p.waited = True
+            return
         t0 = time.perf_counter()
         if p.work is not None:
             p.work.wait()
             self._record_done(p)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        p.t_wait = (t0, t1)
         p.waited = True
         with self.ledger.lock:
             self.ledger.exposed += dt
+
+    def poll(self, p: Pending) -> bool:
+        """Whether `p` has completed (stamping its completion time when first seen)."""
+        if p.t_done is not None or p.work is None:
+            return True
+        if p.parts:
+            if all(self.poll(q) for q in p.parts):
+                p.t_done = max(q.t_done or 0.0 for q in p.parts)
+                return True
+            return False
+        if p.work.is_completed():
+            self._record_done(p)
+            return True
+        return False
 
     def wait(self, p: Pending) -> None:
         """Block until `p` is complete (used by the profiler to put a barrier after a step)."""

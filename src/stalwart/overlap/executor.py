@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,12 @@ from stalwart.overlap.plan import (
     make_plan,
     save_plan,
     search,
+    simulate_step,
     stream_profile,
 )
 from stalwart.overlap.profiler import count_segments, profile_pairs
 from stalwart.overlap.strands import Strand, run_plan
+from stalwart.overlap.wgrad import WGradQueue
 
 SCHEDULES = ("off", "async", "si")
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -72,7 +74,8 @@ class Interleaved:
                  loss_fn: LossFn | None = None, dp_group: dist.ProcessGroup | None = None,
                  plan: str | Plan = "auto", plan_path: Path | None = None,
                  profile_reps: int = 3, max_extra_memory: float | None = 0.05,
-                 measure_memory: bool = False) -> None:
+                 measure_memory: bool = False, defer_wgrad: bool = True,
+                 wgrad_memory: float | None = 0.05, chunks: int = 1) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         devs = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
@@ -100,6 +103,13 @@ class Interleaved:
         # the saved-tensor hooks are on only while they are needed: profiling with a memory
         # bound, or every step when measuring
         self._track = measure_memory
+        # split backward (wgrad.py) and chunked collectives (TPComm.start_matmul): "si" only,
+        # the sequential and intra-micro-batch references run as before
+        self.wgrad = WGradQueue() if defer_wgrad and schedule == "si" else None
+        self.wgrad_memory = wgrad_memory
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1 (got {chunks})")
+        self.chunks = chunks if schedule == "si" else 1
 
     # ---- strands ------------------------------------------------------------------------
     def _tracking(self) -> contextlib.AbstractContextManager[None]:
@@ -125,6 +135,8 @@ class Interleaved:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "max_extra_memory": self.max_extra_memory,
+            "defer_wgrad": self.wgrad is not None,
+            "chunks": self.chunks,
         }
 
     def _agree(self, plan: Plan | None) -> bool:
@@ -144,8 +156,10 @@ class Interleaved:
         shapes = [list(t.shape) for t in mb_a]
         if self.plan is not None and self._plan_shapes == shapes:
             return self.plan
-        self.comm.mode = "async"  # strands park at their collectives only when not "sync"
-        m, n = count_segments(lambda: self._fwd_strand(mb_a), self._bwd_strand)
+        with self._configured(filling=False):
+            m, n = count_segments(lambda: self._fwd_strand(mb_a), self._bwd_strand)
+            if self.wgrad is not None:
+                self.wgrad.clear()
         sig = self.signature(mb_a, m, n)
         self._plan_shapes = shapes
         if self.plan is not None and self.plan.signature == sig:
@@ -159,9 +173,11 @@ class Interleaved:
         bound = self.max_extra_memory is not None
         self._track = bound or self.measure_memory
         try:
-            prof = profile_pairs(self.comm, lambda: self._fwd_strand(next(mbs)),
-                                 self._bwd_strand, m, n, reps=self.profile_reps,
-                                 live_bytes=(lambda: self.meter.live) if bound else None)
+            with self._configured(filling=False):
+                prof = profile_pairs(self.comm, lambda: self._fwd_strand(next(mbs)),
+                                     self._bwd_strand, m, n, reps=self.profile_reps,
+                                     live_bytes=(lambda: self.meter.live) if bound else None,
+                                     wgrad=self.wgrad)
         finally:
             self._track = self.measure_memory
         plan = make_plan(sig, prof, self.max_extra_memory)
@@ -190,14 +206,15 @@ class Interleaved:
         if self.schedule == "si" and len(micro_batches) > 1 and self.plan_source != "given":
             self.ensure_plan(micro_batches)
         self._zero_grads()
-        self.comm.mode = "sync" if self.schedule == "off" else "async"
         led = self.comm.ledger
         led.reset()
         self.meter.reset_peak()
         scale = 1.0 / len(micro_batches) if micro_weight is None else micro_weight
         t0 = time.perf_counter()
-        with self._tracking():
+        with self._tracking(), self._configured():
             losses = self._run(micro_batches, scale)
+            if self.wgrad is not None:
+                self.wgrad.flush()  # every deferred weight gradient, before anyone reads .grad
         dp_time = self._reduce_dp()
         wall = time.perf_counter() - t0
         exposed = led.exposed + dp_time
@@ -210,7 +227,41 @@ class Interleaved:
         }
         if self.measure_memory:
             timings["act_peak_bytes"] = float(self.meter.peak)
+        if self.wgrad is not None:
+            timings["wgrad_filled"] = self.wgrad.fill_time
+            timings["wgrad_flushed"] = self.wgrad.flush_time
         return sum(losses) / len(losses), timings
+
+    @contextlib.contextmanager
+    def _configured(self, filling: bool = True) -> Iterator[None]:
+        """Set the shared ``TPComm`` up for this executor's schedule for the block's duration
+        (several executors may share one comm: the benchmark runs three over one model)."""
+        comm, q = self.comm, self.wgrad
+        comm.mode = "sync" if self.schedule == "off" else "async"
+        # no completion callbacks under strands: they would stall gloo's thread on the GIL
+        comm.completion_callbacks = self.schedule != "si"
+        comm.chunks = self.chunks
+        comm.wgrad = q
+        if q is not None:
+            # the queue's bytes (its tasks' x and g) count against memory too: at most
+            # wgrad_memory x one micro-batch's activations, once a profile says how much that is
+            unit = Profile(**self.plan.profile).unit() if self.plan is not None else 0.0
+            q.max_bytes = (self.wgrad_memory * unit
+                           if self.wgrad_memory is not None and unit > 0 else None)
+            q.clear()
+            q.reset_stats()
+            q.filling = filling
+            q.hold = self.meter.hold if self._track else None
+        try:
+            yield
+        except BaseException:
+            if q is not None:
+                q.clear()  # a failed step's partial gradients are discarded anyway
+            raise
+        finally:
+            comm.wgrad = None
+            comm.chunks = 1
+            comm.completion_callbacks = True
 
     def _run(self, mbs: Sequence[MicroBatch], scale: float) -> list[float]:
         if self.schedule != "si" or len(mbs) == 1:
@@ -267,14 +318,32 @@ class Interleaved:
         if self.plan is None or not self.plan.profile.get("segments"):
             return None
         if micro_batches not in self._stream:
-            prof, b_ready = stream_profile(Profile(**self.plan.profile), micro_batches)
-            steps, t = search(prof, self.max_extra_memory, b_ready)
-            alone_f0 = sum(self.plan.profile["fwd"])
-            self._stream[micro_batches] = (steps, t + alone_f0)
+            base = Profile(**self.plan.profile)
+            variants = [base]
+            seg = base.segments
+            if seg.get("bwd_wgrad"):
+                # the same grid priced as if weight gradients ran inside their segments: the
+                # DP's pairwise tables do not see the pool, so it proposes both orders and the
+                # finer model (simulate_step: shared link, pool filling waits) picks
+                bc = [c + w for c, w in zip(seg["bwd_compute"], seg["bwd_wgrad"], strict=True)]
+                variants.append(Profile.from_segments(
+                    seg["fwd_compute"], seg["fwd_comm"], bc, seg["bwd_comm"],
+                    fwd_bytes=base.fwd_bytes, bwd_bytes=base.bwd_bytes))
+            best: tuple[float, list[str]] | None = None
+            for prof in variants:
+                stream, b_ready = stream_profile(prof, micro_batches)
+                steps, _ = search(stream, self.max_extra_memory, b_ready)
+                t = simulate_step(seg, micro_batches, steps)
+                if best is None or t < best[0]:
+                    best = (t, steps)
+            assert best is not None
+            self._stream[micro_batches] = (best[1], best[0])
         return self._stream[micro_batches][0]
 
     def predicted_step_time(self, micro_batches: int) -> float | None:
-        """The profile's model of one interleaved step (F(0) alone + the stream plan)."""
+        """The profile's model of one interleaved step (``plan.simulate_step``: F(0) alone,
+        then the stream plan, with the link shared by both strands and the deferred
+        weight-gradient pool)."""
         if self.stream_steps(micro_batches) is None:
             return None
         return self._stream[micro_batches][1]

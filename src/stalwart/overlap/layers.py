@@ -35,7 +35,7 @@ class _ColumnParallelFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm: TPComm):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.comm = comm
-        ctx.has_bias = bias is not None
+        ctx.params = (weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -44,10 +44,10 @@ class _ColumnParallelFn(torch.autograd.Function):
         comm: TPComm = ctx.comm
         g = g.contiguous()
         # input gradient first: it is what the all-reduce needs; the weight gradient is local
-        # work that runs while the all-reduce is in flight
-        pending = comm.start(torch.matmul(g, weight))
-        gw = _flat(g).t().matmul(_flat(x))
-        gb = _flat(g).sum(0) if ctx.has_bias else None
+        # work that runs while the all-reduce is in flight -- or, split off into the queue,
+        # whenever some strand would block on a collective (wgrad.py)
+        pending = comm.start_matmul(g, weight)
+        gw, gb = _weight_grads(comm, x, g, *ctx.params)
         gx = comm.finish(pending)
         return gx, gw, gb, None
 
@@ -56,9 +56,10 @@ class _RowParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm: TPComm):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.comm = comm
+        ctx.params = (weight, bias)
         # bias is added once, after the reduction (every rank holds the full bias)
-        out = comm.finish(comm.start(F.linear(x, weight)))
+        out = comm.finish(comm.start_matmul(x, weight.t()))
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -66,9 +67,19 @@ class _RowParallelFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = g.contiguous()
         gx = torch.matmul(g, weight)
-        gw = _flat(g).t().matmul(_flat(x))
-        gb = _flat(g).sum(0) if ctx.has_bias else None
+        gw, gb = _weight_grads(ctx.comm, x, g, *ctx.params)
         return gx, gw, gb, None
+
+
+def _weight_grads(comm: TPComm, x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter,
+                  bias: nn.Parameter | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight and bias gradients now, or (None, None) after queueing them (split backward:
+    autograd then accumulates nothing for them; the queue adds them to ``.grad`` itself)."""
+    if comm.wgrad is not None:
+        comm.wgrad.push(x, g, weight, bias)
+        return None, None
+    return _flat(g).t().matmul(_flat(x)), (_flat(g).sum(0) if bias is not None else None)
 
 
 def mark_sharded(*params: nn.Parameter | None) -> None:

@@ -95,6 +95,11 @@ class SavedTensorMeter:
         weakref.finalize(holder, self._release, ptr)
         return holder
 
+    def hold(self, t: torch.Tensor) -> object:
+        """Count `t` as live (once per storage) until the returned token is dropped -- for
+        tensors kept for backward outside autograd (deferred weight gradients, wgrad.py)."""
+        return self._pack(t)
+
     def _release(self, ptr: int) -> None:
         # a finalizer: may run inside our own locked region (GC), so it must not take the lock
         self._released.append(ptr)

@@ -67,6 +67,9 @@ class Profile:
     # unit of the memory budget (default: the larger of the two sums)
     base_bytes: float | None = None
     unit_bytes: float | None = None
+    # split backward: seconds of deferred weight-gradient work each backward segment leaves
+    # in the queue (empty: weight gradients are computed inside the segments)
+    bwd_wgrad: list[float] = field(default_factory=list)
 
     @classmethod
     def from_segments(cls, fc: list[float], fm: list[float], bc: list[float], bm: list[float],
@@ -89,6 +92,8 @@ class Profile:
             [max(0.0, bprev[j] - fc[i - 1]) + bc[j] for j in range(n)] for i in range(1, m + 1)]
         seg = {"fwd_compute": list(fc), "fwd_comm": list(fm), "bwd_compute": list(bc),
                "bwd_comm": list(bm)}
+        if kw.get("bwd_wgrad"):
+            seg["bwd_wgrad"] = list(kw["bwd_wgrad"])
         return cls(fwd, bwd, fa, ba, segments=seg, **kw)
 
     def validate(self) -> None:
@@ -234,7 +239,8 @@ def stream_profile(prof: Profile, micro_batches: int
         seg["bwd_compute"] * M, seg["bwd_comm"] * M,
         fwd_bytes=fb * (M - 1) if prof.fwd_bytes else [],
         bwd_bytes=bb * M if prof.bwd_bytes else [],
-        base_bytes=sum(fb), unit_bytes=max(sum(fb), sum(bb)))
+        base_bytes=sum(fb), unit_bytes=max(sum(fb), sum(bb)),
+        bwd_wgrad=list(seg.get("bwd_wgrad", [])) * M)
 
     def b_ready(i: int, j: int) -> bool:
         # backward segment j = k*n starts B(k); F(k) is the strand's (k-1)-th pass, done
@@ -243,6 +249,60 @@ def stream_profile(prof: Profile, micro_batches: int
         return r != 0 or k == 0 or i >= k * m
 
     return stream, b_ready
+
+
+def simulate_step(segments: dict[str, list[float]], micro_batches: int,
+                  steps: list[str]) -> float:
+    """Predicted wall time of one interleaved step: F(0) alone, then the stream plan `steps`.
+
+    A finer model than the DP's pairwise tables, run on the plan the DP chose:
+
+    * one compute thread: segments run one at a time, in plan order (a pair: B, then F);
+    * one link: a collective's transfer starts when it is issued *and* the previous transfer
+      has finished (the strands' all-reduces share the same links), and takes its measured
+      time alone;
+    * split backward: each backward segment adds its deferred weight-gradient seconds to a
+      pool; a segment that must wait for its strand's previous collective first spends the
+      wait on the pool (``WGradQueue.fill``), and what is left runs at the end (``flush``).
+
+    `segments` is ``Profile.segments`` of the per-pass profile (``from_segments``).
+    """
+    fc, fm = segments["fwd_compute"], segments["fwd_comm"]
+    bc, bm = segments["bwd_compute"], segments["bwd_comm"]
+    bw = segments.get("bwd_wgrad") or [0.0] * len(bc)
+    m, n = len(fc), len(bc)
+    t = link = pool = 0.0
+    pend: dict[str, float | None] = {"F": None, "B": None}
+
+    def run(strand: str, c: float, comm: float, w: float) -> None:
+        nonlocal t, link, pool
+        d = pend[strand]
+        if d is not None and d > t:
+            use = min(pool, d - t)
+            pool -= use
+            t = max(t + use, d)
+        t += c
+        pool += w
+        if comm > 0:
+            link = max(t, link) + comm
+            pend[strand] = link
+        else:
+            pend[strand] = None
+
+    for i in range(m):  # F(0): no partner, and nothing in the pool yet
+        run("F", fc[i], fm[i], 0.0)
+    i = j = 0
+    for s in steps:
+        if "B" in s:
+            run("B", bc[j % n], bm[j % n], bw[j % n])
+            j += 1
+        if "F" in s:
+            run("F", fc[i % m], fm[i % m], 0.0)
+            i += 1
+    if (i, j) != ((micro_batches - 1) * m, micro_batches * n):
+        raise ValueError(f"plan covers {i} forward and {j} backward segments of "
+                         f"{(micro_batches - 1) * m} and {micro_batches * n}")
+    return max([t, *(d for d in pend.values() if d is not None)]) + pool
 
 
 def plan_time(steps: list[str], profile: Profile) -> float:

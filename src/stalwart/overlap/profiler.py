@@ -35,6 +35,7 @@ import torch.distributed as dist
 from stalwart.overlap.comm import Pending, TPComm
 from stalwart.overlap.plan import Profile
 from stalwart.overlap.strands import Strand
+from stalwart.overlap.wgrad import WGradQueue
 
 
 def _measure_pass(comm: TPComm, s: Strand, compute: list[list[float]],
@@ -68,11 +69,14 @@ def count_segments(fwd: Callable[[], Strand], bwd: Callable[[torch.Tensor], Stra
 
 def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
                   bwd: Callable[[torch.Tensor], Strand], m: int, n: int, reps: int = 2,
-                  live_bytes: Callable[[], int] | None = None) -> Profile:
+                  live_bytes: Callable[[], int] | None = None,
+                  wgrad: WGradQueue | None = None) -> Profile:
     """Measure c and m of every segment (alone), max-reduce, build the ``Profile``.
 
     With `live_bytes` (the activation meter), also the bytes each forward segment saves and
-    each backward segment frees.
+    each backward segment frees. With `wgrad` (split backward; its filling off), the
+    backward segments compute input gradients only and the weight-gradient work each of
+    them deferred is timed on its own, after the pass (``Profile.bwd_wgrad``).
     """
     live = live_bytes or (lambda: 0)
     fc: list[list[float]] = [[] for _ in range(m)]
@@ -80,22 +84,31 @@ def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
     # the last segment of each pass issues no collective: m = 0
     fm: list[list[float]] = [[] for _ in range(m - 1)] + [[0.0]]
     bm: list[list[float]] = [[] for _ in range(n - 1)] + [[0.0]]
+    bw: list[list[float]] = [[] for _ in range(n)]
     fbytes, bbytes = [0.0] * m, [0.0] * n
     for rep in range(reps + 1):  # the first repetition warms up and is discarded
         f = fwd()
         _measure_pass(comm, f, fc, fm, fbytes, live, 1.0)
         b = bwd(f.result)
         _measure_pass(comm, b, bc, bm, bbytes, live, -1.0)
+        if wgrad is not None:
+            # the tasks hold x and g until they run: their release is counted with the
+            # segment that deferred them (filling runs them soon after, in the next waits)
+            secs, freed = wgrad.timed_by_segment(n, live if live_bytes else None)
+            for j in range(n):
+                bw[j].append(secs[j])
+                bbytes[j] += freed[j]
         if rep == 0:
-            for lst in (*fc, *bc, *fm[:-1], *bm[:-1]):
+            for lst in (*fc, *bc, *fm[:-1], *bm[:-1], *bw):
                 lst.clear()
-    vals = [min(x) if x else 0.0 for x in (*fc, *fm, *bc, *bm)]
+    vals = [min(x) if x else 0.0 for x in (*fc, *fm, *bc, *bm, *bw)]
     vals += fbytes + bbytes if live_bytes else []
     flat = torch.tensor(vals, dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=comm.group)
     v = flat.tolist()
-    cut = [0, m, 2 * m, 2 * m + n, 2 * m + 2 * n]
-    fc_, fm_, bc_, bm_ = (v[cut[k]:cut[k + 1]] for k in range(4))
-    rest = v[cut[4]:]
-    return Profile.from_segments(fc_, fm_, bc_, bm_, fwd_bytes=rest[:m], bwd_bytes=rest[m:])
+    cut = [0, m, 2 * m, 2 * m + n, 2 * m + 2 * n, 2 * m + 3 * n]
+    fc_, fm_, bc_, bm_, bw_ = (v[cut[k]:cut[k + 1]] for k in range(5))
+    rest = v[cut[5]:]
+    return Profile.from_segments(fc_, fm_, bc_, bm_, fwd_bytes=rest[:m], bwd_bytes=rest[m:],
+                                 bwd_wgrad=bw_ if wgrad is not None else [])
