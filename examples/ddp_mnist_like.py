@@ -36,10 +36,10 @@ def make_digits(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 10, (n,), generator=g)
     images = protos[labels].float()
-    shifts = torch.randint(-2, 3, (n, 2), generator=g)
-    for i in range(n):  # a small translation per image
-        images[i] = torch.roll(images[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])),
-                               dims=(1, 2))
+    shift = torch.randint(0, 25, (n,), generator=g)  # one of 5x5 small translations
+    for k in range(25):
+        pick = shift == k
+        images[pick] = torch.roll(images[pick], shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3))
     images += 0.6 * torch.randn(images.shape, generator=g)
     return TensorDataset(images, labels)
 
