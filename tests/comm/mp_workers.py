@@ -108,49 +108,68 @@ def subgroup_worker(rank: int, world: int, port: int, out: str, members: list[in
 
 
 def ddp_worker(rank: int, world: int, port: int, steps: int, out: str, comm: str,
-               mtu: int = 1500, patient: bool = True) -> None:
-    """A tiny GPT trained with DDP, either reliable (gloo all-reduce) or via comm.attach."""
+               mtu: int = 1500, patient: bool = True, fec: str | None = None,
+               accumulate: int = 2) -> None:
+    """A tiny GPT trained the way nanoGPT sets it up -- two parameter groups (no weight decay on
+    biases and norms), a cosine learning-rate schedule, gradient accumulation with
+    ``no_sync`` -- with reliable DDP, or switched to the lossy transport by ONE line."""
+    from contextlib import nullcontext
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import stalwart.comm
+    from stalwart.comm.deadline import AdaptiveDeadline
     from stalwart.train.model import GPT, GPTConfig
 
     _init(rank, world, port)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
     ddp = DDP(model)
-    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    if comm == "lossy":
-        import stalwart.comm
-        from stalwart.comm.deadline import AdaptiveDeadline
-
-        # patient: deadlines long enough that CPU contention never makes a packet late, so the
-        # result must equal the reliable run's
-        dl = AdaptiveDeadline(initial=10, floor=10, cap=10) if patient else None
-        opt = stalwart.comm.attach(ddp, torch.optim.AdamW, mtu=mtu, deadline=dl,
-                                   max_grad_norm=CLIP, **kw)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    # patient: deadlines long enough that CPU contention never makes a packet late, so the
+    # result must equal the reliable run's
+    dl = AdaptiveDeadline(initial=10, floor=10, cap=10) if patient else None
+    if comm == "lossy":  # THE line that switches a script to the lossy transport
+        opt = stalwart.comm.attach(ddp, opt, max_grad_norm=CLIP, mtu=mtu, deadline=dl, fec=fec)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     g = torch.Generator().manual_seed(rank)
     stats = []
-    for step in range(steps):
-        x = torch.randint(0, 256, (4, 16), generator=g)
-        _, loss = ddp(x, x.roll(1, 1))
-        loss.backward()
+    for _step in range(steps):
+        for micro in range(accumulate):
+            sync = micro == accumulate - 1
+            with nullcontext() if sync else ddp.no_sync():
+                x = torch.randint(0, 256, (4, 16), generator=g)
+                _, loss = ddp(x, x.roll(1, 1))
+                (loss / accumulate).backward()
         if comm != "lossy":  # lossy: the owners clip the averaged gradient (max_grad_norm)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for pg in opt.param_groups:
-            pg["lr"] = 1e-2 * (step + 1) / steps
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         if hasattr(opt, "stats"):
             stats.append(opt.stats())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    rec = {"params": flat.tolist(), "stats": stats}
+    rec = {"params": flat.tolist(), "stats": stats,
+           "lr": [grp["lr"] for grp in opt.param_groups]}
     if comm == "lossy":
         sd = opt.state_dict()
         rec["state_keys"] = sorted(sd)
         rec["rejected"] = opt.coll.rejected_counts()
         opt.load_state_dict(sd)  # round trip must be accepted
+        # exact drift: every element this replica received in the last step equals its
+        # owner's value; the others (missed chunks) are stale copies, counted
+        lay = opt.coll.layout
+        mine = torch.cat([p.detach().reshape(-1) for p in opt.params])
+        allp = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(allp, mine)
+        owners = torch.cat([allp[s][lay.shard(s)[0]: lay.shard(s)[1]] for s in range(world)])
+        fresh = torch.from_numpy(opt.age == 0)
+        rec["fresh_mismatch"] = float((mine - owners)[fresh].abs().max())
+        rec["stale_elems"] = int((~fresh).sum())
+        rec["stale_gap"] = float((mine - owners)[~fresh].abs().max()) if (~fresh).any() else 0.0
         opt.close()
     _dump(out, rank, rec)
     dist.barrier()

@@ -22,7 +22,12 @@ import torch
 
 from stalwart.comm.collective import FEC_MODES, GIVE_UP_S, LossyCollective
 from stalwart.comm.deadline import AdaptiveDeadline
-from stalwart.comm.optim import ShardedLossyOptimizer, require_cpu
+from stalwart.comm.optim import (
+    OptimizerSpec,
+    ShardedLossyOptimizer,
+    param_groups_of,
+    require_cpu,
+)
 
 # chunks missed per step with "auto" copies: 0.002% (at 10% loss: 5 copies). Why so low: early
 # training amplifies any perturbation. On the tiny preset a single loss event injected at step
@@ -42,7 +47,7 @@ def _keep_local(_state, bucket):  # noqa: ANN001 -- DDP rejects string annotatio
     return fut
 
 
-def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer], *,
+def attach(ddp_model: torch.nn.Module, optimizer: OptimizerSpec, *,
            mode: str = "params", mtu: int | None = None, host: str | None = None,
            group: Any = None, deadline: AdaptiveDeadline | None = None,
            max_grad_norm: float | None = None, copies: int | str = "auto",
@@ -50,8 +55,13 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
            fec: str | None = None, **optimizer_kwargs: Any) -> ShardedLossyOptimizer:
     """Switch a DDP model to the loss-tolerant transport; returns its optimizer.
 
-    ``optimizer_kwargs`` go to ``optimizer_class`` (e.g. lr, betas, weight_decay). Works with a
-    plain module too (then there is no DDP all-reduce to disable). ``max_grad_norm`` clips the
+    ``optimizer``: a ``torch.optim.Optimizer`` class, whose constructor gets
+    ``optimizer_kwargs`` (lr, betas, weight_decay, ...; ``params=`` may give parameter groups,
+    else all trainable parameters form one group), or an optimizer instance built on the
+    model's parameters (its groups and their hyper-parameters are used as they are:
+    ``attach(ddp, AdamW(groups, lr=...))``). The result is a ``torch.optim.Optimizer``: any
+    ``lr_scheduler`` takes it. Works with a plain module too (then there is no DDP all-reduce
+    to disable). ``max_grad_norm`` clips the
     averaged gradient by its global norm inside ``step()`` (what ``clip_grad_norm_`` after a
     reliable all-reduce does); leave it None if the script clips local gradients itself.
     ``copies``: forward error protection, never a retransmission. An int: every gradient and
@@ -79,7 +89,9 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
     else:
         raise ValueError(f"copies must be 'auto' or an int >= 1, got {copies!r}")
     module = getattr(ddp_model, "module", ddp_model)
-    params = [p for p in module.parameters() if p.requires_grad]
+    groups, optimizer_kwargs = param_groups_of(
+        [p for p in module.parameters() if p.requires_grad], optimizer, optimizer_kwargs)
+    params = [p for g in groups for p in g["params"]]
     require_cpu(params)  # before the hook and the socket: nothing to undo
     if hasattr(ddp_model, "register_comm_hook"):
         ddp_model.register_comm_hook(None, _keep_local)
@@ -88,5 +100,5 @@ def attach(ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimiz
                            value_copies=initial, grad_copies=initial, copies_target=target,
                            min_copies=floor, max_copies=max(initial, AUTO_MAX_COPIES),
                            give_up_s=give_up_s, fec_mode=fec, fec_target=copies_target)
-    return ShardedLossyOptimizer(params, optimizer_class, coll, mode=mode,
+    return ShardedLossyOptimizer(groups, optimizer, coll, mode=mode,
                                  max_grad_norm=max_grad_norm, **optimizer_kwargs)

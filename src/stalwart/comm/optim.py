@@ -30,6 +30,7 @@ loss: one step's update);
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from typing import Any
@@ -53,24 +54,79 @@ def require_cpu(params: list[torch.Tensor]) -> None:
                          f"use the reliable backend (NCCL) for GPU training")
 
 
-class ShardedLossyOptimizer:
-    """Optimizer-like object over a list of parameters, communicating through ``coll``."""
+OptimizerSpec = type[torch.optim.Optimizer] | torch.optim.Optimizer
 
-    def __init__(self, params: list[torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
-                 coll: LossyCollective, mode: str = "params",
-                 max_grad_norm: float | None = None, stale: str = "keep",
-                 **kwargs: Any) -> None:
+
+def param_groups_of(module_params: list[torch.Tensor], optimizer: OptimizerSpec,
+                    kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The parameter groups the lossy optimizer trains, as the user gave them: an optimizer
+    instance's own groups; or, for a class, ``kwargs["params"]`` (an iterable of tensors or of
+    group dicts) if given, else every trainable parameter of the module in one group. Each group
+    is a dict with "params" (a list) and its own hyper-parameters. Returns (groups, the
+    remaining kwargs: the optimizer class's constructor options)."""
+    kwargs = dict(kwargs)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise ValueError(f"optimizer options ({', '.join(sorted(kwargs))}) go to the "
+                             f"optimizer's constructor, and this optimizer is already built")
+        groups = [dict(g) for g in optimizer.param_groups]
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        given = kwargs.pop("params", None)
+        if given is None:
+            groups = [{"params": list(module_params)}]
+        else:
+            given = list(given)
+            if given and isinstance(given[0], dict):
+                groups = [dict(g) for g in given]
+            else:
+                groups = [{"params": given}]
+    else:
+        raise ValueError(f"expected a torch.optim.Optimizer class or instance, got "
+                         f"{optimizer!r}")
+    seen: set[int] = set()
+    for g in groups:
+        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(
+            g["params"])
+        for p in g["params"]:
+            if id(p) in seen:
+                raise ValueError("a parameter appears in more than one parameter group")
+            seen.add(id(p))
+    return groups, kwargs
+
+
+class ShardedLossyOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` over the user's parameter groups that communicates through
+    ``coll``: any ``lr_scheduler`` works on it, ``param_groups`` are the user's groups (their
+    own hyper-parameters; a scheduler's or the caller's changes reach the owner's optimizer at
+    the next ``step()``), ``state_dict``/``load_state_dict`` hold this rank's shard of the
+    optimizer state.
+
+    The flat vector is the groups' parameters in order, so each group covers one contiguous
+    range of it and, on this rank's shard, one contiguous segment: the inner optimizer (the
+    user's class, or the user's instance re-pointed at the segments) has one group per user
+    group, holding that segment as one flat tensor, with that group's hyper-parameters.
+    """
+
+    def __init__(self, params: list[torch.Tensor] | list[dict[str, Any]],
+                 optimizer_class: OptimizerSpec, coll: LossyCollective,
+                 mode: str = "params", max_grad_norm: float | None = None,
+                 stale: str = "keep", **kwargs: Any) -> None:
         if mode not in ("params", "naive"):
             raise ValueError(f"unknown mode {mode!r} (params or naive)")
-        require_cpu(params)
-        self.params = params
-        self.coll = coll
         if stale not in ("extrapolate", "keep"):
             raise ValueError(f"unknown stale policy {stale!r} (extrapolate or keep)")
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            groups, kwargs = param_groups_of([], optimizer_class, kwargs)  # the instance's own
+        else:
+            groups, kwargs = param_groups_of([], optimizer_class,
+                                             {**kwargs, "params": list(params)})
+        self.params = [p for g in groups for p in g["params"]]
+        require_cpu(self.params)
+        self.coll = coll
         self.mode = mode
         self.stale = stale
         self.max_grad_norm = max_grad_norm
-        self.numel = sum(p.numel() for p in params)
+        self.numel = sum(p.numel() for p in self.params)
         lay = coll.layout
         if lay.numel != self.numel:
             raise ValueError(f"collective sized for {lay.numel} elements, params have {self.numel}")
@@ -81,19 +137,46 @@ class ShardedLossyOptimizer:
         self.vel = np.zeros(self.numel, np.float32)  # its owner's recent update per step
         if mode == "params":
             self.shard = torch.nn.Parameter(torch.from_numpy(self.flat[self.lo: self.hi].copy()))
+            base = self.lo
         else:
             self.shard = torch.nn.Parameter(torch.from_numpy(self.flat.copy()))
-        self.inner = optimizer_class([self.shard], **kwargs)
+            base = 0
+        # each group's segment of the shard: [seg_lo, seg_hi) in shard coordinates
+        self._segs: list[tuple[int, int]] = []
+        at = 0
+        for g in groups:
+            n = sum(p.numel() for p in g["params"])
+            lo = min(max(at - base, 0), self.shard.numel())
+            hi = min(max(at + n - base, 0), self.shard.numel())
+            self._segs.append((lo, hi))
+            at += n
+        self._views = [torch.nn.Parameter(self.shard.detach()[lo:hi].clone())
+                       for lo, hi in self._segs]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            inner = optimizer_class  # the user's instance, re-pointed at this rank's segments
+            inner.param_groups = []
+            inner.state = collections.defaultdict(dict)
+            for v, h in zip(self._views, hyper, strict=True):
+                inner.add_param_group({"params": [v], **h})
+        else:
+            inner = optimizer_class([{"params": [v], **h}
+                                     for v, h in zip(self._views, hyper, strict=True)], **kwargs)
+        self.inner = inner
+        # the user-facing groups: the user's tensors and the inner groups' full hyper-parameters
+        outer = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
+                 for g, ig in zip(groups, inner.param_groups, strict=True)]
+        super().__init__(outer, dict(inner.defaults))
         self._stats: dict[str, Any] = {}
 
     # ---- optimizer surface ----------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups  # the caller's lr schedule reaches the owner directly
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
+    def _sync_hyper(self) -> None:
+        """Carry the user-facing groups' hyper-parameters (lr schedules, weight decay changes)
+        to the owner's optimizer."""
+        for og, ig in zip(self.param_groups, self.inner.param_groups, strict=True):
+            for k, v in og.items():
+                if k != "params":
+                    ig[k] = v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -103,17 +186,24 @@ class ShardedLossyOptimizer:
                 p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "mode": self.mode, "numel": self.numel,
-                "shard": (self.lo, self.hi)}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"inner": self.inner.state_dict(), "groups": groups, "mode": self.mode,
+                "numel": self.numel, "shard": (self.lo, self.hi)}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = state_dict
         if sd.get("numel") != self.numel or tuple(sd.get("shard", ())) != (self.lo, self.hi):
             raise ValueError("optimizer state was saved for another model size or world size")
         self.flat = self._gather_params()  # the model may have been reloaded too
         with torch.no_grad():
             src = self.flat[self.lo: self.hi] if self.mode == "params" else self.flat
             self.shard.copy_(torch.from_numpy(src))
+            for v, (lo, hi) in zip(self._views, self._segs, strict=True):
+                v.copy_(self.shard[lo:hi])
         self.inner.load_state_dict(sd["inner"])
+        for g, saved in zip(self.param_groups, sd.get("groups", []), strict=False):
+            g.update(saved)
+        self._sync_hyper()
 
     # ---- the step -------------------------------------------------------------------------
     def _gather_params(self) -> np.ndarray:
@@ -135,10 +225,35 @@ class ShardedLossyOptimizer:
                 p.copy_(src[i: i + n].view_as(p))
                 i += n
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def _inner_step(self, values: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """Step the inner optimizer on ``values`` (this rank's shard, or the whole vector in
+        naive mode) with ``grad``; returns the new values."""
+        self._sync_hyper()
+        out = values.copy()
+        for v, (lo, hi) in zip(self._views, self._segs, strict=True):
+            v.copy_(torch.from_numpy(values[lo:hi]))
+            v.grad = torch.from_numpy(np.ascontiguousarray(grad[lo:hi]))
+        self.inner.step()
+        for v, (lo, hi) in zip(self._views, self._segs, strict=True):
+            out[lo:hi] = v.detach().numpy()
+            v.grad = None
+        with torch.no_grad():
+            self.shard.copy_(torch.from_numpy(out))
+        return out
+
+    def step(self, closure: Any = None) -> Any:
+        """One data-parallel step: reduce-scatter the LOCAL gradients, (clip,) update the owned
+        shard, broadcast it. ``closure`` (optional) is called once, with gradients enabled,
+        before that (it must run forward and backward) and its loss is returned."""
+        loss = None
         if closure is not None:
-            raise ValueError("closures are not supported (the gradient comes from the network)")
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         t0 = time.perf_counter()
         coll = self.coll
         coll.begin_round()
@@ -156,10 +271,7 @@ class ShardedLossyOptimizer:
         if self.mode == "params":
             # the owner's shard is authoritative: the model's copy of it equals self.shard
             # unless the caller reloaded the model, which this picks up
-            self.shard.copy_(torch.from_numpy(self.flat_model_shard()))
-            self.shard.grad = torch.from_numpy(avg.copy())
-            self.inner.step()
-            new = self.shard.detach().numpy()
+            new = self._inner_step(self.flat_model_shard(), avg)
             before = self.flat.copy()
             mask, p2 = coll.broadcast(new, self.flat)
             phases.append(p2)
@@ -171,10 +283,7 @@ class ShardedLossyOptimizer:
             full = np.zeros(self.numel, np.float32)  # a missed chunk = a missed update
             mask, p2 = coll.broadcast(avg, full)
             phases.append(p2)
-            self.shard.copy_(torch.from_numpy(self._gather_params()))
-            self.shard.grad = torch.from_numpy(full)
-            self.inner.step()
-            self.flat = self.shard.detach().numpy().copy()
+            self.flat = self._inner_step(self._gather_params(), full)
             drift = float("nan")  # unobservable locally: the benchmark measures it exactly
         if self.mode == "params":
             self._refresh(mask)
@@ -196,6 +305,9 @@ class ShardedLossyOptimizer:
             "deadline_hits": sum(int(p.deadline_hit) for p in phases),
             # forward error protection in force, and the worst incoming loss measured
             "copies": max(p.copies for p in phases),
+            # erasure code: parity packets sent, chunks this rank rebuilt from parity
+            "parity": sum(p.parity for p in phases),
+            "recovered": sum(p.recovered for p in phases),
             "loss_in": coll.worst_loss_in(),
             "drift": drift, "stale_max": int(self.age.max()) if self.numel else 0,
             "silent_ranks": sorted(coll.silent),
