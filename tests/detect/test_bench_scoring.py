@@ -9,9 +9,13 @@ def test_full_mode_has_at_least_twenty_runs_covering_every_fault_kind() -> None:
     full = scenarios(quick=False)
     assert len(full) >= 20
     kinds = {f.split(":")[0] for sc in full for f in sc.faults}
-    assert kinds == {"compute", "link", "pairlink", "contention"}
+    assert kinds == {"compute", "link", "pairlink", "contention", "loss"}
     assert sum(not sc.faults for sc in full) >= 10  # silence is scored over 10 clean runs
     assert any("end=" in f for sc in full for f in sc.faults)
+    # 1.3x compute stragglers on every rank, and detection under --comm lossy, clean too
+    assert sum("factor=1.3" in f for sc in full for f in sc.faults) == 4
+    lossy = [sc for sc in full if sc.comm == "lossy"]
+    assert any(sc.stragglers == 0 for sc in lossy) and sum(sc.stragglers for sc in lossy) >= 3
 
 
 def test_ground_truth_pairs_applied_and_removed_events() -> None:
@@ -50,3 +54,24 @@ def test_score_counts_false_positives_detections_latency_and_accuracy() -> None:
     assert s["median_latency_iters"] == 3
     s = score([(faulty, [], t, 70)])
     assert s["detection_rate"] == 0.0 and s["localization_accuracy"] is None
+
+
+def test_loss_is_weather_not_a_straggler() -> None:
+    ev = [{"event": "fault_applied", "step": 0, "kind": "loss", "hosts": [0, 1, 2, 3]},
+          {"event": "fault_applied", "step": 30, "kind": "compute", "rank": 2}]
+    assert [t.kind for t in ground_truth(ev)] == ["compute"]
+    assert Scenario("l", ("loss:host=all,p=0.05",), comm="lossy").stragglers == 0
+
+
+def test_unexplained_slowdowns_and_crashed_runs_count_against_the_detector() -> None:
+    clean = Scenario("clean")
+    unexp = {"event": "slowdown_unexplained", "step": 40, "onset_step": 36, "kind": "unknown"}
+    s = score([(clean, [unexp], [], 70)])
+    assert s["false_positives"] == 1 and s["clean_unexplained_slowdowns"] == 1
+    faulty = Scenario("c", ("compute:rank=2,factor=2,start=30",))
+    t = [Truth("compute", 30, None, 2, [])]
+    det = {"event": "straggler_detected", "step": 33, "onset_step": 30, "kind": "compute",
+           "ranks": [2]}
+    s = score([(faulty, [det], t, 70)], failed=[Scenario("clean-1"), faulty])
+    assert s["false_positives"] == 1  # the crashed clean run
+    assert s["faults"] == 2 and s["detection_rate"] == 0.5  # the crashed faulty run: missed

@@ -134,3 +134,33 @@ def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> Non
     es[2] = ev(2, comp=(0.05, 0.14), test=0.5, links=per.get(2))
     f = decide(es, 40, 44, 2.0)
     assert f.kind == "compute" and f.ranks == [2]
+
+
+def mild(rounds: dict[int, list[float]]) -> list[RankEvidence]:
+    import statistics
+
+    return [RankEvidence(r, 0.05, 0.06 if r == 1 else 0.05, 0.01, 0.02,
+                         statistics.median(v), {}, v) for r, v in rounds.items()]
+
+
+def test_a_mild_straggler_is_confirmed_by_every_round_not_by_size() -> None:
+    from stalwart.detect.localize import MILD_ROUNDS, more_rounds
+
+    healthy = [0.20, 0.21, 0.20, 0.22, 0.20, 0.21, 0.20]
+    slow = [0.26, 0.27, 0.26, 0.26, 0.27, 0.26, 0.26]  # 1.3x: under COMPUTE_RATIO
+    three = mild({0: healthy[:3], 1: slow[:3], 2: healthy[:3], 3: healthy[:3]})
+    assert more_rounds(three, 1) == MILD_ROUNDS - 3
+    assert more_rounds(three, None) == 0  # only a rank's own channel asks for a longer test
+    assert decide(three, 40, 60, 1.1, suspect_rank=1).kind == "unknown"
+    seven = mild({0: healthy, 1: slow, 2: healthy, 3: healthy})
+    assert more_rounds(seven, 1) == 0
+    f = decide(seven, 40, 60, 1.1, suspect_rank=1)
+    assert f.kind == "compute" and f.ranks == [1]
+    assert f.evidence["slowest_rounds"] == MILD_ROUNDS
+    # one round in which another rank was slower: not statistically clear, no verdict
+    noisy = [*healthy[:6], 0.30]
+    f = decide(mild({0: noisy, 1: slow, 2: healthy, 3: healthy}), 40, 60, 1.1, suspect_rank=1)
+    assert f.kind == "unknown"
+    # the mild rule needs a rank's own channel to point at the rank: the test alone at 1.3x
+    # names nobody (rule 3 needs COMPUTE_ALONE)
+    assert decide(seven, 40, 60, 1.1).kind == "unknown"

@@ -1,11 +1,13 @@
-"""The hand-written baseline: a sliding-window threshold over each rank's step time.
+"""The hand-written baseline: a sliding-window threshold over each rank's compute time.
 
-What a user writes without a straggler detector: per rank, compare each step time with the
-median of the previous ``window`` steps; ``consecutive`` steps above ``factor`` x that median
-raise an alarm naming the rank whose step time is furthest above its own median (the "slowest
-rank"), as a compute problem. Used by ``stalwart bench detect`` as the comparison. It has no
-notion of a link, and in synchronous training every rank's step time rises together, so the
-rank it names is close to a guess -- which is the point the benchmark makes.
+What a user writes without a straggler detector: per rank, compare each step's compute time
+(forward, backward, optimizer: what the rank itself spends, not the step time, which is the
+same on every rank of a synchronous job) with the median of the previous ``window`` steps;
+``consecutive`` steps above ``factor`` x that median raise an alarm naming the rank furthest
+above its own median, as a compute problem. Used by ``stalwart bench detect`` as the
+comparison. It has no notion of a link (a slow link lengthens every rank's wait, and ranks
+whose backward overlaps communication see it in their compute time too), no validation,
+and no statistics beyond the threshold -- which is the point the benchmark makes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ shows).
 
 from __future__ import annotations
 
-import statistics
 import time
 from itertools import combinations
 from typing import Any
@@ -71,37 +70,48 @@ def all_pairs(n: int) -> set[Pair]:
     return set(combinations(range(n), 2))
 
 
-def compute_test(size: int = 256, reps: int = 64, rounds: int = 3, group: Any = None) -> float:
-    """Median over ``rounds`` of the seconds for ``reps`` (size x size) float32 matmuls.
+def compute_test(size: int = 256, reps: int = 64, rounds: int = 3, group: Any = None,
+                 device: Any = None) -> list[float]:
+    """Seconds of each of ``rounds`` rounds of ``reps`` (size x size) float32 matmuls.
 
-    Each round starts on all ranks together (barrier). Rounds are long enough (tens of ms of
-    CPU) for a rank's share of the CPU to average out over many scheduler slices; the median
-    of rounds keeps one hiccup from naming a healthy rank.
+    Each round starts on all ranks together (barrier), so round i of every rank ran at the
+    same time and rounds compare across ranks one by one. Rounds are long enough (tens of ms
+    of CPU) for a rank's share of the CPU to average out over many scheduler slices.
+    ``device``: where the job computes (a GPU job tests its GPU, synchronising before each
+    clock read; the default is the CPU).
     """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g)
-    b = torch.randn(size, size, generator=g)
+    a = torch.randn(size, size, generator=g).to(dev)
+    b = torch.randn(size, size, generator=g).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.mm(a, b)  # first-touch and kernel selection outside the timed region
+    sync()
     times = []
     for _ in range(rounds):
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(reps):
             torch.mm(a, b)
+        sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 18,
-              reps: int = 3, group: Any = None) -> dict[Pair, float]:
+              reps: int = 3, group: Any = None, device: Any = None) -> dict[Pair, float]:
     """Round-trip seconds (best of ``reps``) of ``nbytes`` each way, for this rank's pairs.
 
     The repetitions go round all passes (pass 1, pass 2, pass 1, pass 2, ...) rather than
     repeating each pass in place, so a burst of load from elsewhere spoils one round of every
     pass instead of every round of one pass -- the best of the rounds stays clean.
     Only the lower rank of a pair reports its time; the result is this rank's part.
+    ``device``: where the buffers live -- a GPU job tests the path its gradients take (device
+    buffers over its own backend, e.g. NCCL), synchronising before the clock is read.
     """
-    buf_out = torch.ones(nbytes // 4, dtype=torch.float32)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    buf_out = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     buf_in = torch.empty_like(buf_out)
     out: dict[Pair, float] = {}
     for _ in range(reps):
@@ -114,10 +124,12 @@ def link_test(passes: list[list[Pair]], rank: int, nbytes: int = 1 << 18,
                 if rank == a:
                     dist.send(buf_out, peer, group=group)
                     dist.recv(buf_in, peer, group=group)
+                    sync()
                     dt = time.perf_counter() - t0
                     out[(a, b)] = min(out.get((a, b), dt), dt)
                 else:
                     dist.recv(buf_in, peer, group=group)
                     dist.send(buf_out, peer, group=group)
+                    sync()
             dist.barrier(group=group)
     return out
