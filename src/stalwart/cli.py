@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a launcher
     # that does not stop is waiting
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (ValueError, OSError):  # stderr without a file descriptor (called in-process)
+            pass
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = None
     if argv[:1] == ["run"]:
