@@ -107,3 +107,17 @@ def test_options_that_do_not_fit_a_script_run_are_refused(
     assert "compute:rank=1,factor=2,start=20" in err and "--detect" in err and "20s" in err
     assert "start='20x'" in _error(capsys, "--script", s, "--fault",
                                    "compute:rank=1,factor=2,start=20x", *out)
+
+
+def test_a_monitor_without_run_dir_writes_to_the_script_runs_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.detect import Monitor
+
+    monkeypatch.setenv("STALWART_MONITOR_RUN_DIR", str(tmp_path))
+    Monitor(rank=0, world=1).close()
+    assert (tmp_path / "detect_stats.json").exists()
+    monkeypatch.delenv("STALWART_MONITOR_RUN_DIR")
+    other = tmp_path / "other"
+    other.mkdir()
+    Monitor(rank=0, world=1, run_dir=other).close()  # an explicit run_dir wins
+    assert (other / "detect_stats.json").exists()

@@ -215,6 +215,8 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
             **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
                            run_dir.name, incarnation),
             "STALWART_RUN_DIR": str(run_dir.resolve()),
+            # a script's own Monitor() finds the run directory here (detect/monitor.py)
+            **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),
             "OMP_NUM_THREADS": str(cfg.threads),
             **tb.env(r),
         }

@@ -75,6 +75,8 @@ from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
 NONE, DETECT, RECOVER = 0, 1, 2
 HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
+# the run directory a Monitor() without run_dir writes to (set by `stalwart run --script`)
+RUN_DIR_ENV = "STALWART_MONITOR_RUN_DIR"
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
@@ -137,6 +139,9 @@ class Monitor:
         ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
         jobs exchange every 8 steps with 2 exchanges in flight. ``persist``: samples an
         unexplained slowdown must last to be logged (see the module docstring)."""
+        if run_dir is None and os.environ.get(RUN_DIR_ENV):
+            # under `stalwart run --script`: a script's own Monitor() writes into the run
+            run_dir = Path(os.environ[RUN_DIR_ENV])
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (
             dist.get_rank() if ready else int(os.environ.get("RANK", "0")))

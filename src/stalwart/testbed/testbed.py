@@ -335,8 +335,9 @@ class NetnsTestbed(Testbed):
         self.master_addr = self.hosts.addr(self.host(0))
 
     def env(self, rank: int) -> dict[str, str]:
+        # the host's only link; NCCL's bootstrap and socket transport too, for GPU scripts
         return {"STALWART_HOST_ADDR": self.hosts.addr(self.host(rank)),
-                "GLOO_SOCKET_IFNAME": "eth0",
+                "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
                 "STALWART_MTU": str(self.mtu)}
 
     def _apply_net(self, desired: set[Fault],
