@@ -46,6 +46,7 @@ class Span:
     end: float | None  # None: still on when the run ended (no fault_removed)
     rank: int | None
     hosts: list[int]
+    achieved: float | None = None  # a CPU fault's measured factor (fault_removed)
 
 
 class ScriptRun:
@@ -76,6 +77,8 @@ class ScriptRun:
             elif spec in open_:
                 s = open_.pop(spec)
                 s.end = self.t(e["time"])
+                if isinstance(e.get("achieved_factor"), (int, float)):
+                    s.achieved = float(e["achieved_factor"])
                 out.append(s)
         return sorted(out + list(open_.values()), key=lambda s: s.start)
 
@@ -269,7 +272,10 @@ def ground_truth_html(sr: ScriptRun) -> str:
             verdict = "not found"
         else:
             verdict = "no monitor (run with --detect)"
-        rows.append([f"<code>{html.escape(s.spec)}</code>", f"{s.start:.1f}", end, verdict])
+        got = (f"<br>achieved {s.achieved:.2f}x (the rank's compute over its peers')"
+               if s.achieved is not None else "")
+        rows.append([f"<code>{html.escape(s.spec)}</code>{got}", f"{s.start:.1f}", end,
+                     verdict])
     for i, d in enumerate(found):
         if i not in used:
             rows.append(["(no fault)", f"{sr.t(d['time']):.1f}", "",
