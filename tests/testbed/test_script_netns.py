@@ -84,11 +84,20 @@ def test_a_slow_link_in_a_users_script_is_found_and_named(tmp_path: Path) -> Non
 
 def test_a_crash_on_one_host_ends_the_job_naming_the_rank_and_leaves_nothing(
         tmp_path: Path) -> None:
+    envs = tmp_path / "envs"
+    envs.mkdir()
     rc, out, run, pid = _run(tmp_path, "crash", "--nproc", "3",
                              "--fault", "loss:host=all,p=0.01",
                              script_args=("--seconds", "600", "--crash-rank", "2",
-                                          "--crash-at", "10"), timeout=120)
+                                          "--crash-at", "10", "--env-out", str(envs)),
+                             timeout=120)
     assert rc == 1, out
+    for r in range(3):  # torchrun's variables for one process on each of 3 machines
+        env = json.loads((envs / f"rank-{r}.json").read_text())["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (
+            str(r), "0", "1", str(r))
+        assert env["MASTER_ADDR"] == "10.213.0.1"
+        assert env["STALWART_HOST_ADDR"] == f"10.213.0.{r + 1}"
     assert "rank 2 failed" in out and "injected crash on rank 2" in out, out
     assert [e["rank"] for e in _events(run, "rank_failed")] == [2]
     # the fault's removal is logged at close, and the hosts, bridge and cgroups are gone
