@@ -266,8 +266,13 @@ def test_whole_step_stream_plan_keeps_gradients_and_memory() -> None:
     got = dict(model.named_parameters())
     for name, g in ref.items():
         assert torch.allclose(got[name].grad, g, atol=1e-5, rtol=0), name
-    # the plan search bounded live activations to one micro-batch's + 5%
-    assert t_si["act_peak_bytes"] <= 1.05 * t_off["act_peak_bytes"]
+    # the plan search bounds live activations to one micro-batch's + 5%, and the deferred
+    # weight-gradient queue holds at most 10% more (its default cap)
+    assert t_si["act_peak_bytes"] <= (1 + 0.05 + 0.10) * t_off["act_peak_bytes"]
+    plain = Interleaved(model, comm, schedule="si", max_extra_memory=0.05,
+                        measure_memory=True, defer_wgrad=False)
+    _, t_plain = plain.forward_backward(mbs)
+    assert t_plain["act_peak_bytes"] <= 1.05 * t_off["act_peak_bytes"]
 
 
 def test_strand_interleaving_refuses_a_model_off_the_cpu() -> None:

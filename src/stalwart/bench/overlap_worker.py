@@ -47,11 +47,44 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wgrad-memory", type=float, default=0.05,
                    help="deferred weight-gradient bytes, x one micro-batch's activations")
     p.add_argument("--chunks", type=int, default=1, help="chunked collectives for si")
+    p.add_argument("--probe", action="store_true",
+                   help="instead of the schedules: how long one all-reduce of a block's "
+                        "activations takes alone, and while this rank computes")
+    p.add_argument("--gloo-threads", type=int, default=0,
+                   help="the TP group's gloo worker threads (0: the default group)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=DEFER,WGRAD_MEMORY,CHUNKS: one more interleaved executor, timed "
+                        "in the same rotation (e.g. si_plain=0,0,1: strand interleaving "
+                        "without split backward), for comparisons within one run")
     p.add_argument("--tag", default="bench")
     p.add_argument("--trace", action="store_true",
                    help="after the timed steps, one traced step per schedule: every "
                         "collective's issue, completion and wait times (monotonic clock)")
     return p.parse_args(argv)
+
+
+def probe(block: int, batch: int, n_embd: int, reps: int = 15) -> dict[str, list[float]]:
+    """All-reduce time alone ("idle") and while this rank computes GEMM pieces of ~1 ms,
+    polling for completion between pieces ("busy"; completion time = first poll that saw it,
+    so at most one piece late) -- how much computing slows the transfer on this machine."""
+    t = torch.randn(batch * block, n_embd)
+    a, b = torch.randn(128, 768), torch.randn(768, 384)
+    out: dict[str, list[float]] = {"idle": [], "busy": [], "piece": []}
+    for r in range(reps + 1):
+        for kind in ("idle", "busy"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            w = dist.all_reduce(t, async_op=True)
+            if kind == "busy":
+                while not w.is_completed():
+                    p0 = time.perf_counter()
+                    a.matmul(b)
+                    if r:
+                        out["piece"].append(time.perf_counter() - p0)
+            w.wait()
+            if r:  # the first round warms up
+                out[kind].append(time.perf_counter() - t0)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,10 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(os.environ.get("STALWART_RUN_DIR", Path(a.config).parent))
     try:
+        if a.probe:
+            res = probe(a.block, a.batch, a.n_embd)
+            (run_dir / f"{a.tag}-rank-{rank}.json").write_text(json.dumps(res))
+            dist.barrier()
+            return 0
         cfg = GPTConfig(block_size=a.block, n_layer=a.n_layer, n_head=a.n_head,
                         n_embd=a.n_embd)
         torch.manual_seed(0)
-        comm = TPComm(dist.group.WORLD)
+        group = dist.group.WORLD
+        if a.gloo_threads:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._threads = a.gloo_threads
+            group = dist.new_group(list(range(world)), backend="gloo", pg_options=opts)
+        comm = TPComm(group)
         model = TPGPT.from_full(GPT(cfg), comm)
         g = torch.Generator().manual_seed(1)
         mbs = [(torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g),
@@ -75,10 +118,19 @@ def main(argv: list[str] | None = None) -> int:
                                 measure_memory=True, defer_wgrad=bool(a.defer_wgrad),
                                 wgrad_memory=a.wgrad_memory, chunks=a.chunks)
                  for s in scheds}
+        for v in a.variant:
+            name, opts = v.split("=")
+            defer, wmem, chunks = opts.split(",")
+            execs[name] = Interleaved(model, comm, schedule="si", profile_reps=a.profile_reps,
+                                      measure_memory=True, defer_wgrad=bool(int(defer)),
+                                      wgrad_memory=float(wmem), chunks=int(chunks))
+            scheds.append(name)
         t0 = time.perf_counter()
         if "si" in execs:
             execs["si"].ensure_plan(mbs)
         profile_time = time.perf_counter() - t0
+        for s in scheds[len(scheds) - len(a.variant):]:
+            execs[s].ensure_plan(mbs)
         for s in scheds:  # warm-up (first-touch allocations, gloo connections)
             dist.barrier()
             execs[s].forward_backward(mbs)
@@ -109,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "rank": rank, "world": world, "model": cfg.to_dict(), "batch": a.batch,
             "micro_batches": a.micro_batches, "reps": a.reps, "profile_time": profile_time,
+            "si_options": {"defer_wgrad": bool(a.defer_wgrad), "wgrad_memory": a.wgrad_memory,
+                           "chunks": a.chunks, "gloo_threads": a.gloo_threads},
             "plan": None if plan is None else {"steps": plan.steps,
                                                "predicted_time": plan.predicted_time,
                                                "sequential_time": plan.sequential_time,
@@ -117,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "predicted_step_time": predicted},
             "steps": steps,
             "traces": traces,
+            "variants": {s: {"predicted_step_time": execs[s].predicted_step_time(
+                a.micro_batches), "stream_steps": execs[s].stream_steps(a.micro_batches)}
+                for s in scheds[len(scheds) - len(a.variant):]},
         }
         (run_dir / f"{a.tag}-rank-{rank}.json").write_text(json.dumps(out))
         dist.barrier()

@@ -162,7 +162,8 @@ class TPComm:
         # Split backward: the deferred weight-gradient queue (wgrad.WGradQueue) while a
         # strand-interleaved step runs, else None (weight gradients computed at once).
         self.wgrad: Any = None
-        self.trace: list[Pending] | None = None  # every collective issued, when set (bench)
+        # every collective issued, when set (bench traces; stamps completion by callback)
+        self.trace: list[Pending] | None = None
 
     @property
     def mode(self) -> str:
@@ -191,7 +192,7 @@ class TPComm:
             led.bytes += tensor.numel() * tensor.element_size()
             led.issued(p)
 
-        if self.completion_callbacks:
+        if self.completion_callbacks or self.trace is not None:
             work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
         if self.mode == "sync":
             self._wait(p)

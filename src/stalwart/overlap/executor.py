@@ -11,7 +11,13 @@ model object (one copy of the weights):
 * ``"off"``   -- micro-batches one after the other, every collective waited at once;
 * ``"async"`` -- one after the other, each layer overlapping its own collective with its own
   remaining work (intra-micro-batch overlap: the baseline);
-* ``"si"``    -- strand interleaving.
+* ``"si"``    -- strand interleaving, with split backward: the parallel layers' weight-gradient
+  GEMMs are deferred into a queue and run while a strand waits for a collective (``wgrad.py``),
+  and optionally chunked collectives (``TPComm.start_matmul``).
+
+The predicted step time (``predicted_step_time``) comes from ``plan.simulate_step``: the DP's
+plan (searched twice: with the weight-gradient work as a separate pool and inside its segments)
+replayed on one compute thread, one link shared by both strands' collectives, and the pool.
 
 Guarantees: every schedule runs the same arithmetic per micro-batch and accumulates gradients
 in the same micro-batch order, so the gradients after a step are the same (1e-5 in tests; in
@@ -68,6 +74,12 @@ class Interleaved:
     `max_extra_memory` bounds the plan's live activations to (1 + it) x one micro-batch's
     (None: unbounded). `measure_memory` adds ``act_peak_bytes`` to every step's timings (a
     saved-tensor hook per saved tensor; off by default, profiling measures regardless).
+
+    Schedule "si" only: `defer_wgrad` splits the parallel layers' backward -- their weight
+    gradients are queued and run in pieces while a strand would wait for a collective
+    (``wgrad.py``); `wgrad_memory` caps the queue at that fraction of one micro-batch's
+    activations (None: no cap); `chunks` > 1 issues each all-reduce in that many row blocks
+    as its GEMM produces them (``TPComm.start_matmul``).
     """
 
     def __init__(self, model: nn.Module, comm: TPComm, schedule: str = "si",
@@ -75,7 +87,7 @@ class Interleaved:
                  plan: str | Plan = "auto", plan_path: Path | None = None,
                  profile_reps: int = 3, max_extra_memory: float | None = 0.05,
                  measure_memory: bool = False, defer_wgrad: bool = True,
-                 wgrad_memory: float | None = 0.05, chunks: int = 1) -> None:
+                 wgrad_memory: float | None = 0.1, chunks: int = 1) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         devs = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
