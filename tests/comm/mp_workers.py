@@ -35,7 +35,8 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
                      mtu: int = 1500, silent_rank: int = -1, silent_from: int = 10**9,
                      cap: float = 5.0, floor: float | None = None, values: str = "random",
                      copies: int = 1, copies_target: float | None = None,
-                     late_rank: int = -1, late_round: int = -1, late_by: float = 0.0) -> None:
+                     late_rank: int = -1, late_round: int = -1, late_by: float = 0.0,
+                     fec: str = "copies") -> None:
     """``rounds`` all-reduces of random vectors; compares with gloo's exact average.
 
     ``silent_rank`` stops taking part from round ``silent_from`` on (it just sleeps until the
@@ -49,10 +50,10 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
     _init(rank, world, port)
     dl = AdaptiveDeadline(initial=cap, cap=cap, floor=cap if floor is None else floor)
     coll = LossyCollective(numel, mtu=mtu, deadline=dl, value_copies=copies, grad_copies=copies,
-                           copies_target=copies_target)
+                           copies_target=copies_target, fec_mode=fec)
     rng = np.random.default_rng(1000 + rank)
     rec: dict = {"err": [], "hits": [], "lost": [], "recv": [], "silent": [], "elapsed": [],
-                 "out": [], "copies": []}
+                 "out": [], "copies": [], "recovered": [], "parity": []}
     try:
         for r in range(rounds):
             x = rng.standard_normal(numel).astype(np.float32)
@@ -71,6 +72,8 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
                 rec["err"].append(float(np.abs(got - ref.numpy() / world).max()))
             rec["hits"].append([int(p.deadline_hit) for p in ps])
             rec["copies"].append([p.copies for p in ps])
+            rec["recovered"].append([p.recovered for p in ps])
+            rec["parity"].append([p.parity for p in ps])
             rec["lost"].append([p.lost for p in ps])
             rec["recv"].append([p.recv for p in ps])
             rec["silent"].append(sorted(coll.silent))

@@ -34,6 +34,30 @@ def set_udp_loss(netns: str, p: float, dev: str = "eth0") -> None:
                    check=True, capture_output=True)
 
 
+def set_udp_burst_loss(netns: str, period: int, burst: int, dev: str = "eth0") -> None:
+    """Drop UDP arriving at a host in bursts: ``burst`` consecutive packets out of every
+    ``period`` (a counter, not a random draw: nftables ``numgen inc``). On the testbed a
+    segmentation-offload run is one packet here, so a burst takes whole runs."""
+    rules = (f"table inet {UDP_TABLE}\ndelete table inet {UDP_TABLE}\n"
+             f"table inet {UDP_TABLE} {{\n  chain input {{\n"
+             f"    type filter hook input priority 0; policy accept;\n"
+             f"    iifname \"{dev}\" meta l4proto udp numgen inc mod {period} < {burst} "
+             f"counter drop\n  }}\n}}\n")
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules, text=True,
+                   check=True, capture_output=True)
+
+
+def udp_dropped(netns: str) -> int:
+    """Packets the UDP loss rule (``set_udp_loss``/``set_udp_burst_loss``) dropped so far."""
+    cp = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "table", "inet",
+                         UDP_TABLE], capture_output=True, text=True, check=False)
+    for line in cp.stdout.splitlines() if cp.returncode == 0 else []:
+        if "counter packets" in line:
+            words = line.split()
+            return int(words[words.index("packets") + 1])
+    return 0
+
+
 def run_on_hosts(hosts, module: str, args: list[str], out: Path, timeout: float,
                  extra_env: dict[str, str] | None = None) -> list[dict]:
     """Run ``python -m module *args`` as rank i on host i; returns each rank's JSON result

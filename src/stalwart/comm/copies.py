@@ -39,6 +39,7 @@ protection that link gets, never what a packet carries.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -46,6 +47,7 @@ import numpy as np
 DECAY = 0.97  # per DECAY_DATAGRAMS datagrams owed: a window of ~10,000 datagrams
 DECAY_DATAGRAMS = 300.0
 MIN_OWED = 64.0  # datagrams owed before an estimate is trusted
+REPORTS_KEPT = 16  # feedback reports (markers) per peer whose maximum sizes erasure parity
 
 
 def copies_for(p: float, target: float, max_copies: int) -> int:
@@ -109,6 +111,12 @@ class CopyPolicy:
         self.max_copies = max(self.initial, int(max_copies))
         self.min_copies = min(max(1, int(min_copies)), self.max_copies)
         self.reported: list[float | None] = [None] * world  # loss on our link to each peer
+        # the last REPORTS_KEPT reports per peer: parity is sized from their maximum, because
+        # loss comes in bursts and one window's count under-reads a bursty link (seen on the
+        # testbed: a link read 0.5% between two bursts of 32 datagrams, got 2 parity packets
+        # per stripe, and the next burst took 4 from each)
+        self.history: list[collections.deque[float]] = [
+            collections.deque(maxlen=REPORTS_KEPT) for _ in range(world)]
 
     @property
     def adaptive(self) -> bool:
@@ -118,6 +126,12 @@ class CopyPolicy:
         """`peer` told us the loss rate it measures on packets from us."""
         if 0.0 <= rate <= 1.0:
             self.reported[peer] = rate
+            self.history[peer].append(rate)
+
+    def recent_max(self, peer: int) -> float | None:
+        """The highest loss rate ``peer`` reported in its last ``REPORTS_KEPT`` markers."""
+        h = self.history[peer]
+        return max(h) if h else None
 
     def copies(self, dest: int) -> int:
         if self.target is None:
