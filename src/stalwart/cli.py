@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
     bench.add_argument("--json", type=Path, default=None, help="write the figures here")
     bench.add_argument("--workdir", type=Path, default=Path("runs/bench"),
-                       help="where the benchmark's runs go (default runs/bench)")
+                       help="each invocation's runs go to a new folder under it "
+                            "(default runs/bench)")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)
@@ -154,11 +155,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from stalwart.bench import save
+    from stalwart.bench import fresh_workdir, save
 
     mod = importlib.import_module(f"stalwart.bench.{args.suite}")
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    result = mod.run(quick=args.quick, workdir=args.workdir)
+    workdir = fresh_workdir(args.workdir, args.suite)  # every invocation starts clean
+    print(f"work folder: {workdir}")
+    result = mod.run(quick=args.quick, workdir=workdir)
     result.command = "stalwart " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = Table(title=f"stalwart bench {args.suite}{' --quick' if args.quick else ''}")
     for col in ("figure", "value", "target", "verdict"):

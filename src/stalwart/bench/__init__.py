@@ -63,6 +63,25 @@ class BenchResult:
         return "\n".join(lines)
 
 
+def fresh_workdir(base: Path, suite: str) -> Path:
+    """A new, empty folder of its own for one invocation of ``suite`` under ``base``
+    (``base/SUITE-YYYYmmdd-HHMMSS``, with a counter if that exists): a second run of a suite in
+    the same folder must not find the first one's run directories (it stopped with "run
+    directory already holds a run")."""
+    import time
+
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        path = base / (f"{suite}-{stamp}" + (f"-{i}" if i else ""))
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot make a fresh work folder under {base}")
+
+
 def save(result: BenchResult, path: Path) -> None:
     from stalwart.rundir import atomic_write_text
 
