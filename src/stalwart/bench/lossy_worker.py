@@ -1,8 +1,9 @@
 """One rank of the lossy benchmark (started by stalwart.bench.lossy inside a testbed host).
 
-``allreduce``: 16 MiB all-reduce, gloo and ours interleaved iteration by iteration, at each loss
-level in turn (each rank sets the loss of its own host through the testbed's nftables helper,
-between barriers). ``drift``: the tiny GPT trained with ``comm.attach`` in mode ``params`` or
+``allreduce``: 16 MiB all-reduce, gloo and ours (with the erasure-coded protection that
+training uses) interleaved iteration by iteration, at each loss level in turn (each rank sets
+the loss of its own host through the testbed's nftables helper, between barriers).
+``drift``: the tiny GPT trained with ``comm.attach`` in mode ``params`` or
 ``naive`` under UDP loss set by the parent; after every step an exact drift probe (a reliable
 gloo all-gather, outside the timed path) measures max |replica - owners' parameters|.
 
@@ -27,39 +28,59 @@ def _barrier() -> None:
 
 
 def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warmup: int,
-              netns: list[str]) -> dict:
+              netns: list[str], gloo_levels: list[float] | None = None,
+              fec: str = "rs", fec_target: float = 2e-5) -> dict:
+    """Per loss level: gloo and ours interleaved (ours with the protection training uses:
+    ``fec``, for the residual target ``attach`` uses). gloo is skipped at levels not in
+    ``gloo_levels`` (at 10% loss one of its all-reduces takes seconds). Records per iteration:
+    times, chunks lost after decoding, chunks rebuilt, UDP bytes sent per payload byte."""
     from stalwart.comm.collective import LossyCollective
     from stalwart.testbed.loss import set_loss
 
     rank = dist.get_rank()
-    coll = LossyCollective(numel)
+    coll = LossyCollective(numel, fec_mode=fec, fec_target=fec_target)
     rng = np.random.default_rng(rank)
     x = rng.standard_normal(numel).astype(np.float32)
-    res: dict = {"levels": {}}
+    lay, world = coll.layout, coll.world
+    mine = lay.shard_len(rank)
+    # payload this rank must send per all-reduce: its contributions to every other shard, and
+    # its own shard's values to every other rank
+    payload_bytes = 4 * ((numel - mine) + (world - 1) * mine)
+    res: dict = {"levels": {}, "fec": fec}
     try:
         for p, n in zip(levels, iters, strict=True):
+            with_gloo = gloo_levels is None or p in gloo_levels
             _barrier()
             set_loss(netns[rank], p)
             _barrier()
-            ours, gloo, lost, hits, cpu = [], [], [], [], []
+            ours, gloo, lost, chunks, rec, wire, hits, cpu = [], [], [], [], [], [], [], []
             for it in range(warmup + n):
                 t = torch.from_numpy(x.copy())
                 _barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(t)
-                tg = time.perf_counter() - t0
-                _barrier()
+                if with_gloo:
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t)
+                    tg = time.perf_counter() - t0
+                    _barrier()
+                b0 = coll.transport.bytes_sent
                 t0, c0 = time.perf_counter(), time.process_time()
                 _, ps = coll.allreduce(x)
                 to = time.perf_counter() - t0
                 cpu.append(time.process_time() - c0)
                 if it >= warmup:
-                    gloo.append(tg)
+                    if with_gloo:
+                        gloo.append(tg)
                     ours.append(to)
-                    lost.append(sum(q.lost for q in ps) / max(1, sum(q.lost + q.recv for q in ps)))
+                    lost.append(sum(q.lost for q in ps))
+                    chunks.append(sum(q.lost + q.recv for q in ps))
+                    rec.append(sum(q.recovered for q in ps))
+                    wire.append((coll.transport.bytes_sent - b0) / payload_bytes)
                     hits.append(sum(int(q.deadline_hit) for q in ps))
-            res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost_frac": lost,
-                                     "deadline_hits": hits, "cpu": cpu[warmup:]}
+            res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost": lost, "chunks": chunks,
+                                     "recovered": rec, "wire": wire, "deadline_hits": hits,
+                                     "cpu": cpu[warmup:],
+                                     "lost_frac": [a / max(b, 1) for a, b in zip(
+                                         lost, chunks, strict=True)]}
         _barrier()
         set_loss(netns[rank], 0.0)
         res["rejected"] = coll.rejected_counts()

@@ -16,6 +16,7 @@ same rule as clipping after a reliable all-reduce.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -74,12 +75,16 @@ def attach(ddp_model: torch.nn.Module, optimizer: OptimizerSpec, *,
     "auto"): systematic Reed-Solomon parity per stripe of each phase, sized per link from its
     measured loss rate for a residual chunk loss of ``copies_target`` (``fec.py``: 1.2-1.4x
     the bytes at 10% loss instead of 5x). ``"copies"``: repetition as described above.
-    ``"none"``: no protection (the bare algorithm; same as ``copies=1``).
+    ``"none"``: no protection (the bare algorithm; same as ``copies=1``). Unset, the
+    environment variable ``STALWART_FEC`` chooses.
     ``give_up_s``: a peer silent this long (dead, or unreachable from the start) raises
     ``collective.PeerLost`` in ``step()`` instead of training on without it.
     """
-    if fec is None:  # an explicit copy count means repetition (copies=1: no protection)
-        fec = "rs" if copies == "auto" else "copies"
+    if fec is None:
+        # STALWART_FEC (rs, copies or none) reaches a script that cannot pass the argument,
+        # e.g. `stalwart run --comm lossy` in the benchmark's unprotected runs; else an
+        # explicit copy count means repetition (copies=1: no protection)
+        fec = os.environ.get("STALWART_FEC") or ("rs" if copies == "auto" else "copies")
     if fec not in FEC_MODES:
         raise ValueError(f"fec must be one of {', '.join(FEC_MODES)}, got {fec!r}")
     if copies == "auto":
