@@ -138,13 +138,14 @@ def running_median(xs: list[float], window: int = 9) -> list[float]:
 
 
 def _who(e: dict[str, Any]) -> str:
-    ranks, link = e.get("ranks"), e.get("link")
-    parts = []
-    if ranks:
-        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}")
-    if isinstance(link, list):
-        parts.append(f"link {'-'.join(map(str, link))}")
-    return " ".join(parts) or "-"
+    """"rank 2", "link 1-2", or "rank 1's link (pair 1-2)" when several slow pairs share
+    rank 1 (its host's own link)."""
+    ranks, link = e.get("ranks") or [], e.get("link")
+    pair = "-".join(map(str, link)) if isinstance(link, list) else ""
+    who = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks else ""
+    if e.get("kind") == "link" and ranks:
+        return f"{who}'s link" + (f" (pair {pair})" if pair else "")
+    return who or (f"link {pair}" if pair else "-")
 
 
 def plot_timeline(sr: ScriptRun, out: Path) -> Path:
