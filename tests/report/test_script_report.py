@@ -60,7 +60,7 @@ def test_faults_and_findings_share_one_clock_and_are_matched(tmp_path: Path) -> 
     assert "train.py --lr 0.1" in page and "outcome</th><td>ok" in page
     assert "2.00x the fault-free median" in page  # rank 0's iterations inside vs outside
     # the fault is matched with the finding that names its rank, 2.5 s after it started
-    assert "<b>found</b> compute rank 2 at 22.5 s (2.5 s after the fault)" in page
+    assert "<b>found</b> compute straggler: rank 2 at 22.5 s (2.5 s after the fault)" in page
     # the link finding explains no injected fault
     assert "finding link link 0-3 that no injected fault explains" in page
     assert "hello from rank 3" in page and "bye 0" in page

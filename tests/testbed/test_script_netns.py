@@ -58,7 +58,7 @@ def test_a_slow_rank_in_a_users_script_is_found_and_logged_with_its_ground_truth
     assert found[0]["time"] > applied[0]["time"]
     assert len(read_jsonl(run / "iterations.jsonl")) > 0
     page = (run / "report.html").read_text()
-    assert "<b>found</b> compute rank 2" in page, page[-3000:]
+    assert "<b>found</b> compute straggler: rank 2" in page, page[-3000:]
     assert not any(owned_by(pid).values())
 
 
@@ -78,7 +78,7 @@ def test_a_slow_link_in_a_users_script_is_found_and_named(tmp_path: Path) -> Non
     f = found[0]
     assert f["kind"] == "link" and (1 in (f.get("ranks") or []) or 1 in f.get("link", [])), f
     assert f["time"] > applied[0]["time"]
-    assert "<b>found</b> link" in (run / "report.html").read_text()
+    assert "<b>found</b> link straggler: " in (run / "report.html").read_text()
     assert not any(owned_by(pid).values())
 
 

@@ -265,7 +265,8 @@ def ground_truth_html(sr: ScriptRun) -> str:
         end = f"{s.end:.1f}" if s.end is not None else "end of run"
         if mine:
             verdict = "; ".join(
-                f"<b>found</b> {html.escape(str(d.get('kind')))} {html.escape(_who(d))} at "
+                f"<b>found</b> {html.escape(str(d.get('kind')))} straggler: "
+                f"{html.escape(_who(d))} at "
                 f"{sr.t(d['time']):.1f} s ({sr.t(d['time']) - s.start:.1f} s after the "
                 f"fault), x{float(d.get('severity') or 0):.2f}, confidence "
                 f"{float(d.get('confidence') or 0):.2f}" for _, d in mine)
