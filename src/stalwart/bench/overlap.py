@@ -48,9 +48,9 @@ TARGETS = {
 }
 # how the interleaved executor runs (split backward, chunked collectives): see overlap/wgrad.py
 # and TPComm.start_matmul; the worker passes them to Interleaved(schedule="si")
-SI_OPTIONS = ["--defer-wgrad=1", "--wgrad-memory=0.1", "--chunks=1"]
+SI_OPTIONS = ["--defer-wgrad=1", "--wgrad-memory=0.1", "--chunks=1", "--serial-comm=1"]
 # timed in the same rotation, for what each mechanism adds: strand interleaving alone
-VARIANTS = ["--variant=si_plain=0,0,1"]
+VARIANTS = ["--variant=si_plain=0,0,1,0"]
 R0_MBIT = 200.0
 MIN_MBIT, MAX_MBIT = 10.0, 2000.0
 # model and step shape: big enough per byte that the rate needed for comm ~= compute stays

@@ -47,15 +47,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wgrad-memory", type=float, default=0.05,
                    help="deferred weight-gradient bytes, x one micro-batch's activations")
     p.add_argument("--chunks", type=int, default=1, help="chunked collectives for si")
+    p.add_argument("--serial-comm", type=int, default=1,
+                   help="si: one collective on the wire at a time (0/1)")
     p.add_argument("--probe", action="store_true",
                    help="instead of the schedules: how long one all-reduce of a block's "
                         "activations takes alone, and while this rank computes")
     p.add_argument("--gloo-threads", type=int, default=0,
                    help="the TP group's gloo worker threads (0: the default group)")
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME=DEFER,WGRAD_MEMORY,CHUNKS: one more interleaved executor, timed "
-                        "in the same rotation (e.g. si_plain=0,0,1: strand interleaving "
-                        "without split backward), for comparisons within one run")
+                   help="NAME=DEFER,WGRAD_MEMORY,CHUNKS,SERIAL: one more interleaved executor, "
+                        "timed in the same rotation (e.g. si_plain=0,0,1,0: strand "
+                        "interleaving alone), for comparisons within one run")
     p.add_argument("--tag", default="bench")
     p.add_argument("--trace", action="store_true",
                    help="after the timed steps, one traced step per schedule: every "
@@ -116,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         scheds = a.schedules.split(",")
         execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps,
                                 measure_memory=True, defer_wgrad=bool(a.defer_wgrad),
-                                wgrad_memory=a.wgrad_memory, chunks=a.chunks)
+                                wgrad_memory=a.wgrad_memory, chunks=a.chunks,
+                                serial_comm=bool(a.serial_comm))
                  for s in scheds}
         for v in a.variant:
             name, opts = v.split("=")
-            defer, wmem, chunks = opts.split(",")
+            defer, wmem, chunks, serial = opts.split(",")
             execs[name] = Interleaved(model, comm, schedule="si", profile_reps=a.profile_reps,
                                       measure_memory=True, defer_wgrad=bool(int(defer)),
-                                      wgrad_memory=float(wmem), chunks=int(chunks))
+                                      wgrad_memory=float(wmem), chunks=int(chunks),
+                                      serial_comm=bool(int(serial)))
             scheds.append(name)
         t0 = time.perf_counter()
         if "si" in execs:
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             "rank": rank, "world": world, "model": cfg.to_dict(), "batch": a.batch,
             "micro_batches": a.micro_batches, "reps": a.reps, "profile_time": profile_time,
             "si_options": {"defer_wgrad": bool(a.defer_wgrad), "wgrad_memory": a.wgrad_memory,
-                           "chunks": a.chunks, "gloo_threads": a.gloo_threads},
+                           "chunks": a.chunks, "serial_comm": bool(a.serial_comm),
+                           "gloo_threads": a.gloo_threads},
             "plan": None if plan is None else {"steps": plan.steps,
                                                "predicted_time": plan.predicted_time,
                                                "sequential_time": plan.sequential_time,

@@ -32,6 +32,7 @@ import itertools
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +67,10 @@ class Pending:
     # the last piece's issue, t_done the last completion
     parts: list[Pending] = field(default_factory=list)
     t_wait: tuple[float, float] | None = None  # when a waiter blocked on it, and until when
+    queued: bool = False  # held back by ``TPComm.serial`` until the link is free
 
     def is_done(self) -> bool:
-        return self.work is None or self.t_done is not None
+        return self.t_done is not None
 
 
 @dataclass
@@ -164,6 +166,15 @@ class TPComm:
         self.wgrad: Any = None
         # every collective issued, when set (bench traces; stamps completion by callback)
         self.trace: list[Pending] | None = None
+        # One collective on the wire at a time (strand execution): a collective started while
+        # another is in flight is queued and issued, in program order -- the same on every TP
+        # rank --, when the previous one is seen complete (``pump``: at every poll, wait and
+        # parallel-layer call). Measured on the shaped testbed links, two gloo all-reduces in
+        # flight together moved the same bytes in ~35% more link time than one after the other
+        # (docs/BENCHMARKS.md, overlap); in order, the first also completes sooner.
+        self.serial = False
+        self._inflight: Pending | None = None
+        self._queued: deque[Pending] = deque()
 
     @property
     def mode(self) -> str:
@@ -177,26 +188,61 @@ class TPComm:
 
     # ---- the two halves of a collective -----------------------------------------------------
     def start(self, tensor: torch.Tensor) -> Pending:
-        """Issue an in-place sum all-reduce of `tensor` over the TP group."""
+        """Issue an in-place sum all-reduce of `tensor` over the TP group (with ``serial``:
+        queue it while another collective is in flight)."""
         t0 = time.perf_counter()
         if self.world == 1:
             return Pending(tensor, None, t0, t0)
-        tensor = tensor.contiguous()
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        p = Pending(tensor, work, t0)
+        p = Pending(tensor.contiguous(), None, t0)
         if self.trace is not None:
             self.trace.append(p)
-        led = self.ledger
-        with led.lock:
-            led.count += 1
-            led.bytes += tensor.numel() * tensor.element_size()
-            led.issued(p)
-
-        if self.completion_callbacks or self.trace is not None:
-            work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
+        if self.serial and self.mode != "sync":
+            self.pump()
+            if self._inflight is not None or self._queued:
+                p.queued = True
+                self._queued.append(p)
+                return p
+        self._issue(p)
         if self.mode == "sync":
             self._wait(p)
         return p
+
+    def _issue(self, p: Pending) -> None:
+        p.t_issue = time.perf_counter()
+        p.queued = False
+        p.work = dist.all_reduce(p.tensor, group=self.group, async_op=True)
+        led = self.ledger
+        with led.lock:
+            led.count += 1
+            led.bytes += p.tensor.numel() * p.tensor.element_size()
+            led.issued(p)
+        if self.completion_callbacks or self.trace is not None:
+            p.work.get_future().add_done_callback(lambda _fut, p=p: self._record_done(p))
+        if self.serial:
+            self._inflight = p
+
+    def pump(self) -> None:
+        """Serial mode: if the collective on the wire has completed, issue the next queued."""
+        while self._inflight is not None and self._inflight.work.is_completed():
+            self._record_done(self._inflight)
+            self._inflight = None
+            if self._queued:
+                self._issue(self._queued.popleft())
+
+    def _advance(self) -> None:
+        """Block until the collective on the wire completes; issue the next queued one."""
+        cur = self._inflight
+        assert cur is not None, "a queued collective with nothing in flight ahead of it"
+        cur.work.wait()
+        self._record_done(cur)
+        self._inflight = None
+        if self._queued:
+            self._issue(self._queued.popleft())
+
+    def drop_queued(self) -> None:
+        """Forget queued and in-flight bookkeeping (after a failed step)."""
+        self._queued.clear()
+        self._inflight = None
 
     def start_matmul(self, a: torch.Tensor, b: torch.Tensor) -> Pending:
         """Issue the sum all-reduce of ``a @ b`` (a: (..., K), b: (K, N)).
@@ -218,8 +264,10 @@ class TPComm:
         for r0, r1 in itertools.pairwise(bounds):
             torch.matmul(a2[r0:r1], b, out=out[r0:r1])
             parts.append(self.start(out[r0:r1]))
-        return Pending(out.view(*a.shape[:-1], b.shape[-1]), parts[-1].work,
-                       parts[-1].t_issue, parts=parts)
+        # t_issue: the end of the producing GEMM (what the profiler's collective time is
+        # measured from: the last block's transfer, and any queued before it)
+        return Pending(out.view(*a.shape[:-1], b.shape[-1]), None, time.perf_counter(),
+                       parts=parts)
 
     def finish(self, p: Pending) -> torch.Tensor:
         """The reduced tensor. Inside a strand, first hand the baton to the other strand; when
@@ -227,6 +275,7 @@ class TPComm:
         """
         if not p.waited:
             strand = current_strand()
+            self.pump()
             if strand is not None:
                 strand.park(p)
                 if self.wgrad is not None:
@@ -253,9 +302,13 @@ class TPComm:
             p.waited = True
             return
         t0 = time.perf_counter()
+        while p.queued:  # those ahead of it first, in order
+            self._advance()
         if p.work is not None:
             p.work.wait()
             self._record_done(p)
+            if self._inflight is p:
+                self.pump()  # p was on the wire: the next queued one goes now
         t1 = time.perf_counter()
         dt = t1 - t0
         p.t_wait = (t0, t1)
@@ -265,12 +318,15 @@ class TPComm:
 
     def poll(self, p: Pending) -> bool:
         """Whether `p` has completed (stamping its completion time when first seen)."""
-        if p.t_done is not None or p.work is None:
+        if p.t_done is not None:
             return True
+        self.pump()
         if p.parts:
             if all(self.poll(q) for q in p.parts):
                 p.t_done = max(q.t_done or 0.0 for q in p.parts)
                 return True
+            return False
+        if p.queued:
             return False
         if p.work.is_completed():
             self._record_done(p)

@@ -79,7 +79,8 @@ class Interleaved:
     gradients are queued and run in pieces while a strand would wait for a collective
     (``wgrad.py``); `wgrad_memory` caps the queue at that fraction of one micro-batch's
     activations (None: no cap); `chunks` > 1 issues each all-reduce in that many row blocks
-    as its GEMM produces them (``TPComm.start_matmul``).
+    as its GEMM produces them (``TPComm.start_matmul``); `serial_comm` keeps one collective
+    on the wire at a time, the next one queued in program order (``TPComm.serial``).
     """
 
     def __init__(self, model: nn.Module, comm: TPComm, schedule: str = "si",
@@ -87,7 +88,8 @@ class Interleaved:
                  plan: str | Plan = "auto", plan_path: Path | None = None,
                  profile_reps: int = 3, max_extra_memory: float | None = 0.05,
                  measure_memory: bool = False, defer_wgrad: bool = True,
-                 wgrad_memory: float | None = 0.1, chunks: int = 1) -> None:
+                 wgrad_memory: float | None = 0.1, chunks: int = 1,
+                 serial_comm: bool = True) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         devs = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
@@ -122,6 +124,7 @@ class Interleaved:
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1 (got {chunks})")
         self.chunks = chunks if schedule == "si" else 1
+        self.serial_comm = serial_comm and schedule == "si"
 
     # ---- strands ------------------------------------------------------------------------
     def _tracking(self) -> contextlib.AbstractContextManager[None]:
@@ -149,6 +152,7 @@ class Interleaved:
             "max_extra_memory": self.max_extra_memory,
             "defer_wgrad": self.wgrad is not None,
             "chunks": self.chunks,
+            "serial_comm": self.serial_comm,
         }
 
     def _agree(self, plan: Plan | None) -> bool:
@@ -253,6 +257,7 @@ class Interleaved:
         # no completion callbacks under strands: they would stall gloo's thread on the GIL
         comm.completion_callbacks = self.schedule != "si"
         comm.chunks = self.chunks
+        comm.serial = self.serial_comm
         comm.wgrad = q
         if q is not None:
             # the queue's bytes (its tasks' x and g) count against memory too: at most
@@ -269,9 +274,11 @@ class Interleaved:
         except BaseException:
             if q is not None:
                 q.clear()  # a failed step's partial gradients are discarded anyway
+            comm.drop_queued()
             raise
         finally:
             comm.wgrad = None
+            comm.serial = False
             comm.chunks = 1
             comm.completion_callbacks = True
 

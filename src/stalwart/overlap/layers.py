@@ -33,6 +33,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class _ColumnParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm: TPComm):  # type: ignore[override]
+        comm.pump()  # a collective may have completed: the next queued one goes (serial)
         ctx.save_for_backward(x, weight)
         ctx.comm = comm
         ctx.params = (weight, bias)
@@ -42,6 +43,7 @@ class _ColumnParallelFn(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         comm: TPComm = ctx.comm
+        comm.pump()
         g = g.contiguous()
         # input gradient first: it is what the all-reduce needs; the weight gradient is local
         # work that runs while the all-reduce is in flight -- or, split off into the queue,
@@ -55,6 +57,7 @@ class _ColumnParallelFn(torch.autograd.Function):
 class _RowParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm: TPComm):  # type: ignore[override]
+        comm.pump()  # a collective may have completed: the next queued one goes (serial)
         ctx.save_for_backward(x, weight)
         ctx.comm = comm
         ctx.params = (weight, bias)
@@ -65,6 +68,7 @@ class _RowParallelFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         x, weight = ctx.saved_tensors
+        ctx.comm.pump()
         g = g.contiguous()
         gx = torch.matmul(g, weight)
         gw, gb = _weight_grads(ctx.comm, x, g, *ctx.params)

@@ -13,15 +13,18 @@ computations instead of behind whatever the other strand happens to have.
 
 Guarantees:
 
-* exact gradients: tasks run first-in first-out, so every parameter receives its per-micro-batch
-  gradients in the same order as autograd would accumulate them (``grad = 0 + g0``, then
-  ``grad += g1`` ...); each piece computes a row block of the same product, so the result equals
-  sequential execution up to the BLAS kernel's blocking (tests: 1e-5; usually bitwise);
+* exact gradients: tasks run first-in first-out (a task run at once because the queue is full
+  first runs the queued tasks of its own weight), so every parameter receives its
+  per-micro-batch gradients in the same order as autograd would accumulate them
+  (``grad = 0 + g0``, then ``grad += g1`` ...); each piece computes a row block of the same
+  product, so the result equals sequential execution up to the BLAS kernel's blocking
+  (tests: 1e-5; usually bitwise);
 * nothing is lost: ``flush`` runs every task; ``Interleaved`` flushes before the data-parallel
   reduction and clears the queue when a step fails;
 * memory is accounted: while the activation meter tracks, a task keeps its ``x`` and ``g``
   counted as live (once per storage, like autograd's saved tensors) until its last piece ran.
-  ``max_bytes`` bounds what the queue may hold: a push beyond it runs the oldest tasks at once.
+  ``max_bytes`` bounds what the queue may hold: a task that does not fit runs at once (after
+  any queued task of the same weight), the queued ones stay.
 
 No communication happens in a task, so the moments at which tasks run may differ between TP
 ranks without affecting the order of collectives.
@@ -110,12 +113,18 @@ class WGradQueue:
             task.holds = [self.hold(x), self.hold(g)]
         self.tasks.append(task)
         self.bytes += nbytes
-        self.pushed += 1
-        if self.max_bytes is not None:
-            # over the budget: the oldest work runs now (the new task too, if it alone is
-            # larger than the budget -- then nothing is deferred)
-            while self.tasks and self.bytes > self.max_bytes:
+        if self.max_bytes is not None and self.bytes > self.max_bytes:
+            # it does not fit: it runs now, and what is queued stays queued (exactness needs
+            # only each weight's own order, so first the queued tasks of this same weight)
+            while any(t.weight is weight for t in list(self.tasks)[:-1]):
                 self._run_task()
+            self.tasks.pop()
+            self.bytes -= nbytes
+            with torch.no_grad():
+                while not task.done:
+                    task.run_piece()
+            return
+        self.pushed += 1
 
     def _run_piece(self) -> None:
         task = self.tasks[0]
