@@ -64,7 +64,11 @@ class _Detection:
         @functools.wraps(orig_init)
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             out = orig_init(*args, **kwargs)
-            self.start()
+            try:
+                self.start()
+            except Exception as e:  # noqa: BLE001 -- detection must not cost the user's run
+                print(f"stalwart: the monitor did not start on rank {self.rank} ({e}); the "
+                      "script runs without detection", file=sys.stderr, flush=True)
             return out
 
         @functools.wraps(orig_destroy)
@@ -95,17 +99,25 @@ class _Detection:
                 counted = not self._skip_next  # the iteration that held a validation pause
                 super()._sample(s)
                 if counted:
-                    writer.write({"step": int(s.key), "rank": rank, "time": time.time(),
-                                  "step_time": round(s.seconds, 6),
-                                  "compute_time": round(s.compute or 0.0, 6),
-                                  "comm_time": round(s.comm or 0.0, 6), "source": "monitor"})
+                    try:
+                        writer.write({"step": int(s.key), "rank": rank, "time": time.time(),
+                                      "step_time": round(s.seconds, 6),
+                                      "compute_time": round(s.compute or 0.0, 6),
+                                      "comm_time": round(s.comm or 0.0, 6),
+                                      "source": "monitor"})
+                    except OSError:
+                        pass  # (disk full, closed) the report loses a point, not the run
 
         self.monitor = ScriptMonitor(run_dir=self.run_dir)
 
     def close(self) -> None:
         mon, self.monitor = self.monitor, None
         if mon is not None:
-            mon.close()
+            try:
+                mon.close()
+            except Exception as e:  # noqa: BLE001 -- the script's own teardown goes on
+                print(f"stalwart: the monitor did not close cleanly on rank {self.rank} "
+                      f"({e})", file=sys.stderr, flush=True)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
