@@ -102,6 +102,10 @@ def test_owner_values_and_end_markers_are_accepted() -> None:
     with_parity = wire(1).packet(PHASE_GRAD, 5, 0, 3, np.zeros(0, np.float32), flags=FLAG_END,
                                  length=4)
     assert check(with_parity) == R["ok"]
+    # announcing more parity packets than a slot holds bytes is still a valid marker
+    many = wire(1).packet(PHASE_GRAD, 5, 0, 3, np.zeros(0, np.float32), flags=FLAG_END,
+                          length=200)  # > the 88-byte slot, within the bound
+    assert wire(0).check_one(many, 1, 5, slot=OVERHEAD + 4 * CHUNK)[1] == R["ok"]
     norm_end = wire(1).packet(PHASE_NORM, 5, 1, 0, np.zeros(0, np.float32), flags=FLAG_END)
     assert check(norm_end) == R["bad_range"]
 

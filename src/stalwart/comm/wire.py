@@ -29,14 +29,20 @@ without a reliable channel), ``copies`` = how many times the sender sent each of
 packets (so the receiver knows how many datagrams it was owed), and ``fb`` = the packet loss
 rate the sender measures on what it receives FROM this receiver, in units of 1e-4
 (``FB_UNKNOWN`` before it has measured): the feedback that sizes the receiver's forward error
-protection towards the sender (``copies.py``). Data packets carry ``fb`` = ``FB_UNKNOWN``
-and ``copies`` = 0.
+protection towards the sender (``copies.py``, ``fec.py``), and ``length`` = how many parity
+packets the sender sent this receiver in that phase. Data packets carry ``fb`` =
+``FB_UNKNOWN`` and ``copies`` = 0. A packet with ``FLAG_PARITY`` set is a Reed-Solomon parity
+packet of the phase's erasure code (``fec.py``): ``fb`` = the number of stripes S, ``copies`` =
+parity packets per stripe m, ``offset`` = its index q (stripe q % S, parity row q // S) and a
+whole chunk of parity bytes as payload (arbitrary bits: not checked for finite floats; what it
+rebuilds is, in ``collective``).
 
 Guarantee of ``Wire.check``: it never raises and never writes anywhere but its own result
 arrays. Every packet it accepts has a valid tag under this job's key, comes from a known peer
 (claimed sender id and source address both match), belongs to the current round or one of
 the next ``rounds_open - 1`` and a known phase, covers exactly one chunk of the right shard,
-and carries only finite floats.
+and carries only finite floats (a parity packet: names a valid code -- k + m <= 256, at most 2x
+the data in parity -- and an index inside it).
 Everything else is rejected with a reason code that the caller counts. One kind of packet is
 rejected before its tag is computed, because accepting or refusing it can change nothing: a
 data packet naming a chunk already placed ("spare"; a forged one is dropped just the same). Its
@@ -194,9 +200,11 @@ class Wire:
             hdr = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER).reshape(n)
         length = hdr["length"].astype(np.int64)
         bad = (sizes < OVERHEAD) | (sizes > slot) | (hdr["magic"] != MAGIC)
-        bad |= (hdr["job"] != self.job) | (length > slot)
-        # a marker has no payload (its ``length`` counts the parity packets it announces)
+        # a marker has no payload (its ``length`` counts the parity packets it announces: it
+        # may exceed a slot, and rejecting such markers as malformed cut MTU 1500 links off
+        # their loss feedback, leaving their parity at the initial 20%)
         is_end = hdr["flags"] == FLAG_END
+        bad |= (hdr["job"] != self.job) | ((length > slot) & ~is_end)
         bad |= sizes != np.where(is_end, OVERHEAD, OVERHEAD + 4 * length)
         reasons[bad] = R["malformed"]
         if placed is not None:
