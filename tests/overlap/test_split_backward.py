@@ -209,6 +209,11 @@ def test_step_model_shares_the_link_between_the_strands() -> None:
     # until 8 but its collective queues behind: 11..15. b1 waits to 11 (12); f1 to 15 (16);
     # B(1): b0 17, link 17..21; b1 22. (With a link per collective it would be 19.)
     assert simulate_step(seg, 2, ["B", "F", "B", "F", "B", "B"]) == pytest.approx(22.0)
+    # burst credit: right behind another transfer a collective takes 1.5x (6 s); after 2 s
+    # of idle link, 4 s again. f0's collective now queues behind b0's for 11..17: f1 waits
+    # to 17 (18); B(1): b0 at 19 after 2 s idle, 19..23; b1 24
+    seg["comm_sustained_factor"] = [1.5]
+    assert simulate_step(seg, 2, ["B", "F", "B", "F", "B", "B"]) == pytest.approx(24.0)
 
 
 def test_step_model_fills_waits_with_deferred_weight_gradients() -> None:

@@ -201,6 +201,14 @@ def run(quick: bool, workdir: Path) -> BenchResult:
                         [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=5",
                          *SI_OPTIONS, *VARIANTS])
         f, d = figures(ranks, suffix)
+        # what the shaped link can carry back to back: a ring all-reduce sends 2(n-1)/n of
+        # the tensor per rank; tbf's burst credit (10 ms) makes isolated transfers -- the
+        # sequential schedule's -- faster than this, a saturated link never
+        sent = d["bytes_allreduced_per_step"] * 2 * (nproc - 1) / nproc
+        d["link_rate_mbit"] = round(rate)
+        d["link_sustained_s"] = sent * 8 / (round(rate) * 1e6)
+        d["si_vs_link_bound"] = d["si"]["wall"] / max(d["off"]["compute_time"],
+                                                      d["link_sustained_s"])
         figs.update(f)
         details[f"tp{nproc}"] = {"calibration": cal, **d}
         if suffix:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -259,8 +260,10 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
 
     * one compute thread: segments run one at a time, in plan order (a pair: B, then F);
     * one link: a collective's transfer starts when it is issued *and* the previous transfer
-      has finished (the strands' all-reduces share the same links), and takes its measured
-      time alone;
+      has finished (the strands' all-reduces share the same links; ``TPComm.serial``). It
+      takes its measured time alone after an idle link, and ``comm_sustained_factor`` times
+      that right behind another transfer (burst credit, e.g. a token bucket, is spent), with
+      the credit regained one-for-one with idle time in between;
     * split backward: each backward segment adds its deferred weight-gradient seconds to a
       pool; a segment that must wait for its strand's previous collective first spends the
       wait on the pool (``WGradQueue.fill``), and what is left runs at the end (``flush``).
@@ -270,8 +273,10 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
     fc, fm = segments["fwd_compute"], segments["fwd_comm"]
     bc, bm = segments["bwd_compute"], segments["bwd_comm"]
     bw = segments.get("bwd_wgrad") or [0.0] * len(bc)
+    factor = (segments.get("comm_sustained_factor") or [1.0])[0]
     m, n = len(fc), len(bc)
-    t = link = pool = 0.0
+    t = pool = 0.0
+    link = -math.inf  # when the link's last transfer ends (idle long before the step)
     pend: dict[str, float | None] = {"F": None, "B": None}
 
     def run(strand: str, c: float, comm: float, w: float) -> None:
@@ -284,7 +289,8 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
         t += c
         pool += w
         if comm > 0:
-            link = max(t, link) + comm
+            gap = max(0.0, t - link)  # the link's idle time before this transfer
+            link = max(t, link) + comm * factor - min(gap, comm * (factor - 1.0))
             pend[strand] = link
         else:
             pend[strand] = None

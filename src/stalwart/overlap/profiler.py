@@ -103,12 +103,41 @@ def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
                 lst.clear()
     vals = [min(x) if x else 0.0 for x in (*fc, *fm, *bc, *bm, *bw)]
     vals += fbytes + bbytes if live_bytes else []
+    vals.append(_sustained_factor(comm))
     flat = torch.tensor(vals, dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=comm.group)
     v = flat.tolist()
     cut = [0, m, 2 * m, 2 * m + n, 2 * m + 2 * n, 2 * m + 3 * n]
     fc_, fm_, bc_, bm_, bw_ = (v[cut[k]:cut[k + 1]] for k in range(5))
-    rest = v[cut[5]:]
-    return Profile.from_segments(fc_, fm_, bc_, bm_, fwd_bytes=rest[:m], bwd_bytes=rest[m:],
+    factor = v[-1]
+    rest = v[cut[5]:-1]
+    prof = Profile.from_segments(fc_, fm_, bc_, bm_, fwd_bytes=rest[:m], bwd_bytes=rest[m:],
                                  bwd_wgrad=bw_ if wgrad is not None else [])
+    prof.segments["comm_sustained_factor"] = [factor]
+    return prof
+
+
+def _sustained_factor(comm: TPComm, reps: int = 3, idle_s: float = 0.03) -> float:
+    """How much longer a collective takes right behind another than after the link idled.
+
+    Shaped links (a token bucket, like the testbed's tbf, or any link with burst credit) move
+    a transfer faster after an idle gap than back to back; strand interleaving keeps the link
+    busy, so the step model needs both. Measured on a tensor of the profiled collectives'
+    mean size: after `idle_s` of quiet (a measurement of the idle case, not a wait for an
+    event), one all-reduce alone, then one issued the moment it completed. Median ratio.
+    """
+    if comm.world == 1 or comm.ledger.count == 0:
+        return 1.0
+    t = torch.zeros(max(1, comm.ledger.bytes // comm.ledger.count // 4))
+    ratios = []
+    for _ in range(reps):
+        dist.barrier(group=comm.group)
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=comm.group)
+        t1 = time.perf_counter()
+        dist.all_reduce(t, group=comm.group)
+        t2 = time.perf_counter()
+        ratios.append((t2 - t1) / max(t1 - t0, 1e-9))
+    return max(1.0, sorted(ratios)[len(ratios) // 2])
