@@ -291,6 +291,94 @@ class LossyCollective:
 
     def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
         hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0), self._placed)
+        with self._cond:
+            done = self._place_batch(rows, hdr, reasons)
+        if done.any():
+            keep = ~done
+            rows, hdr, reasons = rows[keep], hdr[keep], reasons[keep]
+            if not len(reasons):
+                with self._cond:
+                    self._cond.notify_all()
+                return
+        self._on_rest(rows, hdr, reasons)
+
+    def _place_batch(self, rows: np.ndarray, hdr: np.ndarray, reasons: np.ndarray) -> np.ndarray:
+        """The common case, vectorised per (round, phase, sender): accepted whole-chunk data
+        packets of an open phase -- placed, booked as arrivals, their senders marked alive,
+        with numpy operations per group instead of Python per datagram. Returns which
+        datagrams it handled (the rest, and anything unusual, go through ``_on_rest``).
+        Called under the lock."""
+        C, world = self.chunk, self.world
+        handled = np.zeros(len(reasons), bool)
+        cand = ((reasons == 0) & (hdr["flags"] == 0) & (hdr["phase"] != PHASE_NORM)
+                & (hdr["length"] == C) & (hdr["sender"] < world))
+        # only datagrams before the batch's first marker: a marker books the arrivals counted
+        # before it, so the order matters (data of the next phase counted ahead of a marker
+        # read as loss in the next window: a clean loopback measured ~0.5%)
+        ends = np.flatnonzero(hdr["flags"] == FLAG_END)
+        if ends.size:
+            cand[ends[0]:] = False
+        if not cand.any():
+            return handled
+        idx = np.flatnonzero(cand)
+        snd = hdr["sender"][idx].astype(np.int64)
+        rnd = hdr["round"][idx].astype(np.int64)
+        ph = hdr["phase"][idx].astype(np.int64)
+        chk = hdr["offset"][idx].astype(np.int64) // C
+        key = (rnd * 3 + ph) * world + snd
+        order = np.argsort(key, kind="stable")
+        bounds_k = np.flatnonzero(np.diff(key[order])) + 1
+        now = time.perf_counter()
+        lay = self.layout
+        for grp in np.split(order, bounds_k):
+            r, p, s = int(rnd[grp[0]]), int(ph[grp[0]]), int(snd[grp[0]])
+            st = self._rounds[r % ROUNDS_OPEN]
+            if st.rnd != r or st.closed[p]:
+                continue  # the slow path decides (late, old round, ...)
+            seen = st.acc.seen[s] if p == PHASE_GRAD else st.vseen[s]
+            c = chk[grp]
+            rows_i = idx[grp]
+            # first copy of each chunk not placed yet; the others are duplicates
+            c_u, first = np.unique(c, return_index=True)
+            new = ~seen[c_u]
+            c_new, i_new = c_u[new], rows_i[first[new]]
+            dup = len(grp) - c_new.size
+            if c_new.size:
+                pay = rows[i_new, HEADER_BYTES: HEADER_BYTES + 4 * C].view("<f4")
+                tags = rows[i_new, HEADER_BYTES + 4 * C: HEADER_BYTES + 4 * C + TAG_BYTES]
+                seen[c_new] = True
+                if p == PHASE_GRAD:
+                    acc = st.acc
+                    nfull = acc.sum.size // C
+                    full = c_new < nfull  # (length == C, so all of them; keeps views safe)
+                    acc.sum[: nfull * C].reshape(nfull, C)[c_new[full]] += pay[full]
+                    acc.count[c_new] += 1
+                    if acc.contrib is not None:
+                        acc.contrib[s].reshape(-1, C)[c_new] = pay
+                    st.gtag[s, c_new] = tags
+                else:
+                    lo = lay.bounds[s]
+                    nfull = lay.shard_len(s) // C
+                    st.vals[lo: lo + nfull * C].reshape(nfull, C)[c_new] = pay
+                    st.vtag[self._chunk_base[s] + c_new] = tags
+                st.got[p, s] += c_new.size
+                rx = st.fec.get((p, s))
+                if rx is not None:
+                    stripes = c_new % rx.geo.S
+                    np.add.at(rx.have, stripes, 1)
+                    for i in np.unique(stripes).tolist():
+                        self._maybe_decode(st, p, s, rx, i)
+            if dup and not self._may_copy:
+                self.rejected[R["duplicate"]] += dup
+            # all of them authenticated data datagrams from s: alive, and arrived
+            self._heard[s] = now
+            self._ever[s] = True
+            self.silent.discard(s)
+            self.loss_in._since[s] += len(grp)
+            handled[rows_i] = True
+        return handled
+
+    def _on_rest(self, rows: np.ndarray, hdr: np.ndarray, reasons: np.ndarray) -> None:
         # plain Python ints once per batch: per-field numpy scalar access is what costs here
         why_l = reasons.tolist()
         snd_l = hdr["sender"].tolist()
