@@ -2,7 +2,8 @@
 
 Mechanism: the datagram transport of "Distributed Training under Packet Loss" / OptiReduce --
 no connections, no acknowledgements, no retransmission. Per-packet interpreter work is what
-limits a Python UDP collective (MACHINE-NOTES: 125 ms vs gloo's 38 ms for a naive version), so
+limits a Python UDP collective (a first version with one sendto/recv_into per packet took
+125 ms for a 16 MiB all-reduce between 4 testbed hosts at MTU 9000, gloo 38 ms), so
 this module moves whole batches per system call: ``sendmmsg`` with one scatter-gather entry per
 packet pointing straight into the caller's numpy rows (no per-packet copy, no per-packet Python
 call), and ``recvmmsg`` filling a preallocated (batch, slot) numpy array plus the source
