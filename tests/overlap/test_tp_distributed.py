@@ -179,10 +179,12 @@ def _equivalence(rank: int, world: int, out: str) -> None:
 
 
 def _split_chunked(model, comm, mbs, ref_grads, ref_loss, report: dict[str, float]) -> None:
-    step = Interleaved(model, comm, schedule="si", chunks=2, wgrad_memory=None)
+    step = Interleaved(model, comm, schedule="si", chunks=2, wgrad_memory=None,
+                       serial_comm=True)
     loss, timings = step.forward_backward(mbs)
     assert step.wgrad is not None and step.wgrad.pushed > 0 and len(step.wgrad) == 0
     assert step.plan.signature["chunks"] == 2 and step.plan.signature["defer_wgrad"]
+    assert step.plan.signature["serial_comm"] and comm._inflight is None and not comm._queued
     assert len(step.plan.profile["bwd_wgrad"]) == len(step.plan.profile["bwd"])
     assert comm.ledger.count > 4 * CFG.n_layer * len(mbs)  # chunked: more pieces than layers
     report["loss_si_split_chunked"] = abs(loss - ref_loss)

@@ -48,7 +48,7 @@ TARGETS = {
 }
 # how the interleaved executor runs (split backward, chunked collectives): see overlap/wgrad.py
 # and TPComm.start_matmul; the worker passes them to Interleaved(schedule="si")
-SI_OPTIONS = ["--defer-wgrad=1", "--wgrad-memory=0.1", "--chunks=1", "--serial-comm=1"]
+SI_OPTIONS = ["--defer-wgrad=1", "--wgrad-memory=0.1", "--chunks=1", "--serial-comm=0"]
 # timed in the same rotation, for what each mechanism adds: strand interleaving alone
 VARIANTS = ["--variant=si_plain=0,0,1,0"]
 R0_MBIT = 200.0

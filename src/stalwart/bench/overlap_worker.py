@@ -47,7 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wgrad-memory", type=float, default=0.05,
                    help="deferred weight-gradient bytes, x one micro-batch's activations")
     p.add_argument("--chunks", type=int, default=1, help="chunked collectives for si")
-    p.add_argument("--serial-comm", type=int, default=1,
+    p.add_argument("--serial-comm", type=int, default=0,
                    help="si: one collective on the wire at a time (0/1)")
     p.add_argument("--probe", action="store_true",
                    help="instead of the schedules: how long one all-reduce of a block's "

@@ -166,12 +166,13 @@ class TPComm:
         self.wgrad: Any = None
         # every collective issued, when set (bench traces; stamps completion by callback)
         self.trace: list[Pending] | None = None
-        # One collective on the wire at a time (strand execution): a collective started while
-        # another is in flight is queued and issued, in program order -- the same on every TP
-        # rank --, when the previous one is seen complete (``pump``: at every poll, wait and
-        # parallel-layer call). Measured on the shaped testbed links, two gloo all-reduces in
-        # flight together moved the same bytes in ~35% more link time than one after the other
-        # (docs/BENCHMARKS.md, overlap); in order, the first also completes sooner.
+        # One collective on the wire at a time (optional, Interleaved(serial_comm=True)): a
+        # collective started while another is in flight is queued and issued, in program
+        # order -- the same on every TP rank --, when the previous one is seen complete
+        # (``pump``: at every poll, wait and parallel-layer call), so the first completes
+        # sooner than when both share the link. Measured on the testbed it gained nothing
+        # (0.94-1.0x): the link is saturated either way, and a queued collective waits for the
+        # next pump (docs/BENCHMARKS.md, overlap).
         self.serial = False
         self._inflight: Pending | None = None
         self._queued: deque[Pending] = deque()

@@ -89,7 +89,7 @@ class Interleaved:
                  profile_reps: int = 3, max_extra_memory: float | None = 0.05,
                  measure_memory: bool = False, defer_wgrad: bool = True,
                  wgrad_memory: float | None = 0.1, chunks: int = 1,
-                 serial_comm: bool = True) -> None:
+                 serial_comm: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
         devs = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
