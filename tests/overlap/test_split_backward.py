@@ -52,6 +52,8 @@ def test_deferred_weight_gradients_are_exact(wgrad_memory: float | None) -> None
     # without a cap every weight gradient is deferred; with one, those that fit
     assert step.wgrad.pushed == every if wgrad_memory is None else 0 < step.wgrad.pushed < every
     assert len(step.wgrad) == 0 and comm.wgrad is None  # flushed, and detached after the step
+    # the profile timed the deferred work of the segments that have weights
+    assert sum(step.plan.profile["bwd_wgrad"]) > 0 and step.plan.profile["bwd_wgrad"][-1] == 0
     _assert_grads(model, ref)
     # a second step overwrites (does not accumulate onto) the first one's gradients
     step.forward_backward(mbs)
@@ -267,3 +269,13 @@ def test_serial_comm_keeps_one_collective_on_the_wire_in_program_order() -> None
         assert comm._inflight is None and not comm._queued
     finally:
         cm.dist.all_reduce = real
+
+
+def test_one_micro_batch_defers_nothing_under_a_memory_cap() -> None:
+    # no profile yet says what one micro-batch's activations are: nothing may be held
+    mbs = _mbs(1)
+    model, comm, ref = _reference(mbs)
+    step = Interleaved(model, comm, schedule="si")
+    step.forward_backward(mbs)
+    assert step.wgrad is not None and step.wgrad.pushed == 0
+    _assert_grads(model, ref)

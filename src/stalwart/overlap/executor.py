@@ -261,10 +261,12 @@ class Interleaved:
         comm.wgrad = q
         if q is not None:
             # the queue's bytes (its tasks' x and g) count against memory too: at most
-            # wgrad_memory x one micro-batch's activations, once a profile says how much that is
+            # wgrad_memory x one micro-batch's activations -- nothing, while no profile says
+            # how much that is (one micro-batch, or a plan given without byte counts); while
+            # profiling (not filling) it holds a whole pass, timed task by task afterwards
             unit = Profile(**self.plan.profile).unit() if self.plan is not None else 0.0
             q.max_bytes = (self.wgrad_memory * unit
-                           if self.wgrad_memory is not None and unit > 0 else None)
+                           if self.wgrad_memory is not None and filling else None)
             q.clear()
             q.reset_stats()
             q.filling = filling

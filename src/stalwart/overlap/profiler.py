@@ -118,14 +118,17 @@ def profile_pairs(comm: TPComm, fwd: Callable[[], Strand],
     return prof
 
 
-def _sustained_factor(comm: TPComm, reps: int = 3, idle_s: float = 0.03) -> float:
+def _sustained_factor(comm: TPComm, reps: int = 3, idle_s: float = 0.03, chain: int = 4
+                      ) -> float:
     """How much longer a collective takes right behind another than after the link idled.
 
     Shaped links (a token bucket, like the testbed's tbf, or any link with burst credit) move
     a transfer faster after an idle gap than back to back; strand interleaving keeps the link
     busy, so the step model needs both. Measured on a tensor of the profiled collectives'
     mean size: after `idle_s` of quiet (a measurement of the idle case, not a wait for an
-    event), one all-reduce alone, then one issued the moment it completed. Median ratio.
+    event), one all-reduce alone, then `chain` issued back to back (their mean, so that the
+    ranks' skew at the start -- large with more ranks than cores -- is spread over several).
+    Median ratio.
     """
     if comm.world == 1 or comm.ledger.count == 0:
         return 1.0
@@ -137,7 +140,8 @@ def _sustained_factor(comm: TPComm, reps: int = 3, idle_s: float = 0.03) -> floa
         t0 = time.perf_counter()
         dist.all_reduce(t, group=comm.group)
         t1 = time.perf_counter()
-        dist.all_reduce(t, group=comm.group)
+        for _ in range(chain):
+            dist.all_reduce(t, group=comm.group)
         t2 = time.perf_counter()
-        ratios.append((t2 - t1) / max(t1 - t0, 1e-9))
+        ratios.append((t2 - t1) / chain / max(t1 - t0, 1e-9))
     return max(1.0, sorted(ratios)[len(ratios) // 2])
