@@ -73,7 +73,7 @@ def attach(ddp_model: torch.nn.Module, optimizer: OptimizerSpec, *,
     measured (the first step) gets 5.
     ``fec``: the forward error protection. ``"rs"`` (the default when ``copies`` is
     "auto"): systematic Reed-Solomon parity per stripe of each phase, sized per link from its
-    measured loss rate for a residual chunk loss of ``copies_target`` (``fec.py``: 1.2-1.4x
+    measured loss rate for a residual chunk loss of ``copies_target`` (``fec.py``: 1.43-1.46x
     the bytes at 10% loss instead of 5x). ``"copies"``: repetition as described above.
     ``"none"``: no protection (the bare algorithm; same as ``copies=1``). Unset, the
     environment variable ``STALWART_FEC`` chooses.
