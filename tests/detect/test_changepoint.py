@@ -153,3 +153,18 @@ def test_absolute_deviation_from_the_median_by_halves() -> None:
     for n in range(1, 40):
         x = rng.normal(0.0, 1.0, n)
         assert _abs_dev(x) == pytest.approx(float(np.abs(x - np.median(x)).sum()), rel=1e-12)
+
+
+def test_rise_onset_finds_where_a_series_rose_not_an_earlier_blip() -> None:
+    from stalwart.detect.changepoint import rise_onset
+
+    rng = np.random.default_rng(3)
+    keys = np.arange(60)
+    xs = rng.normal(0.0, 0.05, 60)
+    xs[23:25] += 0.5  # a two-step blip before the change
+    xs[30:] += 0.25  # the change
+    perm = rng.permutation(60)  # stored in a ring: any order
+    assert rise_onset(keys[perm], xs[perm], 19, 40) == 30
+    # nothing rose: no onset
+    flat = rng.normal(0.0, 0.05, 60)
+    assert rise_onset(keys, -np.abs(flat) - np.linspace(0, 1, 60), 19, 40) is None

@@ -164,3 +164,19 @@ def test_a_mild_straggler_is_confirmed_by_every_round_not_by_size() -> None:
     # the mild rule needs a rank's own channel to point at the rank: the test alone at 1.3x
     # names nobody (rule 3 needs COMPUTE_ALONE)
     assert decide(seven, 40, 60, 1.1).kind == "unknown"
+
+
+def test_a_compute_stragglers_onset_comes_from_its_own_series() -> None:
+    # the channel that fired merged an earlier job-wide blip (onset 23: every rank slow at
+    # 23-24); rank 3's compute relative to its peers' rose at 30: the finding says 30
+    es = [ev(r, comm=(0.01, 0.04)) for r in range(3)] + [ev(3, comp=(0.05, 0.08), test=0.31)]
+    for e in es:
+        e.recent = [(k, 0.05 * (2.0 if k in (23, 24) else 1.0) * (1.0 + 0.01 * ((k * 7 + e.rank)
+                    % 3)) * (1.6 if e.rank == 3 and k >= 30 else 1.0)) for k in range(0, 37)]
+    f = decide(es, onset_step=23, step=36, severity=1.5)
+    assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 30
+    assert f.evidence["channel_onset_step"] == 23
+    # without the series the detected onset stands
+    for e in es:
+        e.recent = []
+    assert decide(es, 23, 36, 1.5).onset_step == 23

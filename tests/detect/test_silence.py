@@ -73,3 +73,35 @@ def test_a_slowdown_still_open_at_close_is_not_logged_early(tmp_path: Path) -> N
     mon.close()
     assert "slowdown_unexplained" not in logged(tmp_path)
     assert mon.hiccups == 1
+
+
+def test_one_fault_seen_by_two_channels_is_one_finding(tmp_path: Path) -> None:
+    from stalwart.detect.changepoint import Change
+    from stalwart.detect.localize import Finding
+
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    mon._active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
+    mon._channel = "iteration"
+    # the culprit's own channel fires on the same slowdown later: nothing new
+    mon._classify(Change(onset=31, decided=38, before=1.0, after=1.3), "rank1")
+    # so does the iteration time of a slowdown that began before the decision
+    mon._channel = "rank1"
+    mon._classify(Change(onset=29, decided=39, before=1.0, after=1.4), "iteration")
+    assert mon._pending[0] == 0
+    # another rank slowing down after the decision is a new straggler
+    mon._classify(Change(onset=45, decided=50, before=1.0, after=1.3), "rank2")
+    assert mon._pending[0] == 1 and mon._pending[3] == 2
+    mon.close()
+
+
+def test_a_verdict_naming_nobody_while_a_straggler_is_active_keeps_it(tmp_path: Path) -> None:
+    from stalwart.detect.localize import Finding
+
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    feed(mon, steps(40, 2))
+    active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
+    mon._active = active
+    mon._on_detect(36, 42, 1.2, distributed=False)  # a lagging channel; tests name nobody
+    assert mon._active is active and mon.findings == [] and mon.hiccups == 1
+    mon.close()
+    assert "slowdown_unexplained" not in logged(tmp_path)

@@ -43,6 +43,32 @@ def _abs_dev(x: np.ndarray) -> float:
     return float(s[len(s) - k:].sum() - s[:k].sum())
 
 
+def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int) -> int | None:
+    """Where a series rose: the key in ``[lo, hi]`` that best splits it into a lower segment
+    (up to 20 samples before) and a higher one (to ``hi``), by least absolute deviations
+    from the two medians. None if no split in the window leaves the later segment higher.
+
+    Used to place a compute straggler's onset on the culprit's own series: the channel that
+    fired may have merged an earlier job-wide blip (an OS hiccup slows every rank's step)
+    into the same slowdown and put its onset there.
+    """
+    order = np.argsort(keys, kind="stable")
+    keys, xs = keys[order], xs[order]
+    sel = (keys >= lo - 20) & (keys <= hi)
+    keys, xs = keys[sel], xs[sel]
+    best, best_key = math.inf, None
+    for i in range(2, len(keys) - 1):  # two samples on each side at least
+        if not lo <= keys[i] <= hi:
+            continue
+        a, b = xs[:i], xs[i:]
+        if np.median(b) <= np.median(a):
+            continue
+        cost = _abs_dev(a) + _abs_dev(b)
+        if cost < best:
+            best, best_key = cost, int(keys[i])
+    return best_key
+
+
 def drop_outliers(x: np.ndarray, z: float = 3.0) -> np.ndarray:
     """Samples within ``z`` robust standard deviations of the median."""
     if len(x) < 4:

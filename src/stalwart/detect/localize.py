@@ -21,6 +21,8 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
 3. else the compute test alone names a rank only if it is >= ``COMPUTE_ALONE`` x and
    ``STANDOUT`` x slower than the next rank;
 4. else "unknown" (a job-wide slowdown, or a fault that ended before validation).
+A compute verdict's onset is where the culprit's own compute, relative to its peers', rose
+(``culprit_onset``): the channel that fired may have put it at an earlier job-wide blip.
 Load from elsewhere makes single compute-test rounds noisy, hence the requirement that
 training-time evidence and test agree.
 The evidence dict of the verdict carries the measured ratios so a human can check it.
@@ -28,9 +30,14 @@ The evidence dict of the verdict carries the measured ratios so a human can chec
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+from stalwart.detect.changepoint import rise_onset
 
 # confirms the rank the training-time evidence points at: throttled or starved ranks measured
 # 2.0-7.3x here, healthy ranks up to ~1.9x in single rounds, 1.2-1.4x after the median
@@ -45,6 +52,9 @@ STANDOUT = 1.3  # ...if it is also this much slower than the next rank
 # equal transfers: the testbed's shaped links measured 100-225x the healthy pairs, while load
 # from other jobs on a 2-core machine made healthy pairs up to 13x slower
 LINK_RATIO = 20.0
+# a compute straggler's onset is looked for on its own series from this many steps before the
+# detected onset (the channel that fired can also place it a few steps late)
+ONSET_SLACK = 4
 PROFILE_RATIO = 1.15
 PROFILE_STANDOUT = 1.3  # the profile names a rank whose compute grew this much more than any
 
@@ -61,6 +71,9 @@ class RankEvidence:
     compute_test: float | None = None  # seconds: median of the rounds
     links: dict[str, float] = field(default_factory=dict)  # "a-b" -> round-trip seconds
     compute_rounds: list[float] = field(default_factory=list)  # seconds of each round
+    # (step, compute seconds) of the rank's recent steps, up to the decision: where a
+    # compute straggler's own time rose relative to its peers' is its onset
+    recent: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -166,6 +179,40 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     return MILD_ROUNDS - done
 
 
+def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int:
+    """A compute straggler's onset: where its own compute, relative to the median of every
+    rank's at the same step, rose -- from ``ONSET_SLACK`` steps before the detected onset to
+    the decision; the detected onset if it did not rise there.
+
+    The channel that fired may have merged an earlier job-wide blip into the slowdown (every
+    rank's step slows in an OS hiccup), or fired on noise that validation, run while the
+    real fault had just begun, then confirmed: seen with batched exchanges, onset 16-23 for a
+    rank slowed from step 30. Compute relative to the peers' is blind to job-wide blips, and
+    the evidence is gathered at validation time, so it reaches the decision step.
+    """
+    by_key: dict[int, list[float]] = {}
+    own: dict[int, float] = {}
+    for e in ev:
+        for k, c in e.recent:
+            by_key.setdefault(int(k), []).append(c)
+            if e.rank == rank:
+                own[int(k)] = c
+    keys = [k for k in own if len(by_key[k]) == len(ev) and own[k] > 0]
+    if not keys:
+        return onset_step
+    rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
+    at = rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step)
+    return onset_step if at is None else at
+
+
+def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
+                     severity: float, conf: float, evidence: dict[str, Any]) -> Finding:
+    onset = culprit_onset(ev, rank, onset_step, step)
+    if onset != onset_step:  # say where the channel that fired had put it
+        evidence["channel_onset_step"] = onset_step
+    return Finding("compute", onset, step, severity, conf, ranks=[rank], evidence=evidence)
+
+
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
            suspect_rank: int | None = None) -> Finding:
     """Combine every rank's evidence into one verdict (pure: same input, same answer).
@@ -211,8 +258,8 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     if confirmed and (not slow_links or touches):
         conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
             0.1 if profiled == candidate else 0.0)
-        return Finding("compute", onset_step, step, severity, min(conf, 1.0),
-                       ranks=[candidate], evidence=evidence)
+        return _compute_finding(ev, candidate, onset_step, step, severity, min(conf, 1.0),
+                                evidence)
     # 2. a link tens of times slower than its peers, not explained by a starved rank
     if slow_links:
         pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
@@ -230,6 +277,5 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         order = sorted(cr, key=lambda r: -cr[r])
         if cr[order[0]] >= COMPUTE_ALONE and (
                 len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]):
-            return Finding("compute", onset_step, step, severity, 0.5, ranks=[order[0]],
-                           evidence=evidence)
+            return _compute_finding(ev, order[0], onset_step, step, severity, 0.5, evidence)
     return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)

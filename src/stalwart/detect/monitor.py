@@ -69,7 +69,7 @@ import torch.distributed as dist
 from stalwart.detect import validate
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector
 from stalwart.detect.cusum import CusumBank
-from stalwart.detect.localize import Finding, RankEvidence, decide, more_rounds
+from stalwart.detect.localize import ONSET_SLACK, Finding, RankEvidence, decide, more_rounds
 from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
@@ -78,15 +78,17 @@ HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange
 # the run directory a Monitor() without run_dir writes to (set by `stalwart run --script`)
 RUN_DIR_ENV = "STALWART_MONITOR_RUN_DIR"
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
-ALERT_CHECKS = 4
+ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
-STATS_FILE = "detect_stats.json"  # exchange every step this long after a change detector fired
+STATS_FILE = "detect_stats.json"
 log = logging.getLogger("stalwart.detect")
 
 
 def _suspect(channel: str) -> int:
     """The rank a per-rank channel ("rank3") points at; -1 for the iteration-time channel."""
     return int(channel[4:]) if channel.startswith("rank") else -1
+
+
 MIN_PERIOD_NUMEL = 1024  # FALCON skips tiny ops (control traffic: losses, flags, barriers)
 
 
@@ -173,6 +175,7 @@ class Monitor:
         self._pending: tuple[int, int, float, int] = (NONE, 0, 0.0, -1)
         self.lag = lag
         self._deciding = 0  # rank 0: rows in flight that carry a decision
+        self._repeats = 0  # verdicts that named the active straggler again (not logged)
         self._unsent: list[tuple[float, float]] = []  # (step, compute) since the last exchange
         self._last_key: int | None = None
         # the rows being sent, oldest first, with the check at which each is read: every rank
@@ -335,6 +338,12 @@ class Monitor:
                 self._pending = (DETECT, ch.onset, ch.ratio, _suspect(channel))
             # a speed-up while healthy just moves the baseline
             return
+        if ch.ratio > 1.0 and (ch.onset <= self._active.step or (
+                self._active.kind == "compute" and _suspect(channel) in self._active.ranks)):
+            # the slowdown already found, seen again (the iteration time and the culprit's
+            # own compute move together; BOCD+V and CUSUM share a rank's channel): one fault,
+            # one finding
+            return
         if channel != self._channel:
             if ch.ratio > 1.0:  # another straggler while one is in progress
                 self._channel = channel
@@ -445,8 +454,6 @@ class Monitor:
         got = [r.tolist() for r in rows]
         if self.rank == 0:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
-        if got[0][0] != NONE and self.rank == 0:
-            self._deciding -= 1
         if self.auto_every:
             # rank 0's choice, read by every rank at this same check
             # rank 0's choice, or 1 if any rank's own compute just jumped: every rank reads
@@ -455,6 +462,10 @@ class Monitor:
             self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
         if self.rank == 0:
             self._relative(got, min(int(r[4]) for r in got))
+            if got[0][0] != NONE:
+                # only now: a change found in these rows is the slowdown this decision is
+                # about, not a second one (the decision is applied right after this read)
+                self._deciding -= 1
         return got
 
     def _issue(self, c: int) -> None:
@@ -561,8 +572,10 @@ class Monitor:
             vals = [getattr(s, attr) for s in xs if getattr(s, attr) is not None]
             return statistics.median(vals) if vals else None
 
+        recent = [(s.key, s.compute) for s in self.samples
+                  if s.compute and onset - 20 - ONSET_SLACK <= s.key <= decided]
         return RankEvidence(self.rank, med(before, "compute"), med(after, "compute"),
-                            med(before, "comm"), med(after, "comm"))
+                            med(before, "comm"), med(after, "comm"), recent=recent)
 
     def _on_detect(self, onset: int, decided: int, severity: float, distributed: bool,
                    suspect: int | None = None) -> None:
@@ -600,6 +613,16 @@ class Monitor:
             finding = decide([ev], onset, decided, severity, suspect)
         pause = round(time.perf_counter() - t0, 3)
         self._skip_next = not self._hinted  # this iteration holds the pause
+        if self._active is not None and (finding.kind == "unknown" or (
+                finding.kind, finding.ranks, finding.link) == (
+                self._active.kind, self._active.ranks, self._active.link)):
+            # while a straggler is active: its own slowdown seen by a channel that lags (the
+            # same verdict again), or nothing the tests confirm -- not a new finding
+            if finding.kind == "unknown":
+                self.hiccups += 1
+            else:
+                self._repeats += 1
+            return
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self._active = finding if finding.kind != "unknown" else None
@@ -704,6 +727,7 @@ class Monitor:
         """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""
         cpu = sorted(self._step_cpu_us)
         return {"hiccups": self.hiccups, "unexplained_logged": self.unexplained_logged,
+                "repeat_verdicts": self._repeats,
                 "findings": len(self.findings), "checks": self._checks,
                 "exchanges": self.exchanges, "check_every": self.check_every,
                 "monitor_step_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None}
