@@ -105,3 +105,22 @@ def test_a_verdict_naming_nobody_while_a_straggler_is_active_keeps_it(tmp_path: 
     assert mon._active is active and mon.findings == [] and mon.hiccups == 1
     mon.close()
     assert "slowdown_unexplained" not in logged(tmp_path)
+
+
+def test_a_second_slowdown_the_tests_do_not_confirm_leaves_the_active_one_followed(
+        tmp_path: Path) -> None:
+    from stalwart.detect.changepoint import Change
+    from stalwart.detect.localize import Finding
+
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    feed(mon, steps(40, 3))
+    active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
+    mon._active, mon._channel, mon._healthy = active, "rank1", 1.0
+    # the iteration time slows after the decision: maybe a second straggler
+    mon._classify(Change(onset=38, decided=44, before=0.1, after=0.13), "iteration")
+    assert mon._pending[0] == 1 and mon._channel == "rank1"
+    mon._pending = (0, 0, 0.0, -1)
+    mon._on_detect(38, 44, 1.3, distributed=False)  # the tests name nobody
+    # recovery is still followed on the straggler's own channel, against its own level
+    assert mon._active is active and mon._channel == "rank1" and mon._healthy == 1.0
+    mon.close()

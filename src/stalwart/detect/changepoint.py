@@ -43,10 +43,23 @@ def _abs_dev(x: np.ndarray) -> float:
     return float(s[len(s) - k:].sum() - s[:k].sum())
 
 
-def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int) -> int | None:
-    """Where a series rose: the key in ``[lo, hi]`` that best splits it into a lower segment
-    (up to 20 samples before) and a higher one (to ``hi``), by least absolute deviations
-    from the two medians. None if no split in the window leaves the later segment higher.
+def best_split(v: np.ndarray, candidates: list[int]) -> int | None:
+    """The index among ``candidates`` that splits ``v`` into two segments with the least
+    absolute deviations from their medians (robust to a spike without clipping away the
+    size of a real shift); the first of equals; None without candidates."""
+    best, best_i = math.inf, None
+    for i in candidates:
+        cost = _abs_dev(v[:i]) + _abs_dev(v[i:])
+        if cost < best:
+            best, best_i = cost, i
+    return best_i
+
+
+def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int,
+               before: int = 20) -> int | None:
+    """Where a series rose: the key in ``[lo, hi]`` that best splits it (``best_split``)
+    into a lower segment (up to ``before`` samples earlier) and a higher one (to ``hi``).
+    None if no split in the window leaves the later segment higher.
 
     Used to place a compute straggler's onset on the culprit's own series: the channel that
     fired may have merged an earlier job-wide blip (an OS hiccup slows every rank's step)
@@ -54,19 +67,12 @@ def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int) -> int | None
     """
     order = np.argsort(keys, kind="stable")
     keys, xs = keys[order], xs[order]
-    sel = (keys >= lo - 20) & (keys <= hi)
+    sel = (keys >= lo - before) & (keys <= hi)
     keys, xs = keys[sel], xs[sel]
-    best, best_key = math.inf, None
-    for i in range(2, len(keys) - 1):  # two samples on each side at least
-        if not lo <= keys[i] <= hi:
-            continue
-        a, b = xs[:i], xs[i:]
-        if np.median(b) <= np.median(a):
-            continue
-        cost = _abs_dev(a) + _abs_dev(b)
-        if cost < best:
-            best, best_key = cost, int(keys[i])
-    return best_key
+    rising = [i for i in range(2, len(keys) - 1)  # two samples on each side at least
+              if lo <= keys[i] <= hi and np.median(xs[i:]) > np.median(xs[:i])]
+    i = best_split(xs, rising)
+    return None if i is None else int(keys[i])
 
 
 def drop_outliers(x: np.ndarray, z: float = 3.0) -> np.ndarray:
@@ -352,20 +358,10 @@ class ChangeDetector:
             self._scale_n = n
 
     def _best_split(self, lag: int) -> int:
-        """Length of the new regime (1..lag) minimising the two segments' absolute deviations.
-
-        Absolute deviations from medians: robust to a spike without clipping away the size of
-        a real shift.
-        """
+        """Length of the new regime (1..lag): the ``best_split`` of the segment."""
         v = np.asarray(self._vals)
-        best, best_run = math.inf, 1
-        for run in range(1, lag + 1):
-            if len(v) - run < 2:
-                break
-            cost = _abs_dev(v[:-run]) + _abs_dev(v[-run:])
-            if cost < best:
-                best, best_run = cost, run
-        return best_run
+        i = best_split(v, [len(v) - run for run in range(1, lag + 1) if len(v) - run >= 2])
+        return 1 if i is None else len(v) - i
 
     def add(self, key: int, seconds: float) -> Change | None:
         x = self._push(key, seconds)

@@ -55,6 +55,7 @@ LINK_RATIO = 20.0
 # a compute straggler's onset is looked for on its own series from this many steps before the
 # detected onset (the channel that fired can also place it a few steps late)
 ONSET_SLACK = 4
+BEFORE = 20  # steps of the level before an onset (profile medians, the onset's baseline)
 PROFILE_RATIO = 1.15
 PROFILE_STANDOUT = 1.3  # the profile names a rank whose compute grew this much more than any
 
@@ -201,7 +202,8 @@ def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int)
     if not keys:
         return onset_step
     rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
-    at = rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step)
+    at = rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
+                    before=BEFORE)
     return onset_step if at is None else at
 
 

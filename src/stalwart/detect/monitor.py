@@ -69,7 +69,14 @@ import torch.distributed as dist
 from stalwart.detect import validate
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector
 from stalwart.detect.cusum import CusumBank
-from stalwart.detect.localize import ONSET_SLACK, Finding, RankEvidence, decide, more_rounds
+from stalwart.detect.localize import (
+    BEFORE,
+    ONSET_SLACK,
+    Finding,
+    RankEvidence,
+    decide,
+    more_rounds,
+)
 from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
@@ -171,6 +178,8 @@ class Monitor:
         self.findings: list[Finding] = []
         self._active: Finding | None = None  # the slowdown in progress, if any
         self._healthy: float | None = None  # iteration time before it began
+        # rank 0: (channel, level before) of a second straggler awaiting its verdict
+        self._switch_to: tuple[str, float] | None = None
         # rank 0's decision, sent at the next check: (action, onset, severity, suspect rank)
         self._pending: tuple[int, int, float, int] = (NONE, 0, 0.0, -1)
         self.lag = lag
@@ -346,8 +355,8 @@ class Monitor:
             return
         if channel != self._channel:
             if ch.ratio > 1.0:  # another straggler while one is in progress
-                self._channel = channel
-                self._healthy = ch.before
+                # followed on its channel only if the tests confirm it is a new one
+                self._switch_to = (channel, ch.before)
                 self._pending = (DETECT, ch.onset, ch.ratio, _suspect(channel))
             return  # recoveries are followed on the channel that found the slowdown
         if ch.ratio > 1.0:
@@ -565,15 +574,16 @@ class Monitor:
         return max(1, min(self.max_every, math.ceil(cost / (EXCHANGE_BUDGET * step_cpu))))
 
     def _evidence(self, onset: int, decided: int) -> RankEvidence:
-        before = [s for s in self.samples if onset - 20 <= s.key < onset]
+        before = [s for s in self.samples if onset - BEFORE <= s.key < onset]
         after = [s for s in self.samples if onset <= s.key <= decided]
 
         def med(xs: list[IterSample], attr: str) -> float | None:
             vals = [getattr(s, attr) for s in xs if getattr(s, attr) is not None]
             return statistics.median(vals) if vals else None
 
+        # what culprit_onset splits: the window it searches and the baseline before it
         recent = [(s.key, s.compute) for s in self.samples
-                  if s.compute and onset - 20 - ONSET_SLACK <= s.key <= decided]
+                  if s.compute and onset - ONSET_SLACK - BEFORE <= s.key <= decided]
         return RankEvidence(self.rank, med(before, "compute"), med(after, "compute"),
                             med(before, "comm"), med(after, "comm"), recent=recent)
 
@@ -613,16 +623,20 @@ class Monitor:
             finding = decide([ev], onset, decided, severity, suspect)
         pause = round(time.perf_counter() - t0, 3)
         self._skip_next = not self._hinted  # this iteration holds the pause
+        switch_to, self._switch_to = self._switch_to, None
         if self._active is not None and (finding.kind == "unknown" or (
                 finding.kind, finding.ranks, finding.link) == (
                 self._active.kind, self._active.ranks, self._active.link)):
             # while a straggler is active: its own slowdown seen by a channel that lags (the
-            # same verdict again), or nothing the tests confirm -- not a new finding
+            # same verdict again), or nothing the tests confirm -- not a new finding, and the
+            # active one stays followed on its channel
             if finding.kind == "unknown":
                 self.hiccups += 1
             else:
                 self._repeats += 1
             return
+        if switch_to is not None:
+            self._channel, self._healthy = switch_to
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self._active = finding if finding.kind != "unknown" else None
@@ -652,7 +666,7 @@ class Monitor:
             if self._unexplained is None:
                 # the iteration time before the onset (the channel that fired may be a
                 # per-rank ratio): what the job's speed must stay above to count as lasting
-                before = [x.seconds for x in self.samples if onset - 20 <= x.key < onset]
+                before = [x.seconds for x in self.samples if onset - BEFORE <= x.key < onset]
                 healthy = statistics.median(before) if before else math.inf
                 self._unexplained = (fields, healthy, decided)
             return
