@@ -54,3 +54,38 @@ def test_a_rank_whose_launcher_is_already_gone_exits() -> None:
     r = subprocess.run([sys.executable, "-m", "stalwart.lifeline", str(os.getpid() + 999_999),
                         "stalwart.cli", "--help"], capture_output=True, timeout=60)
     assert r.returncode == 1 and not r.stdout
+
+
+def test_the_launcher_starts_ranks_through_lifeline_without_preexec_fn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the launcher runs threads (rich's live display) while it starts ranks: a preexec_fn runs
+    # Python in the forked child before exec, where a lock another thread held at fork time
+    # stays held for ever. Every rank must start by a plain exec (start_new_session only), and
+    # tie itself to the launcher after exec through stalwart.lifeline.
+    from types import SimpleNamespace
+
+    from stalwart import launch
+    from stalwart.rundir import LOGS
+
+    calls: list[tuple[list[str], dict]] = []
+
+    class FakePopen:
+        def __init__(self, cmd: list[str], **kw: object) -> None:
+            calls.append((cmd, kw))
+            self.pid = 10_000 + len(calls)
+
+    attached: dict[int, int] = {}
+    tb = SimpleNamespace(kind="local", master_addr="127.0.0.1",
+                         env=lambda r: {}, command_prefix=lambda r: [],
+                         attach_ranks=attached.update)
+    cfg = SimpleNamespace(nproc=3, script=None, threads=1)
+    (tmp_path / LOGS).mkdir()
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    procs = launch._spawn(cfg, tb, tmp_path, "stalwart.train.worker", None, port=29500)
+    assert sorted(procs) == [0, 1, 2] and len(attached) == 3
+    for cmd, kw in calls:
+        assert "preexec_fn" not in kw or kw["preexec_fn"] is None, kw
+        assert kw.get("start_new_session") is True
+        i = cmd.index("-m")
+        assert cmd[i + 1:i + 4] == ["stalwart.lifeline", str(os.getpid()),
+                                    "stalwart.train.worker"]
