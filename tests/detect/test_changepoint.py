@@ -168,3 +168,32 @@ def test_rise_onset_finds_where_a_series_rose_not_an_earlier_blip() -> None:
     # nothing rose: no onset
     flat = rng.normal(0.0, 0.05, 60)
     assert rise_onset(keys, -np.abs(flat) - np.linspace(0, 1, 60), 19, 40) is None
+
+
+def _changes(x: np.ndarray, gate: bool) -> tuple[list, int]:
+    d = ChangeDetector(gate=gate)
+    out = [c for i, v in enumerate(x) if (c := d.add(i, float(v))) is not None]
+    return out, d.slept
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_sleeping_model_finds_what_the_always_updated_one_finds(seed: int) -> None:
+    # shifts of 1.15-1.6x and back, at noise levels where the model must sleep and wake
+    rng = np.random.default_rng(100 + seed)
+    factor, noise = float(rng.uniform(1.15, 1.6)), float(rng.uniform(0.01, 0.05))
+    x = series(300, noise, seed, shift_at=120 + seed, factor=factor, end_at=220)
+    gated, slept = _changes(x, gate=True)
+    always, never = _changes(x, gate=False)
+    assert [(c.ratio > 1, c.onset) for c in gated] == [(c.ratio > 1, c.onset) for c in always]
+    assert [c.decided for c in gated] == [c.decided for c in always]
+    assert len(always) == 2
+    # asleep on the flat stretches: most samples cost no model update
+    assert never == 0 and slept > 0.5 * len(x)
+
+
+def test_a_sleeping_model_wakes_for_a_shift_after_a_long_quiet_run() -> None:
+    x = series(500, 0.02, 3, shift_at=450, factor=1.25)
+    d = ChangeDetector()
+    found = [c for i, v in enumerate(x) if (c := d.add(i, float(v))) is not None]
+    assert len(found) == 1 and abs(found[0].onset - 450) <= 1
+    assert d.slept > 300  # it slept through most of the 450 quiet samples

@@ -7,31 +7,31 @@ per rank):
    gives them, otherwise from the op sequence's period (period.py) -- no call needed;
 3. rank 0 runs BOCD+V on it (changepoint.py), and on per-rank channels: each rank's compute
    time relative to the job's median (NVIDIA-style relative score). Every rank sends its
-   compute times in a small row (rank 0's decision, the samples since the last exchange) to
-   an asynchronous all-gather on the monitor's own gloo group, read one check point later
-   (each step hint, or each iteration boundary found from the op sequence), so all ranks
-   pause at the same collective boundary without ever blocking on it;
+   compute times in a small row (rank 0's decision, the samples since the last exchange) over
+   the monitor's row link (rowlink.py: a TCP connection to rank 0; rank 0's row goes back to
+   every rank), read one check point later (each step hint, or each iteration boundary found
+   from the op sequence), so all ranks pause at the same collective boundary without ever
+   blocking on it;
 4. on a detected onset every rank runs the validation tests (validate.py) and shares its
    profile and test times; each rank computes the same verdict (localize.py); rank 0 appends
    it to ``run_dir/events.jsonl`` as ``straggler_detected`` and, when the channel that found
    it returns to within 10% of its healthy level, ``straggler_recovered``.
 
 Cost (per step, rank 0 does the most): with step hints that carry compute and communication
-times the tracker records nothing (its records would only re-derive those times); the
-per-rank channels advance in one vector BOCPD update per step (changepoint.BOCPDBank). The
-exchange of rows dominates what is left: one 4-rank gloo all-gather costs ~0.9 ms of process
-CPU per rank here (only ~0.2 ms of it on the calling thread; the rest on gloo's threads and
-in the kernel), measured once at construction. With ``check_every=None`` (the default) rows
-are exchanged every k steps, k chosen by rank 0 so that the exchange costs at most
-``EXCHANGE_BUDGET`` (0.2%) of the process's CPU time per step, capped at ``max_every``, and
-back to 1 while a change detector's posterior has fired, a decision is on its way, or any
-rank's own compute time jumped (a cheap pre-filter on each rank); every rank's request is in
-its row and every rank takes the minimum, so all switch at the same check, and no thread is woken on
-the steps between exchanges. The cap is a latency trade: a rank's compute samples can reach
-rank 0 up to k-1 steps later. Measured on 4-rank gloo jobs with one slow rank: k <= 4
-without the per-rank pre-filter decided 1-4 steps later than one exchange per step; k <= 2
-with it decided in 3-5 steps (median 4), as one exchange per step did. ``max_every=1``
-keeps one exchange per step.
+times the tracker records nothing (its records would only re-derive those times); a change
+detector's model sleeps while no change could be verified (changepoint.py's pre-filter), so a
+quiet channel costs a few scalar operations; the per-rank channels that are awake advance in
+one vector BOCPD update (changepoint.BOCPDBank). The exchange is a few ~100-byte socket
+sends and receives on the calling thread (a gloo all-gather of the same row cost ~0.85 ms of
+process CPU per rank, in gloo's threads: rowlink.py); its process CPU is measured once at
+construction. With ``check_every=None`` (the default) rows are exchanged every k steps, k
+chosen by rank 0 so that the exchange costs at most ``EXCHANGE_BUDGET`` (0.2%) of the
+process's CPU time per step, capped at ``max_every`` -- over the row link that is every step
+on the tiny preset -- and back to 1 while a change detector's posterior has fired, a decision
+is on its way, or any rank's own compute time jumped (a cheap pre-filter on each rank, folded
+into rank 0's next choice); rank 0's row carries the period, so all switch at the same check.
+The cap is a latency trade: a rank's compute samples can reach rank 0 up to k-1 steps later.
+``max_every=1`` keeps one exchange per step.
 
 Silence on clean runs: a verified slowdown that validation pins on no rank or link (kind
 "unknown": the job as a whole slowed, or a fault already gone) is not logged at once. If the
@@ -78,6 +78,7 @@ from stalwart.detect.localize import (
     more_rounds,
 )
 from stalwart.detect.period import PeriodTracker
+from stalwart.detect.rowlink import GlooRows, StarRows, exchange_cost
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 
 NONE, DETECT, RECOVER = 0, 1, 2
@@ -88,6 +89,8 @@ EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU t
 ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
 STATS_FILE = "detect_stats.json"
+LINK_SETUP_S = 30.0  # seconds to set up the row link before falling back to the all-gather
+READ_TIMEOUT_S = 1800.0  # a due row this late means a peer is gone: raise, never hang
 log = logging.getLogger("stalwart.detect")
 
 
@@ -142,8 +145,8 @@ class Monitor:
         samples, so nothing is dropped); None (default) lets rank 0 choose it from measured
         costs, between 1 and ``max_every``, each row read at the next check. A fixed
         ``check_every`` reads each row ``lag`` exchanges later: under packet loss the
-        monitor's small gloo all-gathers stall on TCP retransmission timeouts (>= 200 ms
-        each, one op after the other on the group) while training itself does not
+        monitor's small exchanges (TCP) stall on TCP retransmission timeouts (>= 200 ms
+        each, one after the other on its connection) while training itself does not
         (``--comm lossy``): one exchange per step would hold every rank to the group's
         ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
         jobs exchange every 8 steps with 2 exchanges in flight. ``persist``: samples an
@@ -187,9 +190,11 @@ class Monitor:
         self._repeats = 0  # verdicts that named the active straggler again (not logged)
         self._unsent: list[tuple[float, float]] = []  # (step, compute) since the last exchange
         self._last_key: int | None = None
-        # the rows being sent, oldest first, with the check at which each is read: every rank
-        # issues and reads them at the same checks
-        self._inflight: deque[tuple[Any, list[torch.Tensor], int]] = deque()
+        # the exchanges in flight, oldest first: (sequence number, check at which it is
+        # read); every rank issues and reads them at the same checks
+        self._inflight: deque[tuple[int, int]] = deque()
+        self._rows: StarRows | GlooRows | None = None
+        self._requested = self.max_every  # rank 0: the least period the last rows asked
         self._next_issue = self.check_every  # check number of the next exchange
         self._last_issue = 0
         self._alert_until = 0  # rank 0: exchange every step until this check
@@ -219,8 +224,9 @@ class Monitor:
             # connection setup ran under the job's 10% packet loss (SYN retransmissions after
             # 1 s, then 3 s) and ranks left it 0.6-4.8 s apart, mid-training
             self._group()
+            self._rows = self._link()
             if self.auto_every:
-                self._calibrate()
+                self._exchange_process_cpu = exchange_cost(self._rows, self._width())
         self._hinted = False
         self._last_hint: float | None = None
         self._iter = 0
@@ -251,8 +257,9 @@ class Monitor:
         """Wait until the exchanges in flight are complete (they stay queued and are read at
         their check as usual). Called at the same step on every rank; lets a caller that
         turns the monitor off charge their cost to the steps that issued them."""
-        for work, _, _ in self._inflight:
-            work.wait()
+        assert self._rows is not None or not self._inflight
+        for seq, _ in self._inflight:
+            self._rows.wait(seq)  # type: ignore[union-attr]
 
     # ---- inputs -----------------------------------------------------------------------------
     def step(self, step: int, metrics: dict[str, Any] | None = None) -> None:
@@ -453,23 +460,23 @@ class Monitor:
             self._on_recover(onset, decided, severity)
 
     def _read(self, c: int) -> list[list[float]] | None:
-        """The rows due at check ``c``, if any; applies rank 0's exchange period."""
-        if not self._inflight or self._inflight[0][2] > c:
+        """The rows due at check ``c``, if any (rank 0: every rank's; the others: rank 0's);
+        applies rank 0's exchange period."""
+        if not self._inflight or self._inflight[0][1] > c:
             return None
+        assert self._rows is not None
         t0 = time.thread_time()
-        work, rows, _ = self._inflight.popleft()
-        with self.tracker.internal():
-            work.wait()
-        got = [r.tolist() for r in rows]
+        seq, _ = self._inflight.popleft()
+        got = self._rows.read(seq)
         if self.rank == 0:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
         if self.auto_every:
-            # rank 0's choice, read by every rank at this same check
-            # rank 0's choice, or 1 if any rank's own compute just jumped: every rank reads
-            # every row, so the minimum is the same everywhere
-            self.check_every = max(1, min(min(int(r[5]) for r in got), self.max_every))
+            # rank 0's choice (it folds in the other ranks' requests), read by every rank at
+            # this same check
+            self.check_every = max(1, min(int(got[0][5]), self.max_every))
             self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
         if self.rank == 0:
+            self._requested = min(int(r[5]) for r in got)
             self._relative(got, min(int(r[4]) for r in got))
             if got[0][0] != NONE:
                 # only now: a change found in these rows is the slowdown this decision is
@@ -486,7 +493,7 @@ class Monitor:
             self._deciding += 1
         # the same length on every rank; a rank with fewer samples sends fewer entries and
         # rank 0 uses the entries every rank has
-        width = HEADER + 2 * self.max_every
+        width = self._width()
         unsent = self._unsent[-self.max_every:]
         self._unsent.clear()
         vals = [float(action), float(onset), float(severity), float(suspect),
@@ -495,18 +502,10 @@ class Monitor:
         for key, comp in unsent:
             vals += (key, comp)
         vals += [0.0] * (width - len(vals))
-        msg = torch.tensor(vals, dtype=torch.float64)
-        rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
         due = c + 1 if self.auto_every else c + self.lag * self.check_every
-        pg = self._group()
-        try:
-            # the group's own method: a third less CPU than dist.all_gather's checks and
-            # dispatch (and never seen by the tracker)
-            work = pg.allgather([rows], [msg])
-        except (AttributeError, TypeError):  # a ProcessGroup without the method
-            with self.tracker.internal():
-                work = dist.all_gather(rows, msg, group=pg, async_op=True)
-        self._inflight.append((work, rows, due))
+        assert self._rows is not None
+        self._rows.issue(self.exchanges, vals)
+        self._inflight.append((self.exchanges, due))
         self._last_issue = c
         self._next_issue = c + self.check_every
         self.exchanges += 1
@@ -528,24 +527,33 @@ class Monitor:
             hist.append(comp)
         return 1 if alert else self.max_every
 
-    def _calibrate(self, rounds: int = 5) -> None:
-        """Collective: the process CPU time of one exchange, measured on a few blocking ones.
+    def _width(self) -> int:
+        return HEADER + 2 * self.max_every
 
-        An asynchronous exchange's cost is mostly not on the calling thread: the backend's
-        threads move the bytes and the kernel carries them (measured here for 4 gloo ranks
-        on loopback: ~0.2 ms on the caller, ~0.9 ms for the process). Only the process CPU
-        time of a complete exchange shows it, so it is taken once, before training.
-        """
-        width = HEADER + 2 * self.max_every
-        msg = torch.zeros(width, dtype=torch.float64)
-        costs = []
-        for _ in range(rounds):
-            rows = [torch.empty(width, dtype=torch.float64) for _ in range(self.world)]
-            c0 = time.process_time()
-            with self.tracker.internal():
-                dist.all_gather(rows, msg, group=self._group())
-            costs.append(time.process_time() - c0)
-        self._exchange_process_cpu = statistics.median(costs)
+    def _link(self) -> StarRows | GlooRows:
+        """Collective: the exchange's path (rowlink.py) -- direct sockets to rank 0, or, if
+        any rank could not set them up, the monitor group's all-gather."""
+        pg = self._group()
+        link: StarRows | GlooRows | None = None
+        try:
+            from stalwart.comm.transport import default_host
+
+            # the lossy transport's rule for this rank's address (the interface that reaches
+            # MASTER_ADDR, or the testbed's): rank 0's is the one that matters
+            link = StarRows(self.rank, self.world, self._width(), pg, default_host(),
+                            timeout=LINK_SETUP_S)
+        except OSError as e:
+            log.debug("monitor row link not set up (%s): using the gloo all-gather", e)
+        ok = torch.tensor([0.0 if link is None else 1.0])
+        with self.tracker.internal():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
+        if ok.item() == 1.0:
+            assert isinstance(link, StarRows)
+            link.set_timeout(READ_TIMEOUT_S)
+            return link
+        if link is not None:
+            link.close()
+        return GlooRows(self.rank, self.world, self._width(), pg)
 
     def _choose_every(self, c: int) -> int:
         """Rank 0: steps until the next exchange after this one is read.
@@ -559,7 +567,8 @@ class Monitor:
         if not self.auto_every:
             return self.check_every
         dets = [self.detector, *self.rel_detectors.values()]
-        if self._pending[0] != NONE or self._deciding or any(d.pending for d in dets):
+        if self._pending[0] != NONE or self._deciding or self._requested <= 1 or any(
+                d.pending for d in dets):
             self._alert_until = c + ALERT_CHECKS
         per_exchange = self._exchange_cpu
         self._exchange_cpu = 0.0  # the next exchange's cost accumulates from here
@@ -722,9 +731,10 @@ class Monitor:
             return
         self._closed = True
         # every rank issued them: completing them keeps the group's op order intact
-        with self.tracker.internal():
+        if self._rows is not None:
             while self._inflight:
-                self._inflight.popleft()[0].wait()
+                self._rows.read(self._inflight.popleft()[0])
+            self._rows.close()
         uninstall(self.tracker)
         if self._unexplained is not None:
             last = self.samples[-1].key if self.samples else self._unexplained[2]
