@@ -75,3 +75,19 @@ def test_unexplained_slowdowns_and_crashed_runs_count_against_the_detector() -> 
     s = score([(faulty, [det], t, 70)], failed=[Scenario("clean-1"), faulty])
     assert s["false_positives"] == 1  # the crashed clean run
     assert s["faults"] == 2 and s["detection_rate"] == 0.5  # the crashed faulty run: missed
+
+
+def test_abba_drains_every_on_step_that_an_off_step_follows() -> None:
+    from stalwart.bench.detect import abba
+
+    warm = 12
+    sched = [abba(s, warm) for s in range(warm + 40)]
+    assert all(on and not drain for on, drain in sched[:warm - 1])
+    ons = [on for on, _ in sched[warm:]]
+    assert ons[:8] == [True, False, False, True, True, False, False, True]
+    for s in range(len(sched) - 1):
+        (on, drain), (nxt, _) = sched[s], sched[s + 1]
+        # an off step never inherits an exchange in flight; a drain only where one would
+        assert drain == (on and not nxt)
+    # paired steps: as many on as off after warm-up
+    assert sum(ons) * 2 == len(ons)

@@ -319,6 +319,18 @@ def _paired(xs: list[tuple[bool, float]]) -> tuple[float, float]:
     return mean, 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
 
 
+ABBA = (True, False, False, True)  # monitor on/off per step: a linear drift cancels in 4 steps
+
+
+def abba(step: int, warm: int) -> tuple[bool, bool]:
+    """(monitor on at ``step``, drain its exchanges at the end of it): on through warm-up,
+    then ABBA; an "on" step followed by an "off" one drains, so the exchange it issued is
+    complete before the off step begins and its cost stays with the on step."""
+    on = step < warm or ABBA[(step - warm) % 4]
+    nxt = step + 1 < warm or ABBA[(step + 1 - warm) % 4]
+    return on, on and not nxt
+
+
 def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) -> int:
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
@@ -354,13 +366,12 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) 
     corpus = load_corpus(cfg.data, cfg.max_data_bytes)
     bs = cfg.resolved_batch_size()
     warm = 12
-    pattern = (True, False, False, True)  # ABBA: a linear drift cancels within 4 steps
     dts: list[tuple[bool, float]] = []
     cpus: list[tuple[bool, float]] = []
     in_step: list[float] = []
     in_step_cpu: list[float] = []
     for step in range(warm + steps):
-        on = step < warm or pattern[(step - warm) % 4]
+        on, drain = abba(step, warm)
         mon.enabled = on
         x, y = train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, rank, 0)
         t0 = time.perf_counter()
@@ -374,7 +385,7 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) 
         # as stalwart's worker does: the loop reports its compute and communication split
         # (so the tracker keeps no records; their split does not matter here)
         mon.step(step, {"step_time": t1 - t0, "compute_time": t1 - t0, "comm_time": 0.0})
-        if on and step >= warm and not pattern[(step + 1 - warm) % 4]:
+        if drain:
             # the next step runs with the monitor off: the exchange this step issued must
             # not run on into it (its cost belongs to this "on" step)
             mon.drain()
