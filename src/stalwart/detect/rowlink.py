@@ -50,6 +50,9 @@ def _recv_exact(sock: socket.socket, n: int, peer: int) -> bytes:
         except TimeoutError:
             raise RowLinkError(f"stalwart.detect: no monitor row from rank {peer} "
                                f"within {sock.gettimeout()} s") from None
+        except OSError as e:  # a reset: the peer closed with our row unread (it exited)
+            raise RowLinkError(f"stalwart.detect: rank {peer} closed the monitor's row link "
+                               f"({e.strerror or e})") from None
         if k == 0:
             raise RowLinkError(f"stalwart.detect: rank {peer} closed the monitor's row link "
                                "(it exited)")
@@ -109,10 +112,12 @@ class StarRows:
         data = self._msg.pack(seq, *row)
         if self.rank == 0:
             self._own[seq] = row
-            for s in self._peers.values():
+        for peer, s in self._peers.items():
+            try:
                 s.sendall(data)
-        else:
-            self._peers[0].sendall(data)
+            except OSError as e:  # reset or broken pipe: the peer exited
+                raise RowLinkError(f"stalwart.detect: rank {peer} closed the monitor's row "
+                                   f"link ({e.strerror or e})") from None
 
     def wait(self, seq: int) -> None:
         """Receive exchange ``seq``'s rows now (kept for its ``read``)."""
