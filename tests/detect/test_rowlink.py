@@ -17,6 +17,13 @@ def _rank(rank: int, world: int, store: str, out: Any, scenario: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
+    if scenario == "nolisten":  # rank 0 cannot bind this (TEST-NET) address
+        try:
+            StarRows(rank, world, 3, dist.group.WORLD, "192.0.2.1", timeout=20.0)
+            out.put((rank, "set up"))
+        except OSError as e:
+            out.put((rank, f"OSError: {e}"))
+        return
     link = StarRows(rank, world, 3, dist.group.WORLD, "127.0.0.1", timeout=20.0)
     if scenario == "rows":
         got = []
@@ -72,3 +79,12 @@ def test_a_peer_that_exits_makes_the_read_fail_at_once(tmp_path: Path) -> None:
     assert res[2] == "left"
     assert isinstance(res[0], str) and "rank 2 closed" in res[0]
     assert float(res[0].split("after ")[1].split("s")[0]) < 10  # not the 20 s timeout
+
+
+@pytest.mark.slow
+def test_a_rank_0_that_cannot_listen_fails_setup_on_every_rank_without_a_hang(
+        tmp_path: Path) -> None:
+    res = _run(tmp_path, "nolisten")
+    assert set(res) == {0, 1, 2}
+    assert all(isinstance(v, str) and v.startswith("OSError") for v in res.values()), res
+    assert "cannot listen" in str(res[1])

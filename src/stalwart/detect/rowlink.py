@@ -20,7 +20,9 @@ the monitor falls back to, with a debug log line).
 Guarantees: every rank reads exchange ``seq`` at the same check (the caller's schedule);
 a read blocks only until the due messages arrive (in a synchronous job they were sent a
 step earlier); a peer that exits closes its connection and the read raises at once instead
-of hanging; a peer silent for ``timeout`` seconds raises ``TimeoutError`` naming it.
+of hanging; a peer silent for ``timeout`` seconds raises ``RowLinkError`` naming it.
+Setup is collective and never leaves a rank behind: a rank 0 that cannot listen still takes
+part in the address broadcast, and every rank then raises ``OSError``.
 """
 
 from __future__ import annotations
@@ -76,10 +78,15 @@ class StarRows:
         listener = None
         addr: list[Any] = [None]
         if rank == 0:
-            listener = socket.create_server((host, 0), backlog=max(world, 8))
-            listener.settimeout(timeout)
-            addr = [(host, listener.getsockname()[1])]
+            try:
+                listener = socket.create_server((host, 0), backlog=max(world, 8))
+                listener.settimeout(timeout)
+                addr = [(host, listener.getsockname()[1])]
+            except OSError as e:  # still take part in the broadcast: no rank may hang in it
+                addr = [f"rank 0 cannot listen on {host}: {e}"]
         dist.broadcast_object_list(addr, src=dist.get_global_rank(group, 0), group=group)
+        if not isinstance(addr[0], tuple):
+            raise OSError(f"stalwart.detect: monitor row link not set up ({addr[0]})")
         try:
             if rank == 0:
                 assert listener is not None
