@@ -26,12 +26,13 @@ sends and receives on the calling thread (a gloo all-gather of the same row cost
 process CPU per rank, in gloo's threads: rowlink.py); its process CPU is measured once at
 construction. With ``check_every=None`` (the default) rows are exchanged every k steps, k
 chosen by rank 0 so that the exchange costs at most ``EXCHANGE_BUDGET`` (0.2%) of the
-process's CPU time per step, capped at ``max_every`` -- over the row link that is every step
-on the tiny preset -- and back to 1 while a change detector's posterior has fired, a decision
-is on its way, or any rank's own compute time jumped (a cheap pre-filter on each rank, folded
-into rank 0's next choice); rank 0's row carries the period, so all switch at the same check.
-The cap is a latency trade: a rank's compute samples can reach rank 0 up to k-1 steps later.
-``max_every=1`` keeps one exchange per step.
+process's CPU time per step, capped at ``max_every``, and back to 1 while a change
+detector's posterior has fired, a decision is on its way, or any other rank's own compute
+time jumped (a cheap pre-filter on each rank, folded into rank 0's next choice); rank 0's row
+carries the period, so all switch at the same check. The cap is a latency trade: a rank's
+compute samples can reach rank 0 up to k-1 steps later. The default ``max_every=1`` keeps one
+exchange per step (what the benchmark measured over the row link; the budget alone would
+pick k = 2 on the tiny preset, ~0.15 ms per exchange against 0.2% of ~40 ms).
 
 Silence on clean runs: a verified slowdown that validation pins on no rank or link (kind
 "unknown": the job as a whole slowed, or a fault already gone) is not logged at once. If the
@@ -140,7 +141,7 @@ class Monitor:
                  check_every: int | None = None, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
-                 max_every: int = 2, persist: int = 20) -> None:
+                 max_every: int = 1, persist: int = 20) -> None:
         """``check_every``: steps per exchange of rows (each exchange carries every step's
         samples, so nothing is dropped); None (default) lets rank 0 choose it from measured
         costs, between 1 and ``max_every``, each row read at the next check. A fixed
@@ -476,7 +477,9 @@ class Monitor:
             self.check_every = max(1, min(int(got[0][5]), self.max_every))
             self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
         if self.rank == 0:
-            self._requested = min(int(r[5]) for r in got)
+            # the other ranks' requests (rank 0's own row holds its last choice, which
+            # must not vote for itself: once 1, the period would stay 1)
+            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
             self._relative(got, min(int(r[4]) for r in got))
             if got[0][0] != NONE:
                 # only now: a change found in these rows is the slowdown this decision is
