@@ -76,7 +76,9 @@ def test_slow_rank_is_found_with_batched_exchanges(tmp_path: Path) -> None:
     res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "30", "--steps", "70",
                   "--check-every", "4", "--lag", "2")
     first = check_slow_rank_found(res, 1)
-    assert 27 <= first["onset_step"] <= 34
+    # the finding's evidence and the iteration times say where a wrong onset came from (CI
+    # once read 21 here; 8 of 8 runs on a quiet machine read 30)
+    assert 27 <= first["onset_step"] <= 34, (first, res[0]["samples_ms"])
     assert first["step"] - first["onset_step"] <= 8 + 4 * 2
 
 
