@@ -170,6 +170,28 @@ def test_a_wrong_revert_is_undone_and_the_next_one_backs_off() -> None:
     assert [i for i, d in enumerate(out) if d is not None] == [7] and out[7].kind == REVERT
 
 
+def test_a_straggler_left_a_quarter_of_its_share_needs_longer_to_revert() -> None:
+    """A 3x straggler rebalanced to one micro-batch of four: a quota'd rank's one micro-batch
+    fits its quota's burst, so without the detector's verdict it needs 8 healthy exchanges;
+    the detector's recovery verdict still reverts at the next exchange."""
+    def rebalanced_3x() -> tuple[Policy, list[dict]]:
+        p = Policy(G, M)
+        healthy(p, range(1, 21, 2))
+        fs = [finding(2, 25)]
+        first = [d for s in range(25, 41, 2)
+                 if (d := feed(p, s, [UNIT, UNIT, 3 * UNIT, UNIT], fs)) is not None]
+        assert [d.kind for d in first] == [REBALANCE] and first[0].counts[2] == 1
+        return p, fs
+
+    p, fs = rebalanced_3x()
+    out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 61, 2)]
+    assert [i for i, d in enumerate(out) if d is not None] == [7] and out[7].kind == REVERT
+    p, fs = rebalanced_3x()
+    recovered = [{**fs[0], "recovered_step": 40}]
+    d = feed(p, 41, [UNIT] * G, recovered)
+    assert d is not None and d.kind == REVERT
+
+
 def test_a_right_revert_stays_reverted() -> None:
     p, fs = rebalanced_2x()
     assert not p.uniform

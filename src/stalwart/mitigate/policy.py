@@ -225,6 +225,12 @@ class Policy:
             # the policy's own evidence must last twice as long (measured: a quota'd rank on 2
             # micro-batches read healthy for 2 exchanges mid-fault on a loaded machine)
             need = max(need, 2 * self.revert_windows)
+            if 4 * self.counts[s.group] <= planner.uniform(self.micro, self.groups)[s.group]:
+                # on a quarter of its share or less, a quota'd rank's work fits its quota's
+                # burst and reads healthy for longer (CI: a 3x rank on 1 of 16 micro-batches
+                # read healthy for 4 exchanges just before its fault ended; the revert came a
+                # step early): twice as long again
+                need = max(need, 4 * self.revert_windows)
         if (confirmed and s.kind == "compute" and not s.wrong_reverts
                 and not self._slow(units, s.group, RECOVERED_RATIO)):
             slow_now = False
