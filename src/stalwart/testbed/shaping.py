@@ -20,9 +20,23 @@ from stalwart.testbed._sys import quiet, run
 UNLIMITED_BPS = 10 * 10**9  # "no limit" for htb's default class: far above what veth moves here
 
 
+BURST_S = 0.001  # tbf's bucket: 1 ms of traffic at the link's rate
+
+
 def tbf_args(rate_bps: int, mtu: int) -> list[str]:
-    """tbf parameters: a bucket of >= 10 ms of traffic and >= 2 packets, 50 ms of queue."""
-    burst = max(rate_bps // 8 // 100, 2 * (mtu + 64), 8 * 1024)
+    """tbf parameters: a bucket of ``BURST_S`` of traffic (at least 2 packets and 8 KiB), 50 ms
+    of queue.
+
+    Why so small a bucket: a link of rate R moves every transfer at R, however long it idled
+    before; tbf's bucket lets a transfer that follows an idle period go faster by the bucket's
+    size. With 10 ms of credit (what this testbed used until 2026-12-04) a 393 KB all-reduce
+    at 120 Mbit/s took 18 ms after an idle gap and 27 ms (the rate) right behind another one:
+    a schedule that leaves the link idle (sequential, compute then communicate) ran up to 1.5x
+    faster than the link allowed, which made a slow link look faster to the very schedules it
+    is meant to slow. The bucket is not made smaller still: tbf's timer and GSO segments
+    larger than the bucket (veth's offloads) are split in the qdisc, which costs CPU.
+    """
+    burst = max(int(rate_bps / 8 * BURST_S), 2 * (mtu + 64), 8 * 1024)
     return ["tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "50ms"]
 
 
