@@ -218,6 +218,26 @@ def test_step_model_shares_the_link_between_the_strands() -> None:
     assert simulate_step(seg, 2, ["B", "F", "B", "F", "B", "B"]) == pytest.approx(24.0)
 
 
+def test_step_model_charges_cpu_contention_while_a_transfer_is_in_flight() -> None:
+    seg = _segments([1.0, 1.0], [4.0, 0.0], [1.0, 1.0], [4.0, 0.0])
+    steps = ["B", "F", "B", "F", "B", "B"]
+    # transfers twice as slow while a segment computes: f0 of F(1) computes 7..8 under b0's
+    # transfer, which moves 0.5 s of its 4 then and ends at 11.5; f0's own queues to 15.5.
+    # b1 waits to 11.5 and computes to 12.5 under it (it now ends at 16); f1 waits to 16
+    # (17); B(1): b0 18, link 18..22; b1 23 -- one second more than without contention
+    seg["comm_contention"] = [2.0]
+    assert simulate_step(seg, 2, steps) == pytest.approx(23.0)
+    # compute twice as slow under a transfer. Without: F(0) 0..2 (link 2..4), f1 4..5; b0
+    # 5..7 (link 7..9); f0 7..9 (link 9..11); b1 9..10; f1 11..12; b0 12..14 (link 14..16);
+    # b1 16..17. With: f0 computes its first 2 s-worth under b0's transfer (7..9 moves 1 s
+    # of work) and ends at 10 (link 10..12); b1 runs under it, 10..12; f1 12..13; b0 13..15
+    # (link 15..17); b1 17..18
+    seg = _segments([2.0, 1.0], [2.0, 0.0], [2.0, 1.0], [2.0, 0.0])
+    assert simulate_step(seg, 2, steps) == pytest.approx(17.0)
+    seg["compute_contention"] = [2.0]
+    assert simulate_step(seg, 2, steps) == pytest.approx(18.0)
+
+
 def test_step_model_fills_waits_with_deferred_weight_gradients() -> None:
     plain = _segments([1.0, 1.0], [4.0, 0.0], [1.0, 1.0], [4.0, 0.0])
     deferred = _segments([1.0, 1.0], [4.0, 0.0], [1.0, 1.0], [4.0, 0.0], [3.0, 0.0])

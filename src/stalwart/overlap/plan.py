@@ -266,7 +266,11 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
       the credit regained one-for-one with idle time in between;
     * split backward: each backward segment adds its deferred weight-gradient seconds to a
       pool; a segment that must wait for its strand's previous collective first spends the
-      wait on the pool (``WGradQueue.fill``), and what is left runs at the end (``flush``).
+      wait on the pool (``WGradQueue.fill``), and what is left runs at the end (``flush``);
+    * CPU contention: while a segment computes with a transfer in flight, the computation
+      runs ``compute_contention`` times slower and the transfer ``comm_contention`` times
+      slower (both measured by the profiler; on a CPU the collective's copies, reductions and
+      sockets take cycles from the compute -- 1.0, i.e. none, on a GPU with its own DMA).
 
     `segments` is ``Profile.segments`` of the per-pass profile (``from_segments``).
     """
@@ -274,10 +278,34 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
     bc, bm = segments["bwd_compute"], segments["bwd_comm"]
     bw = segments.get("bwd_wgrad") or [0.0] * len(bc)
     factor = (segments.get("comm_sustained_factor") or [1.0])[0]
+    ca = (segments.get("compute_contention") or [1.0])[0]
+    cb = (segments.get("comm_contention") or [1.0])[0]
     m, n = len(fc), len(bc)
     t = pool = 0.0
     link = -math.inf  # when the link's last transfer ends (idle long before the step)
     pend: dict[str, float | None] = {"F": None, "B": None}
+
+    def compute(c: float) -> None:
+        """Advance the compute thread by `c` seconds of work, and the link by what it moves
+        meanwhile: while both are busy (for ``w`` seconds) compute progresses ``w / ca`` and
+        the link ``w / cb``; the link's later completions move by the difference."""
+        nonlocal t, link
+        busy = link - t  # the link's remaining work, uncontended seconds
+        if busy <= 0.0 or (ca == 1.0 and cb == 1.0):
+            t += c
+            return
+        w = min(c * ca, busy * cb)
+        start = t
+
+        def moved(x: float) -> float:  # an uncontended completion time -> the contended one
+            r = x - start
+            return start + r * cb if r * cb <= w else start + w + (r - w / cb)
+
+        for k, d in pend.items():
+            if d is not None and d > start:
+                pend[k] = moved(d)
+        link = moved(link)
+        t = start + w + (c - w / ca)
 
     def run(strand: str, c: float, comm: float, w: float) -> None:
         nonlocal t, link, pool
@@ -286,7 +314,7 @@ def simulate_step(segments: dict[str, list[float]], micro_batches: int,
             use = min(pool, d - t)
             pool -= use
             t = max(t + use, d)
-        t += c
+        compute(c)
         pool += w
         if comm > 0:
             gap = max(0.0, t - link)  # the link's idle time before this transfer
