@@ -202,8 +202,9 @@ def run(quick: bool, workdir: Path) -> BenchResult:
                          *SI_OPTIONS, *VARIANTS])
         f, d = figures(ranks, suffix)
         # what the shaped link can carry back to back: a ring all-reduce sends 2(n-1)/n of
-        # the tensor per rank; tbf's burst credit (10 ms) makes isolated transfers -- the
-        # sequential schedule's -- faster than this, a saturated link never
+        # the tensor per rank; tbf's burst credit (1 ms of traffic since 2026-12-04, 10 ms
+        # before) makes isolated transfers -- the sequential schedule's -- a little faster
+        # than this, a saturated link never
         sent = d["bytes_allreduced_per_step"] * 2 * (nproc - 1) / nproc
         d["link_rate_mbit"] = round(rate)
         d["link_sustained_s"] = sent * 8 / (round(rate) * 1e6)
