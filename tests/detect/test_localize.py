@@ -166,6 +166,31 @@ def test_a_mild_straggler_is_confirmed_by_every_round_not_by_size() -> None:
     assert decide(seven, 40, 60, 1.1).kind == "unknown"
 
 
+def test_a_rank_the_profile_names_gets_the_longer_test_too() -> None:
+    """The iteration channel fired (no suspect), but the training-time profile names rank 1
+    (its compute grew 1.4x, its peers waited longer): a mild test result gets the rounds it
+    needs, and every round slowest confirms it; without the profile's rank, nobody."""
+    import statistics
+
+    from stalwart.detect.localize import MILD_ROUNDS, more_rounds
+
+    healthy = [0.20, 0.21, 0.20, 0.22, 0.20, 0.21, 0.20]
+    slow = [0.26, 0.27, 0.26, 0.26, 0.27, 0.26, 0.26]
+
+    def named(rounds: dict[int, list[float]]) -> list[RankEvidence]:
+        return [RankEvidence(r, 0.05, 0.07 if r == 1 else 0.05, 0.01, 0.02,
+                             statistics.median(v), {}, v) for r, v in rounds.items()]
+
+    three = named({0: healthy[:3], 1: slow[:3], 2: healthy[:3], 3: healthy[:3]})
+    assert more_rounds(three, None) == MILD_ROUNDS - 3
+    assert decide(three, 40, 60, 1.1).kind == "unknown"  # 3 rounds do not confirm
+    f = decide(named({0: healthy, 1: slow, 2: healthy, 3: healthy}), 40, 60, 1.1)
+    assert f.kind == "compute" and f.ranks == [1]
+    # the profile does not name a rank (1.2x growth is not 1.3x more than its peers')
+    assert more_rounds(mild({0: healthy[:3], 1: slow[:3], 2: healthy[:3], 3: healthy[:3]}),
+                       None) == 0
+
+
 def test_a_compute_stragglers_onset_comes_from_its_own_series() -> None:
     # the channel that fired merged an earlier job-wide blip (onset 23: every rank slow at
     # 23-24); rank 3's compute relative to its peers' rose at 30: the finding says 30
