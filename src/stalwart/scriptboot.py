@@ -153,14 +153,17 @@ def main(argv: list[str] | None = None) -> None:
             _record_failure(run_dir, rank, "" if isinstance(e.code, int) else str(e.code),
                             e.code)
         else:
-            if detection is not None:
-                detection.close()
-            _let_collectives_finish()
+            _finish(detection)
         raise
     except BaseException as e:
         _record_failure(run_dir, rank,
                         traceback.format_exception_only(type(e), e)[-1].strip(), 1)
         raise
+    _finish(detection)
+
+
+def _finish(detection: _Detection | None) -> None:
+    """The script ended well: close the monitor (if any), then let the collectives finish."""
     if detection is not None:
         detection.close()
     _let_collectives_finish()

@@ -148,19 +148,20 @@ def _contention(comm: TPComm, reps: int = 3, work_s: float = 0.03) -> tuple[floa
 
     per = work(4) / 4
     n = max(1, int(work_s / max(per, 1e-6)))
-    bufs = [torch.zeros(size) for _ in range(64)]
+    probe = torch.zeros(size)
     dist.barrier(group=comm.group)
     t0 = time.perf_counter()
-    dist.all_reduce(bufs[0], group=comm.group)
+    dist.all_reduce(probe, group=comm.group)
     one = time.perf_counter() - t0
     k = torch.tensor([min(64, max(2, math.ceil(2 * work_s / max(one, 1e-6))))])
     dist.all_reduce(k, op=dist.ReduceOp.MAX, group=comm.group)
     chain = int(k.item())
+    bufs = [probe, *(torch.zeros(size) for _ in range(chain - 1))]  # one per op in flight
 
     def run_chain(during: int) -> tuple[float, float]:
         dist.barrier(group=comm.group)
         t0 = time.perf_counter()
-        works = [dist.all_reduce(b, group=comm.group, async_op=True) for b in bufs[:chain]]
+        works = [dist.all_reduce(b, group=comm.group, async_op=True) for b in bufs]
         loop = work(during) if during else 0.0
         for wk in works:
             wk.wait()
