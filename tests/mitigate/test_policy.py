@@ -139,6 +139,20 @@ def test_a_slow_host_link_is_excluded_not_rebalanced() -> None:
     assert out and out[0].kind == EXCLUDE and out[0].target == 1
 
 
+def test_a_slow_host_link_found_late_still_pays_its_rent() -> None:
+    """The verdict comes 16 exchanges after the onset: the healthy level is the steps before
+    the onset, not the latest (slow) ones, so the rent grows and buys the restart."""
+    p = Policy(G, M, restart_s=0.2)
+    healthy(p, range(1, 21, 2))
+    slow = 3 * (4 * UNIT + 0.005)
+    for s in range(21, 53, 2):  # slow steps, nobody has named the link yet
+        assert p.observe(s, [UNIT] * G, slow, 2, [], s + 3) is None
+    fs = [{"kind": "link", "ranks": [1], "onset_step": 21, "step": 53}]
+    out = [d for s in range(53, 121, 2)
+           if (d := p.observe(s, [UNIT] * G, slow, 2, fs, s + 3)) is not None]
+    assert out and out[0].kind == EXCLUDE and out[0].target == 1
+
+
 def test_decisions_are_deterministic() -> None:
     def run() -> list[tuple]:
         p = Policy(G, M)

@@ -113,6 +113,7 @@ class Policy:
     _unit_hist: list[list[float]] = field(default_factory=list)
     _count_hist: list[list[int]] = field(default_factory=list)  # the plan of each exchange
     _step_hist: list[float] = field(default_factory=list)
+    _exch_steps: list[int] = field(default_factory=list)  # the step of each exchange
     _seen_findings: int = 0
     # S3: bytes per step on each rank pair (remap.pair_traffic) and the rank -> host map;
     # None = no re-mapping (the lossy transport's all-to-all is not a ring)
@@ -186,6 +187,7 @@ class Policy:
         self._unit_hist.append(units)
         self._count_hist.append(list(self.counts))
         self._step_hist.append(step_s)
+        self._exch_steps.append(step)
         for f in findings[self._seen_findings:]:
             self._on_finding(f)
         self._seen_findings = len(findings)
@@ -375,6 +377,18 @@ class Policy:
             return
         self.active = Straggler(kind, r // self.tp, r, int(f.get("onset_step", 0)),
                                 int(f.get("step", 0)), since=len(self._unit_hist) - 1)
+        self._healthy_before(self.active.onset_step)
+
+    def _healthy_before(self, onset: int) -> None:
+        """The healthy step time from the exchanges that ended before the straggler's onset.
+        The level follows the latest exchanges while no straggler is active, so a verdict that
+        comes many steps after its onset (CI: a slow host link found late) would otherwise
+        find the slow steps in it, read the straggler's steps as healthy and never pay the
+        rent that buys the restart."""
+        before = [t for st, t in zip(self._exch_steps, self._step_hist, strict=True)
+                  if st < onset]
+        if before:
+            self.healthy_step_s = statistics.median(before[-8:])
 
     def _decide(self, kind: int, counts: list[int], start: int, target: int, gain: float,
                 reason: str) -> Decision:
