@@ -692,12 +692,24 @@ class Monitor:
     def _test_device(self) -> tuple[Any, Any]:
         """Where the validation tests run: (device, group for the link test).
 
-        A CPU (gloo) job tests its CPU and links on the monitor's gloo group. A job on the
-        NCCL backend tests its current GPU and sends device buffers over its own default
+        ``validate.validation_device`` decides from the default group's backend string:
+        a CPU job (gloo, or no CUDA) tests its CPU and links on the monitor's gloo group; a
+        job whose default group carries CUDA tensors ("nccl", "cpu:gloo,cuda:nccl",
+        "undefined" with CUDA) tests its own GPU and sends device buffers over its default
         group -- the path its gradients take (not run here: no GPU on the testbed).
         """
-        if dist.get_backend() == "nccl" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device()), None
+        cuda = torch.cuda.is_available()
+        try:
+            local_rank: int | None = int(os.environ["LOCAL_RANK"])
+        except (KeyError, ValueError):
+            local_rank = None
+        # only a job that initialised CUDA can have chosen a current device; asking an
+        # uninitialised one would create a CUDA context in a CPU job
+        current = torch.cuda.current_device() if cuda and torch.cuda.is_initialized() else None
+        path = validate.validation_device(dist.get_backend(), cuda, local_rank, current,
+                                          torch.cuda.device_count() if cuda else None)
+        if path.link_group == "default":
+            return torch.device(path.device), None
         return None, self._group()
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
