@@ -91,3 +91,57 @@ def test_abba_drains_every_on_step_that_an_off_step_follows() -> None:
         assert drain == (on and not nxt)
     # paired steps: as many on as off after warm-up
     assert sum(ons) * 2 == len(ons)
+
+
+class ExchangeModel:
+    """The monitor's exchanges as the overhead loop sees them: an enabled ``step`` issues one
+    (and completes the earlier ones, read at its check); ``drain`` completes those in
+    flight. Records the calls, and every step that was switched off with an exchange still
+    incomplete."""
+
+    def __init__(self) -> None:
+        self._on = True
+        self.incomplete: list[int] = []
+        self.calls: list[tuple[str, int]] = []
+        self.off_with_exchange_in_flight: list[int] = []
+        self._step = -1
+
+    @property
+    def enabled(self) -> bool:
+        return self._on
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        if not on and self.incomplete:
+            self.off_with_exchange_in_flight.append(self._step + 1)
+        self._on = on
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self._step = step
+        self.calls.append(("step", step))
+        if self._on:
+            self.incomplete = [step]
+
+    def drain(self) -> None:
+        self.calls.append(("drain", self._step))
+        self.incomplete = []
+
+
+def test_the_overhead_loop_drains_right_after_each_on_step_an_off_step_follows() -> None:
+    from stalwart.bench.detect import begin_step, end_step
+
+    warm, mon = 12, ExchangeModel()
+    ons = []
+    for step in range(warm + 40):
+        ons.append(begin_step(mon, step, warm))
+        end_step(mon, step, warm, {"step_time": 0.1, "compute_time": 0.1, "comm_time": 0.0})
+    assert ons[:warm] == [True] * warm and ons[warm:warm + 4] == [True, False, False, True]
+    # no "off" step starts while an exchange an "on" step issued is still running
+    assert mon.off_with_exchange_in_flight == []
+    # a drain only where one is needed (ABBA: the first step of each group of 4), each
+    # right after that step's hint
+    drained = [s for kind, s in mon.calls if kind == "drain"]
+    assert drained == list(range(warm, warm + 40, 4))
+    for s in drained:
+        i = mon.calls.index(("drain", s))
+        assert mon.calls[i - 1] == ("step", s)

@@ -48,9 +48,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stalwart.bench import BenchResult
+
+if TYPE_CHECKING:  # the worker imports torch and the monitor only when it runs
+    from stalwart.detect import Monitor
 
 STEPS = 70
 START = 30
@@ -331,6 +334,23 @@ def abba(step: int, warm: int) -> tuple[bool, bool]:
     return on, on and not nxt
 
 
+def begin_step(mon: Monitor, step: int, warm: int) -> bool:
+    """Switch the monitor on or off for ``step`` as the schedule says (every rank at the
+    same step); returns whether it is on."""
+    on = abba(step, warm)[0]
+    mon.enabled = on
+    return on
+
+
+def end_step(mon: Monitor, step: int, warm: int, metrics: dict[str, float]) -> None:
+    """The monitor's part of the end of ``step``: its step hint, then, where the schedule
+    says (``abba``), a drain -- the next step runs with the monitor off, and the exchange
+    this step issued must not run on into it: its cost belongs to this "on" step."""
+    mon.step(step, metrics)
+    if abba(step, warm)[1]:
+        mon.drain()
+
+
 def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) -> int:
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
@@ -371,8 +391,7 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) 
     in_step: list[float] = []
     in_step_cpu: list[float] = []
     for step in range(warm + steps):
-        on, drain = abba(step, warm)
-        mon.enabled = on
+        on = begin_step(mon, step, warm)
         x, y = train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, rank, 0)
         t0 = time.perf_counter()
         c0 = time.process_time()
@@ -384,11 +403,8 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None) 
         m0 = time.thread_time()
         # as stalwart's worker does: the loop reports its compute and communication split
         # (so the tracker keeps no records; their split does not matter here)
-        mon.step(step, {"step_time": t1 - t0, "compute_time": t1 - t0, "comm_time": 0.0})
-        if drain:
-            # the next step runs with the monitor off: the exchange this step issued must
-            # not run on into it (its cost belongs to this "on" step)
-            mon.drain()
+        end_step(mon, step, warm, {"step_time": t1 - t0, "compute_time": t1 - t0,
+                                   "comm_time": 0.0})
         m1 = time.thread_time()
         t2 = time.perf_counter()
         c2 = time.process_time()
