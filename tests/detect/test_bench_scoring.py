@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from stalwart.bench.detect import Scenario, Truth, ground_truth, localised, scenarios, score
 
 
@@ -145,3 +149,30 @@ def test_the_overhead_loop_drains_right_after_each_on_step_an_off_step_follows()
     for s in drained:
         i = mon.calls.index(("drain", s))
         assert mon.calls[i - 1] == ("step", s)
+
+
+def test_the_baseline_is_scored_on_each_ranks_compute_time(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    # one reliable run, faked: rank 2's compute doubles at step 30; the step time is the same
+    # on every rank (a synchronous job waits for its slowest rank), so only the compute time
+    # says which rank it is
+    import stalwart.bench.detect as bench
+    from stalwart.rundir import RunData
+
+    sc = Scenario("c", ("compute:rank=2,factor=2,start=30",))
+    metrics = []
+    for step in range(70):
+        comp = [0.10 + 0.001 * ((step * 7 + r) % 5) for r in range(4)]
+        if step >= 30:
+            comp[2] *= 2
+        for r in range(4):
+            metrics.append({"rank": r, "step": step, "step_time": max(comp) + 0.02,
+                            "compute_time": comp[r]})
+    events = [{"event": "fault_applied", "step": 30, "kind": "compute", "rank": 2}]
+    data = RunData(tmp_path, {}, metrics, events)
+    monkeypatch.setattr(bench, "scenarios", lambda quick: [sc])
+    monkeypatch.setattr(bench, "run_scenario", lambda sc, workdir, tag: (data, 0))
+    monkeypatch.setattr(bench, "measure_overhead", lambda workdir, tag, steps: {})
+    figures = bench.run(quick=True, workdir=tmp_path).figures
+    assert figures["baseline_detection_rate"] == 1.0
+    assert figures["baseline_localization_accuracy"] == 1.0

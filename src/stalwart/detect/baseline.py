@@ -16,19 +16,21 @@ import statistics
 from collections import deque
 
 
-def threshold_detector(step_times: dict[int, dict[int, float]], window: int = 20,
+def threshold_detector(compute_times: dict[int, dict[int, float]], window: int = 20,
                        factor: float = 1.2, consecutive: int = 3,
                        warmup: int = 10) -> list[dict]:
-    """Detections from ``{step: {rank: step_time}}``: dicts with event, step, onset_step,
-    kind ("compute"), ranks ([r]). A recovery is reported when every rank is back below the
-    threshold (of the reference frozen at the alarm) for ``consecutive`` steps."""
+    """Detections from ``{step: {rank: compute_time}}`` (each rank's own compute time per
+    step, as ``stalwart bench detect`` feeds it: ``RunData.step_table("compute_time")``):
+    dicts with event, step, onset_step, kind ("compute"), ranks ([r]). A recovery is
+    reported when every rank is back below the threshold (of the reference frozen at the
+    alarm) for ``consecutive`` steps."""
     out: list[dict] = []
     hist: dict[int, deque[float]] = {}
     over: dict[int, int] = {}
     active_ref: dict[int, float] | None = None
     ok_run = 0
-    for step in sorted(step_times):
-        row = step_times[step]
+    for step in sorted(compute_times):
+        row = compute_times[step]
         if step < warmup:
             continue
         if active_ref is None:

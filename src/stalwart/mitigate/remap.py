@@ -8,8 +8,8 @@ slowed it), so the bytes each rank pair carries per step follow from the world s
 ``--tp`` alone: the tensor-parallel groups (consecutive ranks) are rings carrying activations,
 the data-parallel groups (ranks of equal TP index) rings carrying gradients. ``pair_traffic``
 writes that down (a ring of d ranks moves 2 (d-1)/d of the tensor across each of its edges;
-bytes are per step, both directions together); ``bench/traffic.py`` measures it on the
-testbed with per-host-pair nftables counters and docs/mitigate.md shows both.
+bytes are per step, both directions together); ``stalwart/testbed/traffic.py`` measures it on
+the testbed with per-host-pair nftables counters and docs/mitigate.md shows both.
 
 A slow pair of hosts (a, b) costs nothing when the ranks on a and b exchange nothing: in a
 ring of 4 or more, two ranks that are not neighbours; in a 2 x 2 TP x DP grid, the two
