@@ -42,9 +42,14 @@ from stalwart.config import ConfigError
 from stalwart.testbed._sys import PREFIX
 
 # A short CFS period makes throttling fine-grained: with 100 ms a rank whose steps take 30 ms
-# could run several unthrottled steps before its quota runs out. The kernel's minimum quota is
-# 1 ms, so large factors stretch the period instead (at most 1 s, the kernel's maximum).
-PERIOD_US = 20_000
+# could run several unthrottled steps before its quota runs out. With 20 ms, a tiny-preset
+# step's ~8 ms of CPU either fit in what was left of the quota or waited out the period: its
+# compute time relative to its peers' jittered by 25-28% (sd of the log, 4 ranks on 2 cores),
+# larger than a 1.3x fault's shift (+0.15); with 5 ms the jitter is 13-20% and a 1.3x rank
+# was found in 4 of 4 runs (1 of 3 at 20 ms). Shorter than the scheduler tick (4 ms at
+# HZ=250) the kernel enforces the quota late. The kernel's minimum quota is 1 ms, so large
+# factors stretch the period instead (at most 1 s, the kernel's maximum).
+PERIOD_US = 5_000
 MIN_QUOTA_US = 1_000
 MAX_PERIOD_US = 1_000_000
 
