@@ -136,6 +136,17 @@ def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> Non
     assert f.kind == "compute" and f.ranks == [2]
 
 
+def test_a_pair_far_slower_than_starvation_explains_is_a_link_even_beside_a_suspect() -> None:
+    # the netns slow-pair test: pair 2-3 at 10 mbit read 690x; rank 3's compute test read
+    # 1.74x (its pairs' transfers wait behind the slow pair) -- a link, not rank 3's compute
+    links = dict(RING4, **{"2-3": 0.004 * 690})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
+    es[3] = ev(3, comp=(0.05, 0.065), comm=(0.01, 0.04), test=0.35, links=per.get(3))
+    f = decide(es, 14, 20, 16.6)
+    assert f.kind == "link" and f.link == [2, 3] and f.ranks == []
+
+
 def mild(rounds: dict[int, list[float]]) -> list[RankEvidence]:
     import statistics
 
