@@ -79,6 +79,16 @@ def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
                for s in range(43, 63, 2))
 
 
+def test_a_recovery_the_detector_took_back_does_not_revert() -> None:
+    """The detector called the rebalanced rank recovered, then found it slow again: only its
+    latest verdict counts, so one healthy-looking exchange does not revert the plan."""
+    p, fs = rebalanced_2x()
+    fs = [{**fs[0], "recovered_step": 40}, finding(2, 42)]
+    assert feed(p, 43, [UNIT] * G, fs) is None  # a short burst reads healthy
+    assert all(feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None for s in range(45, 61, 2))
+    assert not p.uniform
+
+
 def test_blip_over_before_the_verdict_is_not_acted_on() -> None:
     p = Policy(G, M)
     healthy(p, range(1, 21, 2))

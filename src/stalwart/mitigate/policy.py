@@ -77,9 +77,14 @@ class Straggler:
 
 
 def detector_recovered(s: Straggler, findings: list[dict]) -> bool:
-    """The detector's own verdict: it reported this straggler recovered."""
-    return any(f.get("recovered_step") is not None and int(f.get("step", 0)) >= s.detected_step
-               and s.rank in (f.get("ranks") or []) for f in findings)
+    """The detector's own verdict: its latest finding on this straggler's rank (since the
+    straggler was found) is reported recovered. Only the latest: a rank given one micro-batch
+    can read healthy to the detector for a few steps and be found slow again (netns test: a
+    3x rank "recovered" at step 32 and was found again at 34; the earlier verdict reverted
+    its plan mid-fault and kept the wrong revert from being watched)."""
+    own = [f for f in findings
+           if int(f.get("step", 0)) >= s.detected_step and s.rank in (f.get("ranks") or [])]
+    return bool(own) and own[-1].get("recovered_step") is not None
 
 
 def recovery_ratio(s: Straggler) -> float:
