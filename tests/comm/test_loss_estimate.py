@@ -79,6 +79,31 @@ def test_forged_spares_and_old_round_packets_do_not_count_as_arrivals() -> None:
             c.close()
 
 
+def test_authenticated_data_of_an_ended_round_marks_its_sender_alive() -> None:
+    # tag-checked like the current round's, so proof the sender is alive (before: only an
+    # ended round's end markers counted, a rule from when its data was not checked)
+    group = make_group(2, N)
+    victim = group[1]
+    try:
+        for _ in range(3):  # round 0 has ended on rank 1, and the round after it too
+            _round(group)
+        old = victim.rejected_counts().get("old_round", 0)
+        w = Wire(victim.wire.key, victim.wire.job, victim.world, 0, victim.layout.shard_lens,
+                 victim.chunk)
+        n1 = min(victim.chunk, victim.layout.shard_lens[1])
+        victim._heard[0] = 0.0
+        pkt = np.frombuffer(w.packet(PHASE_GRAD, 0, 1, 0, np.zeros(n1, np.float32)), np.uint8)
+        row = np.zeros((1, group[0].transport.slot), np.uint8)
+        row[0, :pkt.size] = pkt
+        # from rank 0's own socket: the source address is checked before the tag
+        group[0].transport.send(row, np.array([pkt.size]), np.array([1]))
+        _wait_rejected(victim, "old_round", old + 1)
+        assert victim._heard[0] > 0.0
+    finally:
+        for c in group:
+            c.close()
+
+
 class LosesAMarker(LossyCollective):
     """Rank 1 loses chunks 8-11 of every phase from rank 0 (4 of 85 datagrams) and every copy
     of rank 0's first end marker (its copies go back to back: one burst takes them all)."""

@@ -398,12 +398,9 @@ class LossyCollective:
         with self._cond:
             for i, why in enumerate(why_l):
                 s = snd_l[i]
-                # authenticated: its tag was checked. wire.check tag-checks an ended round's
-                # data packets too (they count as arrivals for the loss estimate below), but
-                # of an ended round only end markers mark the sender alive here: a rule kept
-                # from when old-round data was dropped before its tag was checked.
-                if (why not in _UNAUTHENTICATED and s < self.world
-                        and (why != _OLD or fl_l[i] & FLAG_END)):
+                # authenticated: its tag was checked (wire.check tag-checks an ended round's
+                # data packets too), so the sender is alive, whatever the round
+                if why not in _UNAUTHENTICATED and s < self.world:
                     self._heard[s] = now  # of any round: it is alive
                     self._ever[s] = True
                     if s in self.silent:
