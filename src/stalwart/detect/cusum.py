@@ -19,12 +19,15 @@ Mechanism (Page, 1954), on ``x = log(compute / job median)`` of each rank:
   sample above ``mu0 + k`` adds evidence, every sample below takes it away. A sample counts
   at most ``clip`` sigmas, so one outlier (an eval, a GC pause) cannot raise an alarm;
 - an alarm when ``S > h * sigma`` (x ``backoff``). CUSUM is the optimal test for a shift of
-  known size; with the defaults (``shift`` 20%, ``h`` 10, ``clip`` 2.5), on synthetic
+  known size; with ``shift`` 20%, ``h`` 10 and ``clip`` 2.5, on synthetic
   log-normal noise of 17%, a 16% shift was found in a median of ~18 samples (18 of 20
   seeds within 61) with 4 alarms in 80,000 healthy rank-samples; replayed on this
   testbed's recorded clean runs it raised 24 alarms in 5,328 steps -- real drifts of the
   CPU shares of 4 ranks on 2 cores, which the validation tests must reject (``shift`` 12%
-  and ``h`` 8 raised 68). The onset is the first sample after S was last 0 (the CUSUM estimate of
+  and ``h`` 8 raised 68). The default ``shift`` is now 15%: replayed on the runs recorded on
+  2026-12-04 (23 clean 4-rank runs, 8 with a 1.3x throttle: ``tests/detect/cusum_replay.py``,
+  a one-off measurement) it raised the same 2 false alarms in 10,880 healthy rank-samples as
+  20% and fired on the throttled rank 1-26 steps sooner (after 6-48 samples instead of 7-68). The onset is the first sample after S was last 0 (the CUSUM estimate of
   the change point: on the testbed's recorded 1.3x runs 0-4 steps late; on synthetic
   series of a shift near the noise level it erred by up to ~15 either way).
 After an alarm the rank's reference is learnt again from the samples that follow, so one
@@ -66,7 +69,7 @@ class CusumBank:
     REFIT_EVERY = 16
     LAG = 24  # a sample joins the reference this many steps late at the earliest
 
-    def __init__(self, n: int, *, shift: float = 0.2, h: float = 10.0, clip: float = 2.5,
+    def __init__(self, n: int, *, shift: float = 0.15, h: float = 10.0, clip: float = 2.5,
                  warmup: int = 10, learn: int = 18, history: int = 200,
                  min_sigma: float = 0.02) -> None:
         if n < 1 or shift <= 0 or h <= 0 or clip <= 0 or learn < 4 or history < learn:
