@@ -27,9 +27,10 @@ Mechanism (Page, 1954), on ``x = log(compute / job median)`` of each rank:
   and ``h`` 8 raised 68). The default ``shift`` is now 15%: replayed on the runs recorded on
   2026-12-04 (23 clean 4-rank runs, 8 with a 1.3x throttle: ``tests/detect/cusum_replay.py``,
   a one-off measurement) it raised the same 2 false alarms in 10,880 healthy rank-samples as
-  20% and fired on the throttled rank 1-26 steps sooner (after 6-48 samples instead of 7-68). The onset is the first sample after S was last 0 (the CUSUM estimate of
-  the change point: on the testbed's recorded 1.3x runs 0-4 steps late; on synthetic
-  series of a shift near the noise level it erred by up to ~15 either way).
+  20% and fired on the throttled rank 1-26 steps sooner (after 6-48 samples instead of 7-68).
+  The onset is the first sample after S was last 0 (the CUSUM estimate of the change
+  point: on the testbed's recorded 1.3x runs 0-4 steps late; on synthetic series of a shift
+  near the noise level it erred by up to ~15 either way).
 After an alarm the rank's reference is learnt again from the samples that follow, so one
 shift raises one alarm; an alarm the validation tests did not confirm doubles that rank's
 threshold (up to ``MAX_BACKOFF``), so drifting CPU shares cannot pause the job again and
