@@ -81,6 +81,7 @@ from stalwart.detect.localize import (
 from stalwart.detect.period import PeriodTracker
 from stalwart.detect.rowlink import GlooRows, StarRows, exchange_cost
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
+from stalwart.hostaddr import default_host
 
 NONE, DETECT, RECOVER = 0, 1, 2
 HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
@@ -539,8 +540,6 @@ class Monitor:
         pg = self._group()
         link: StarRows | GlooRows | None = None
         try:
-            from stalwart.comm.transport import default_host
-
             # the lossy transport's rule for this rank's address (the interface that reaches
             # MASTER_ADDR, or the testbed's): rank 0's is the one that matters
             link = StarRows(self.rank, self.world, self._width(), pg, default_host(),
