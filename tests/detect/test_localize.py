@@ -136,6 +136,16 @@ def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> Non
     assert f.kind == "compute" and f.ranks == [2]
 
 
+def test_a_rank_starved_by_busy_processes_is_compute_even_with_a_55x_pair() -> None:
+    # bench detect's contention-r2-p2 (2026-12-04): compute test 4.16x, pair 1-2 55x, 2-3 20x
+    links = dict(RING4, **{"1-2": 0.004 * 55, "2-3": 0.004 * 20})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
+    es[2] = ev(2, comp=(0.05, 0.2), comm=(0.01, 0.04), test=0.83, links=per.get(2))
+    f = decide(es, 30, 35, 4.5)
+    assert f.kind == "compute" and f.ranks == [2]
+
+
 def test_a_pair_far_slower_than_starvation_explains_is_a_link_even_beside_a_suspect() -> None:
     # the netns slow-pair test: pair 2-3 at 10 mbit read 690x; rank 3's compute test read
     # 1.74x (its pairs' transfers wait behind the slow pair) -- a link, not rank 3's compute

@@ -52,11 +52,13 @@ STANDOUT = 1.3  # ...if it is also this much slower than the next rank
 # equal transfers: the testbed's shaped links measured 100-225x the healthy pairs, while load
 # from other jobs on a 2-core machine made healthy pairs up to 13x slower
 LINK_RATIO = 20.0
-# a link this much slower than its peers is a slow link even when it touches a confirmed
-# compute suspect: a starved rank slowed its own pairs up to 26x (CPU contention, measured),
-# shaped links read 100-225x and a 10 mbit pair 690x (pair 2-3's fault was named a compute
-# straggler on rank 3, whose compute test read 1.74x while its transfers waited on the pair)
-STARVED_LINK_MAX = 50.0  # about the geometric middle of 26x and 100x
+# a link slower than its peers by more than this many times the suspect's own compute-test
+# slowdown is a slow link even when it touches a confirmed compute suspect. Measured: a
+# starved rank slows its own pairs by up to ~13x per x of its compute test (2 busy processes
+# in its cgroup: pair 1-2 55x at 4.2x compute); a 10 mbit pair read 690x beside a rank whose
+# compute test read 1.74x only because its transfers waited on that pair (397x per x: named a
+# compute straggler on rank 3 before this rule). 70 is about the geometric middle of the two.
+STARVED_LINK_PER_X = 70.0
 # a compute straggler's onset is looked for on its own series from this many steps before the
 # detected onset (the channel that fired can also place it a few steps late)
 ONSET_SLACK = 4
@@ -271,7 +273,7 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     #    confirmed by the compute test -- also when its own pairs look slow: a starved rank
     #    moves its bytes slowly too (measured up to 26x under CPU contention)
     touches = all(str(candidate) in k.split("-") for k in slow_links) and not any(
-        lr[k] >= STARVED_LINK_MAX for k in slow_links)
+        lr[k] >= STARVED_LINK_PER_X * max(cr.get(candidate, 1.0), 1.0) for k in slow_links)
     if confirmed and (not slow_links or touches):
         conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
             0.1 if profiled == candidate else 0.0)
