@@ -42,6 +42,9 @@ def test_an_os_hiccup_of_a_few_steps_is_counted_not_logged(tmp_path: Path) -> No
     assert "slowdown_unexplained" not in events and "straggler_detected" not in events
     stats = json.loads((tmp_path / "detect_stats.json").read_text())
     assert stats["hiccups"] == 1 and stats["unexplained_logged"] == 0
+    # with what was seen, for a user asking why nothing was reported
+    (h,) = stats["hiccup_log"]
+    assert h["onset_step"] in range(38, 46) and h["severity"] > 1.5 and "did not last" in h["why"]
 
 
 def test_a_clean_run_logs_nothing(tmp_path: Path) -> None:

@@ -216,6 +216,8 @@ class Monitor:
         # (event fields, healthy level, decision key)
         self._unexplained: tuple[dict[str, Any], float, int] | None = None
         self.hiccups = 0
+        # the last hiccups' evidence (rank 0), for detect_stats.json: why a change was let go
+        self.hiccup_log: deque[dict[str, Any]] = deque(maxlen=16)
         self.unexplained_logged = 0
         self._step_cpu_us: deque[float] = deque(maxlen=4096)  # CPU inside step() (rank 0)
         self._run_dir = Path(run_dir) if run_dir is not None else None
@@ -342,9 +344,14 @@ class Monitor:
                                           level_ratio=round(level / healthy, 3))
                 self._events.log("slowdown_unexplained", **fields)
         else:
-            self.hiccups += 1
+            self._hiccup("job-wide slowdown that did not last", fields)
             log.debug("hiccup: slowdown at step %d (x%.2f) explained by no rank or link, "
                       "gone by step %d", fields["onset_step"], fields["severity"], key)
+
+    def _hiccup(self, why: str, fields: dict[str, Any]) -> None:
+        self.hiccups += 1
+        self.hiccup_log.append({"why": why, **{k: fields.get(k) for k in (
+            "step", "onset_step", "severity", "evidence")}})
 
     def _classify(self, ch: Change, channel: str = "iteration") -> None:
         if self._pending[0] != NONE or self._deciding:
@@ -642,7 +649,8 @@ class Monitor:
             # same verdict again), or nothing the tests confirm -- not a new finding, and the
             # active one stays followed on its channel
             if finding.kind == "unknown":
-                self.hiccups += 1
+                self._hiccup("nothing confirmed while a straggler is active",
+                             finding.event_fields())
             else:
                 self._repeats += 1
             return
@@ -666,7 +674,8 @@ class Monitor:
             # one rank's compute moved relative to its peers and the tests found nothing
             # (load from elsewhere shifting CPU shares, or a rank that is not slow now):
             # not a job-wide slowdown to report, a hiccup
-            self.hiccups += 1
+            self._hiccup(f"rank {suspect}'s compute rose; the compute test did not confirm it",
+                         fields)
             log.debug("hiccup: rank %d's compute rose at step %d (x%.2f), not confirmed "
                       "by the compute test", suspect, onset, severity)
             return
@@ -683,8 +692,8 @@ class Monitor:
             return
         if self._unexplained is not None:
             # a culprit was found after all: the earlier slowdown was its start or a hiccup
+            self._hiccup("unexplained slowdown, then a culprit found", self._unexplained[0])
             self._unexplained = None
-            self.hiccups += 1
         if self._events is not None:
             self._events.log("straggler_detected", **fields)
 
@@ -765,7 +774,7 @@ class Monitor:
         """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""
         cpu = sorted(self._step_cpu_us)
         return {"hiccups": self.hiccups, "unexplained_logged": self.unexplained_logged,
-                "repeat_verdicts": self._repeats,
+                "repeat_verdicts": self._repeats, "hiccup_log": list(self.hiccup_log),
                 "findings": len(self.findings), "checks": self._checks,
                 "exchanges": self.exchanges, "check_every": self.check_every,
                 "monitor_step_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None}
