@@ -165,7 +165,7 @@ def mild(rounds: dict[int, list[float]]) -> list[RankEvidence]:
 
 
 def test_a_mild_straggler_is_confirmed_by_every_round_not_by_size() -> None:
-    from stalwart.detect.localize import MILD_ROUNDS, more_rounds
+    from stalwart.detect.localize import MILD_ROUNDS, MILD_ROUNDS_LONG, more_rounds
 
     healthy = [0.20, 0.21, 0.20, 0.22, 0.20, 0.21, 0.20]
     slow = [0.26, 0.27, 0.26, 0.26, 0.27, 0.26, 0.26]  # 1.3x: under COMPUTE_RATIO
@@ -180,8 +180,20 @@ def test_a_mild_straggler_is_confirmed_by_every_round_not_by_size() -> None:
     assert f.evidence["slowest_rounds"] == MILD_ROUNDS
     # one round in which another rank was slower: not statistically clear, no verdict
     noisy = [*healthy[:6], 0.30]
-    f = decide(mild({0: noisy, 1: slow, 2: healthy, 3: healthy}), 40, 60, 1.1, suspect_rank=1)
+    seven_noisy = mild({0: noisy, 1: slow, 2: healthy, 3: healthy})
+    f = decide(seven_noisy, 40, 60, 1.1, suspect_rank=1)
     assert f.kind == "unknown"
+    # ...until three more rounds: the slowest in 9 of 10 is as clear as in 7 of 7
+    assert more_rounds(seven_noisy, 1) == MILD_ROUNDS_LONG - MILD_ROUNDS
+    h10, s10 = healthy + healthy[:3], slow + slow[:3]
+    ten = mild({0: noisy + healthy[:3], 1: s10, 2: h10, 3: h10})
+    assert more_rounds(ten, 1) == 0
+    f = decide(ten, 40, 60, 1.1, suspect_rank=1)
+    assert f.kind == "compute" and f.ranks == [1]
+    # two rounds in which another rank was slower: no verdict, and no more rounds
+    twice = mild({0: noisy + [0.30, *healthy[:2]], 1: s10, 2: h10, 3: h10})
+    assert more_rounds(twice, 1) == 0
+    assert decide(twice, 40, 60, 1.1, suspect_rank=1).kind == "unknown"
     # the mild rule needs a rank's own channel to point at the rank: the test alone at 1.3x
     # names nobody (rule 3 needs COMPUTE_ALONE)
     assert decide(seven, 40, 60, 1.1).kind == "unknown"
