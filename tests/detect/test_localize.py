@@ -152,9 +152,20 @@ def test_a_pair_far_slower_than_starvation_explains_is_a_link_even_beside_a_susp
     links = dict(RING4, **{"2-3": 0.004 * 690})
     per = split(links)
     es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
-    es[3] = ev(3, comp=(0.05, 0.065), comm=(0.01, 0.04), test=0.35, links=per.get(3))
+    es[3] = ev(3, comp=(0.05, 0.061), comm=(0.01, 0.04), test=0.35, links=per.get(3))
     f = decide(es, 14, 20, 16.6)
     assert f.kind == "link" and f.link == [2, 3] and f.ranks == []
+
+
+def test_a_compute_straggler_the_profile_backs_stays_compute_beside_a_timed_out_pair() -> None:
+    # bench detect under 5% loss: a 2x rank (test 2.12x, profile 2.21x) and its pair 2-3 at
+    # 283x (a TCP retransmission timeout in the link test)
+    links = dict(RING4, **{"2-3": 0.004 * 283})
+    per = split(links)
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
+    es[2] = ev(2, comp=(0.05, 0.11), comm=(0.01, 0.04), test=0.42, links=per.get(2))
+    f = decide(es, 31, 55, 2.0)
+    assert f.kind == "compute" and f.ranks == [2]
 
 
 def mild(rounds: dict[int, list[float]]) -> list[RankEvidence]:

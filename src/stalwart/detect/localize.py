@@ -59,11 +59,15 @@ STANDOUT = 1.3  # ...if it is also this much slower than the next rank
 # from other jobs on a 2-core machine made healthy pairs up to 13x slower
 LINK_RATIO = 20.0
 # a link slower than its peers by more than this many times the suspect's own compute-test
-# slowdown is a slow link even when it touches a confirmed compute suspect. Measured: a
-# starved rank slows its own pairs by up to ~13x per x of its compute test (2 busy processes
-# in its cgroup: pair 1-2 55x at 4.2x compute); a 10 mbit pair read 690x beside a rank whose
-# compute test read 1.74x only because its transfers waited on that pair (397x per x: named a
-# compute straggler on rank 3 before this rule). 70 is about the geometric middle of the two.
+# slowdown is a slow link even when it touches a confirmed compute suspect -- unless the
+# training-time profile backs the test (the suspect's compute grew at least sqrt of what the
+# test reads). Measured: a starved rank slows its own pairs by up to ~13x per x of its compute
+# test (2 busy processes in its cgroup: pair 1-2 55x at 4.2x); a 10 mbit pair read 690x beside
+# a rank whose test read 1.74x but whose profile grew only 1.22x (397x per x: named a compute
+# straggler on rank 3 before this rule, and rebalanced instead of re-mapped); under 5% packet
+# loss a 2x rank's pair read 283x (a TCP retransmission timeout in the link test) with its
+# profile at 2.21x (a compute straggler: the profile backs it). 70 is about the geometric
+# middle of 13 and 397.
 STARVED_LINK_PER_X = 70.0
 # a compute straggler's onset is looked for on its own series from this many steps before the
 # detected onset (the channel that fired can also place it a few steps late)
@@ -283,8 +287,11 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     # 1. a rank whose compute grew during training (its own channel, or the profile),
     #    confirmed by the compute test -- also when its own pairs look slow: a starved rank
     #    moves its bytes slowly too (measured up to 26x under CPU contention)
-    touches = all(str(candidate) in k.split("-") for k in slow_links) and not any(
-        lr[k] >= STARVED_LINK_PER_X * max(cr.get(candidate, 1.0), 1.0) for k in slow_links)
+    touches = all(str(candidate) in k.split("-") for k in slow_links)
+    if touches and candidate is not None and cr.get(candidate, 0.0) > 0:
+        c = max(cr[candidate], 1.0)
+        backed = prof.get(candidate, 0.0) >= max(PROFILE_RATIO, c ** 0.5)
+        touches = backed or not any(lr[k] >= STARVED_LINK_PER_X * c for k in slow_links)
     if confirmed and (not slow_links or touches):
         conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
             0.1 if profiled == candidate else 0.0)
