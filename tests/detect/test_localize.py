@@ -168,6 +168,20 @@ def test_a_compute_straggler_the_profile_backs_stays_compute_beside_a_timed_out_
     assert f.kind == "compute" and f.ranks == [2]
 
 
+def test_a_large_test_ratio_needs_the_rank_slowest_in_every_round() -> None:
+    # a clean local make run: rank 1's channel fired, the test read 1.59x in the median of 3
+    # rounds but rank 0 was slower in one of them, and rank 1's training compute had not grown
+    rounds = {0: [0.20, 0.31, 0.20], 1: [0.33, 0.30, 0.31], 2: [0.19, 0.19, 0.20],
+              3: [0.20, 0.21, 0.19]}
+    es = [RankEvidence(r, 0.05, 0.05 if r != 1 else 0.048, 0.01, 0.01, v[1] if r == 1 else
+                       sorted(v)[1], {}, v) for r, v in rounds.items()]
+    assert decide(es, 85, 92, 1.08, suspect_rank=1).kind == "unknown"
+    rounds[0] = [0.20, 0.21, 0.20]  # the slowest in all three: confirmed
+    es[0] = RankEvidence(0, 0.05, 0.05, 0.01, 0.01, 0.20, {}, rounds[0])
+    f = decide(es, 85, 92, 1.08, suspect_rank=1)
+    assert f.kind == "compute" and f.ranks == [1]
+
+
 def mild(rounds: dict[int, list[float]]) -> list[RankEvidence]:
     import statistics
 

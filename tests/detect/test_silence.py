@@ -68,6 +68,30 @@ def test_a_lasting_job_wide_slowdown_is_logged_once(tmp_path: Path) -> None:
     assert ev[0]["evidence"]["level_ratio"] > 1.3
 
 
+def test_a_recorded_clean_run_with_noisy_steps_logs_nothing(tmp_path: Path) -> None:
+    """Rank 0's step hints of a clean `make run` that logged a `slowdown_unexplained` (the
+    last 8 steps' level against the 20 before the onset read 1.36x; the 20 steps after the
+    decision were 1.10x the steps before, rank-sum z 2.0: not a slowdown that lasts)."""
+    data = json.loads((Path(__file__).parent / "data" / "clean_local_run.json").read_text())
+    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
+    for step, t, comp, comm in data["rows"]:
+        mon.step(step, {"step_time": t, "compute_time": comp, "comm_time": comm})
+    mon.close()
+    assert [f.onset_step for f in mon.findings] == [86, 154]  # both still seen...
+    events = logged(tmp_path)  # ...and neither logged
+    assert "slowdown_unexplained" not in events and "straggler_detected" not in events
+    assert mon.hiccups == 2
+
+
+def test_rank_sum_z_says_whether_later_samples_are_higher() -> None:
+    from stalwart.detect.changepoint import rank_sum_z
+
+    a = np.arange(20.0)
+    assert rank_sum_z(a, a + 100.0) > 5.0 and rank_sum_z(a + 100.0, a) < -5.0
+    assert abs(rank_sum_z(a, a.copy())) < 1e-9  # ties: average ranks
+    assert rank_sum_z(a, np.array([])) == 0.0
+
+
 def test_a_slowdown_still_open_at_close_is_not_logged_early(tmp_path: Path) -> None:
     times = steps(60, 3)
     times[45:] *= 2.0  # starts 15 steps before the end: too short to call lasting
