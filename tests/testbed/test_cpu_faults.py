@@ -38,12 +38,13 @@ def group() -> Iterator[CpuGroup]:
     assert not g.path.exists()
 
 
-def _ratio(group: CpuGroup, factor: float, procs: int, rounds: int = 5) -> float:
+def _ratio(group: CpuGroup, factor: float, procs: int, rounds: int = 9) -> float:
     """Median slowdown of the busy loop in `group`, baseline and fault interleaved: each
     round's ratio is of two adjacent runs, so load that lasts longer than a round slows
-    both. Median of 5: of 3 rounds, CI once read 1.58x for factor 2; and the fastest
-    baseline over the median fault read 2.81x (the other core's load slows a throttled
-    loop too)."""
+    both. Median of 9: single rounds with a busy core ranged 1.5-2.7x for factor 2 at every
+    CFS period tried (5, 10, 20 ms; medians 1.94-2.16), and a median of 5 read 2.51x in CI;
+    of 3 rounds, CI once read 1.58x; the fastest baseline over the median fault read 2.81x
+    (the other core's load slows a throttled loop too)."""
     ratios = []
     group.set_limit(1.0, 0)
     n = loop_for(LOOP_S, group)
