@@ -10,8 +10,8 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
 1. the rank the training-time evidence points at -- the per-rank compute channel that
    fired, or the profile (one rank's compute between collectives grew >= ``PROFILE_RATIO``
    and ``PROFILE_STANDOUT`` x more than any other's, while its peers waited longer) -- is
-   "compute" if the compute test confirms it -- >= ``COMPUTE_RATIO`` x and the slowest of all
-   ranks in the test, or, for a milder straggler, >= ``COMPUTE_MILD`` x and the slowest rank
+   "compute" if the compute test confirms it -- >= ``COMPUTE_RATIO`` x and the slowest rank
+   in every round of the test, or, for a milder straggler, >= ``COMPUTE_MILD`` x and the slowest rank
    in every one of ``MILD_ROUNDS`` synchronised rounds, or in all but one of
    ``MILD_ROUNDS_LONG`` (``more_rounds`` tells the monitor to run them when the first rounds
    leave the verdict open; for exchangeable healthy ranks the chance that one is slowest in
@@ -285,8 +285,8 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
 
     candidate = suspect_rank if suspect_rank is not None else profiled
-    # confirmed: far above the healthy level and the slowest rank of the test, or mildly
-    # above it and the slowest in every round of a longer test
+    # confirmed: far above the healthy level and the slowest rank in every round, or mildly
+    # above it and the slowest in every round of a longer test (or all but one of 10)
     confirmed = candidate is not None and ((
         cr.get(candidate, 0.0) >= COMPUTE_RATIO and cr[candidate] >= max(cr.values())
         and _slowest_in_all(ev, candidate)) or _mild_confirmed(ev, cr, candidate))
