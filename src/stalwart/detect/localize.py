@@ -11,8 +11,8 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
    fired, or the profile (one rank's compute between collectives grew >= ``PROFILE_RATIO``
    and ``PROFILE_STANDOUT`` x more than any other's, while its peers waited longer) -- is
    "compute" if the compute test confirms it -- >= ``COMPUTE_RATIO`` x and the slowest rank
-   in every round of the test, or, for a milder straggler, >= ``COMPUTE_MILD`` x and the slowest rank
-   in every one of ``MILD_ROUNDS`` synchronised rounds, or in all but one of
+   in every round of the test, or, for a milder straggler, >= ``COMPUTE_MILD`` x and the
+   slowest rank in every one of ``MILD_ROUNDS`` synchronised rounds, or in all but one of
    ``MILD_ROUNDS_LONG`` (``more_rounds`` tells the monitor to run them when the first rounds
    leave the verdict open; for exchangeable healthy ranks the chance that one is slowest in
    all of 7 is n^-7, 6e-5 for 4 ranks, and in 9 of 10 about 3e-5) -- and every slow pair of
