@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -22,3 +25,22 @@ def stalwart(*args: str, timeout: float = 300, cwd: Path | None = None,
 # small, fast runs: a few seconds each on 2 cores
 FAST = ["--steps", "12", "--eval-every", "6", "--ckpt-every", "6", "--eval-batches", "2",
         "--no-progress"]
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any,
+                timeout: float = 60) -> dict[int, Any]:
+    """Run ``target(rank, world, *args, out)`` in ``world`` spawned processes; each puts one
+    ``(rank, result)`` on ``out``. Returns {rank: result}; a process still alive after its
+    result (or the timeout) is killed, so a hung rank never hangs the test."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(out.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

@@ -5,12 +5,13 @@ gloo all-gather it falls back to."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import spawn_ranks
 
 WARM = 1  # steps 0-1 on, 2-3 off, 4-5 on: the schedule drains at the end of steps 1 and 5
 STEPS = 7
@@ -55,19 +56,7 @@ def test_an_on_step_that_an_off_step_follows_ends_only_when_its_exchange_is_comp
         tmp_path: Path) -> None:
     from stalwart.bench.detect import abba
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "store"), out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    res = spawn_ranks(_rank, 2, str(tmp_path / "store"), timeout=120)
     drains = [s for s in range(STEPS) if abba(s, WARM)[1]]
     assert drains == [1, 5]
     ons = sum(abba(s, WARM)[0] for s in range(STEPS))

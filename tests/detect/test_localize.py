@@ -136,35 +136,35 @@ def test_a_starved_rank_whose_own_pairs_look_very_slow_is_still_compute() -> Non
     assert f.kind == "compute" and f.ranks == [2]
 
 
+def ring_beside(slow: dict[str, float], rank: int, comp_after: float,
+                test: float) -> list[RankEvidence]:
+    """Four ranks on RING4 with the pairs in ``slow`` that many times slower than the healthy
+    ones, every rank waiting longer in communication, and ``rank``'s compute grown to
+    ``comp_after`` (from 0.05) with ``test`` seconds in the compute test (healthy: 0.2)."""
+    per = split(dict(RING4, **{k: 0.004 * x for k, x in slow.items()}))
+    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
+    es[rank] = ev(rank, comp=(0.05, comp_after), comm=(0.01, 0.04), test=test,
+                  links=per.get(rank))
+    return es
+
+
 def test_a_rank_starved_by_busy_processes_is_compute_even_with_a_55x_pair() -> None:
     # bench detect's contention-r2-p2 (2026-12-04): compute test 4.16x, pair 1-2 55x, 2-3 20x
-    links = dict(RING4, **{"1-2": 0.004 * 55, "2-3": 0.004 * 20})
-    per = split(links)
-    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
-    es[2] = ev(2, comp=(0.05, 0.2), comm=(0.01, 0.04), test=0.83, links=per.get(2))
-    f = decide(es, 30, 35, 4.5)
+    f = decide(ring_beside({"1-2": 55, "2-3": 20}, 2, 0.2, 0.83), 30, 35, 4.5)
     assert f.kind == "compute" and f.ranks == [2]
 
 
 def test_a_pair_far_slower_than_starvation_explains_is_a_link_even_beside_a_suspect() -> None:
     # the netns slow-pair test: pair 2-3 at 10 mbit read 690x; rank 3's compute test read
     # 1.74x (its pairs' transfers wait behind the slow pair) -- a link, not rank 3's compute
-    links = dict(RING4, **{"2-3": 0.004 * 690})
-    per = split(links)
-    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
-    es[3] = ev(3, comp=(0.05, 0.061), comm=(0.01, 0.04), test=0.35, links=per.get(3))
-    f = decide(es, 14, 20, 16.6)
+    f = decide(ring_beside({"2-3": 690}, 3, 0.061, 0.35), 14, 20, 16.6)
     assert f.kind == "link" and f.link == [2, 3] and f.ranks == []
 
 
 def test_a_compute_straggler_the_profile_backs_stays_compute_beside_a_timed_out_pair() -> None:
     # bench detect under 5% loss: a 2x rank (test 2.12x, profile 2.21x) and its pair 2-3 at
     # 283x (a TCP retransmission timeout in the link test)
-    links = dict(RING4, **{"2-3": 0.004 * 283})
-    per = split(links)
-    es = [ev(r, comm=(0.01, 0.04), links=per.get(r)) for r in range(4)]
-    es[2] = ev(2, comp=(0.05, 0.11), comm=(0.01, 0.04), test=0.42, links=per.get(2))
-    f = decide(es, 31, 55, 2.0)
+    f = decide(ring_beside({"2-3": 283}, 2, 0.11, 0.42), 31, 55, 2.0)
     assert f.kind == "compute" and f.ranks == [2]
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import spawn_ranks
 
-def _rank(rank: int, world: int, store: str, out: Any, scenario: str) -> None:
+
+def _rank(rank: int, world: int, store: str, scenario: str, out: Any) -> None:
     import torch.distributed as dist
 
     from stalwart.detect.rowlink import RowLinkError, StarRows
@@ -48,21 +49,7 @@ def _rank(rank: int, world: int, store: str, out: Any, scenario: str) -> None:
 
 
 def _run(tmp_path: Path, scenario: str, world: int = 3) -> dict[int, object]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_rank, args=(r, world, store, out, scenario))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=60) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_ranks(_rank, world, str(tmp_path / "store"), scenario)
 
 
 @pytest.mark.slow
