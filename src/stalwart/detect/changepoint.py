@@ -377,13 +377,6 @@ class ChangeDetector:
         self.model_updates = 0  # samples fed to the model, replays included
         self.slept = 0  # samples the model slept through (the pre-filter's saving)
 
-    @property
-    def level(self) -> float | None:
-        """Current regime's level (seconds), None before a baseline exists."""
-        if len(self._vals) < 1:
-            return None
-        return float(math.exp(np.median(np.asarray(self._vals)[-self.min_baseline:])))
-
     def _start_bocpd(self, replay: int | None = None) -> None:
         """A model for the current segment, fed its samples (only the last ``replay``)."""
         v = np.asarray(self._vals)
