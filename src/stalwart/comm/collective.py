@@ -44,12 +44,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stalwart.comm import fec
+from stalwart.comm import fec, native
 from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.copies import CopyPolicy, LossEstimator
 from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.layout import Layout
-from stalwart.comm.transport import UdpTransport, default_host, default_mtu, is_loopback
+from stalwart.comm.transport import (
+    UdpTransport,
+    _ip_u32,
+    default_host,
+    default_mtu,
+    is_loopback,
+)
 from stalwart.comm.wire import (
     FB_SCALE,
     FB_UNKNOWN,
@@ -192,8 +198,10 @@ class LossyCollective:
                  copies_target: float | None = None, max_copies: int = 3,
                  min_copies: int = 1, give_up_s: float = GIVE_UP_S, fec_mode: str = "copies",
                  fec_target: float = 2e-5,
-                 fec_initial_loss: float = FEC_INITIAL_LOSS) -> None:
+                 fec_initial_loss: float = FEC_INITIAL_LOSS, engine: str | None = None) -> None:
         import torch.distributed as dist
+
+        self.engine = native.engine_name(engine)
 
         if fec_mode not in FEC_MODES:
             raise ValueError(f"unknown fec mode {fec_mode!r} ({', '.join(FEC_MODES)})")
@@ -265,9 +273,52 @@ class LossyCollective:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.transport.on_error = self._wake
-        self.transport.start(self._on_batch)
+        self._eng = None
+        self._silenced_at = np.zeros(self.world)
+        if self.engine == "native":
+            self._start_native()
+        else:
+            self.transport.on_error = self._wake
+            self.transport.start(self._on_batch)
         ex.barrier()  # every socket is bound and draining before anyone sends
+
+    def _start_native(self) -> None:
+        """The native engine receives instead of the transport's thread, into this
+        collective's own round buffers and counters, and seals every packet (it owns the nonce
+        counter)."""
+        mod = native.module()
+        t = self.transport
+        eng = mod.Engine(fd=t.sock.fileno(), key=self.wire.job_key, job=self.wire.job,
+                         world=self.world, me=self.rank, shard_lens=self.layout.shard_lens,
+                         chunk=self.chunk, slot=self.slot, rounds_open=ROUNDS_OPEN,
+                         may_copy=self._may_copy, batch=t.batch, rx_segments=t.rx_segments)
+        eng.set_peers([_ip_u32(h) for h, _ in t.peers], [p for _, p in t.peers])
+        for i, st in enumerate(self._rounds):
+            eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib, st.vals,
+                           st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag,
+                           st.recovered)
+            eng.reset_round(i, st.rnd)
+        eng.bind_shared(self._heard, self._ever, self.rejected, self.loss_in.got,
+                        self.loss_in.owed)
+        self.wire.sealer = eng.seal
+        self._eng = eng
+        self._cond = _NativeCond(eng)
+        eng.start()
+
+    def _sync(self) -> None:
+        """Apply what the native engine gathered since the last call (under the lock): deadline
+        proposals and loss feedback from markers, and peers marked silent that spoke since.
+        (The Python engine does all of this as each packet is handled.)"""
+        if self._eng is None:
+            return
+        hints, fb = self._eng.drain()
+        for s, secs in hints:
+            self.deadline.hear(s, secs)
+        for s, rate in fb:
+            self._vpol.feedback(s, rate)
+            self._gpol.feedback(s, rate)
+        for s in [s for s in self.silent if self._heard[s] > self._silenced_at[s]]:
+            self.silent.discard(s)
 
     def _new_round(self, rnd: int) -> _Round:
         lay = self.layout
@@ -769,6 +820,11 @@ class LossyCollective:
                 st = self._rounds[(r + k) % ROUNDS_OPEN]
                 if st.rnd != r + k:
                     st.reset(r + k)
+                    if self._eng is not None:
+                        self._eng.reset_round((r + k) % ROUNDS_OPEN, r + k)
+            if self._eng is not None:
+                self._eng.set_round(r)
+            self._sync()
         return r
 
     def _expected(self, phase: int) -> dict[int, int]:
@@ -794,6 +850,7 @@ class LossyCollective:
         with self._cond:
             while True:
                 self._check_handler()
+                self._sync()
                 now = time.perf_counter()
                 live = [s for s in exp if s not in self.silent]
                 if not live:
@@ -833,8 +890,14 @@ class LossyCollective:
                 if now >= wake:
                     out.deadline_hit = now >= base + limit or late
                     break
+                if self._eng is not None:  # wake only when something the loop reads changes
+                    self._eng.watch(self.round, phase,
+                                    [exp.get(s, -1) for s in range(self.world)],
+                                    [s in self.silent for s in range(self.world)])
                 self._cond.wait(timeout=wake - now)
             st.closed[phase] = True
+            if self._eng is not None:
+                self._eng.close_phase(self.round % ROUNDS_OPEN, phase)
             out.elapsed = time.perf_counter() - t0
             recv = int(st.got[phase].sum())
             out.recv = recv
@@ -853,6 +916,7 @@ class LossyCollective:
                     if (st.got[phase, s] == 0 and st.marker[phase, s] < 0
                             and quiet >= self.deadline.cap):
                         self.silent.add(s)
+                        self._silenced_at[s] = time.perf_counter()
                 out.silent = sorted(self.silent)
         completion = recv / total if total else 1.0
         # (a wait for a late peer measures its lateness, not the network: not a sample)
@@ -1003,7 +1067,29 @@ class LossyCollective:
         return {REASONS[i]: int(v) for i, v in enumerate(self.rejected) if i and v}
 
     def close(self) -> None:
+        if self._eng is not None:
+            self._eng.stop()  # before the socket closes: the engine reads its descriptor
         self.transport.close()
+
+
+class _NativeCond:
+    """The native engine's mutex and condition variable, used like ``threading.Condition``."""
+
+    def __init__(self, eng) -> None:
+        self._eng = eng
+
+    def __enter__(self) -> _NativeCond:
+        self._eng.lock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._eng.unlock()
+
+    def wait(self, timeout: float) -> bool:
+        return self._eng.wait(timeout)
+
+    def notify_all(self) -> None:
+        self._eng.notify()
 
 
 class _DistExchange:
