@@ -201,6 +201,7 @@ typedef struct {
     uint8_t *gf;  /* decode scratch: matrices */
     /* test hook: drop datagrams (not markers) in bursts before the checks */
     int drop_period, drop_burst; int64_t drop_count, dropped;
+    int n_rules; int64_t rules[16][6]; /* sender, phase mask, end, chunk lo, chunk hi, round */
     int64_t rx_batches;
 } Engine;
 
@@ -657,11 +658,21 @@ static int src_index(Engine *e, const struct sockaddr_in *sa) {
 }
 
 static int keep_datagram(Engine *e, const uint8_t *p, int64_t size) {
-    if (e->drop_period <= 0) return 1;
-    int end = size >= HEADER_BYTES && p[3] == FLAG_END;
+    if (e->drop_period <= 0 && e->n_rules == 0) return 1;
+    if (size < HEADER_BYTES) return 1;
+    Hdr h;
+    parse(p, &h);
+    int end = (h.flags & FLAG_END) != 0;
     int64_t c = e->drop_count++;
-    if (!end && c % e->drop_period < e->drop_burst) { e->dropped++; return 0; }
-    return 1;
+    int drop = e->drop_period > 0 && !end && c % e->drop_period < e->drop_burst;
+    for (int i = 0; i < e->n_rules && !drop; i++) {
+        int64_t *r = e->rules[i], chunk = h.offset / e->chunk;
+        drop = (r[0] < 0 || r[0] == h.sender) && ((r[1] >> h.phase) & 1) &&
+               (r[2] < 0 || r[2] == end) && (end || (chunk >= r[3] && chunk < r[4])) &&
+               (r[5] < 0 || r[5] == (int64_t)h.rnd);
+    }
+    if (drop) e->dropped++;
+    return !drop;
 }
 
 static void *rx_loop(void *arg) {
@@ -1147,10 +1158,35 @@ static PyObject *Engine_feed(Engine *e, PyObject *args) {
     return PyLong_FromLong(why);
 }
 
+/* test hook: drop received datagrams before any check -- every ``period``-th run of ``burst``
+ * (end markers excepted), and those matching a rule (sender, phase bit mask, end marker or not,
+ * chunk range [lo, hi) of data packets, round; -1 = any) */
 static PyObject *Engine_set_drop(Engine *e, PyObject *args) {
     int period, burst;
-    if (!PyArg_ParseTuple(args, "ii", &period, &burst)) return NULL;
-    e->drop_period = period; e->drop_burst = burst;
+    PyObject *rules = NULL;
+    if (!PyArg_ParseTuple(args, "ii|O", &period, &burst, &rules)) return NULL;
+    int n = 0;
+    if (rules) {
+        PyObject *seq = PySequence_Fast(rules, "rules must be a sequence");
+        if (!seq) return NULL;
+        n = (int)PySequence_Fast_GET_SIZE(seq);
+        if (n > 16) { Py_DECREF(seq); PyErr_SetString(PyExc_ValueError, "at most 16 rules"); return NULL; }
+        for (int i = 0; i < n; i++) {
+            PyObject *r = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "rule");
+            if (!r || PySequence_Fast_GET_SIZE(r) != 6) {
+                Py_XDECREF(r); Py_DECREF(seq);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a rule has 6 fields");
+                return NULL;
+            }
+            for (int j = 0; j < 6; j++) e->rules[i][j] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(r, j));
+            Py_DECREF(r);
+        }
+        Py_DECREF(seq);
+        if (PyErr_Occurred()) return NULL;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->drop_period = period; e->drop_burst = burst; e->n_rules = n;
+    pthread_mutex_unlock(&e->mu);
     Py_RETURN_NONE;
 }
 
