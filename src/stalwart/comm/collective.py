@@ -692,6 +692,9 @@ class LossyCollective:
         h["fb"] = FB_UNKNOWN
         h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
         rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
+        if self._eng is not None:  # copy and tag row by row, in one pass (native)
+            self.wire.seal_rows(rows, lengths, values)
+            return rows, lengths
         C = self.chunk
         pay = rows[:, HEADER_BYTES: HEADER_BYTES + 4 * C].view("<f4")
         full = values.size // C
@@ -983,10 +986,11 @@ class LossyCollective:
         out.parity, out.recovered = sum(npar.values()), int(st.recovered[PHASE_GRAD])
         return st.acc.average(), out
 
-    def broadcast(self, shard_values: np.ndarray, out: np.ndarray) -> tuple[np.ndarray,
-                                                                             PhaseStats]:
+    def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
+                  stale: np.ndarray | None = None) -> tuple[np.ndarray, PhaseStats]:
         """Phase 2: send this rank's shard values to all; write the owners' chunks that arrived
-        into ``out`` (the full vector; this rank's own shard is always written). Returns a
+        into ``out`` (the full vector; this rank's own shard is always written; where nothing
+        arrived ``out`` keeps its values, or takes ``stale``'s when given). Returns a
         per-element mask of what was written and the phase statistics."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
@@ -1002,17 +1006,30 @@ class LossyCollective:
         ps.sent, ps.copies = sent, max(want.values(), default=1)
         st = self._rounds[self.round % ROUNDS_OPEN]
         ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
-        mask = np.zeros(self.layout.numel, bool)
+        return self._landed(st, shard_values, out, stale), ps
+
+    def _landed(self, st: _Round, shard_values: np.ndarray, out: np.ndarray,
+                stale: np.ndarray | None) -> np.ndarray:
+        """Write the owners' chunks that arrived into ``out`` (``stale``'s values elsewhere, when
+        given) and this rank's shard; returns the per-element mask of what arrived. A shard
+        that arrived whole -- the common case -- is one copy, not a masked one."""
+        mask = np.empty(self.layout.numel, bool)
         b = self.layout.bounds
         for s in range(self.world):
+            lo, hi = b[s], b[s + 1]
             if s == self.rank:
-                continue
-            m = self.layout.expand(s, st.vseen[s])
-            mask[b[s]: b[s + 1]] = m
-        np.copyto(out, st.vals, where=mask)
-        out[self._lo: self._hi] = shard_values
-        mask[self._lo: self._hi] = True
-        return mask, ps
+                out[lo:hi] = shard_values
+                mask[lo:hi] = True
+            elif st.vseen[s].all():
+                out[lo:hi] = st.vals[lo:hi]
+                mask[lo:hi] = True
+            else:
+                m = self.layout.expand(s, st.vseen[s])
+                mask[lo:hi] = m
+                if stale is not None:
+                    out[lo:hi] = stale[lo:hi]
+                np.copyto(out[lo:hi], st.vals[lo:hi], where=m)
+        return mask
 
     def global_norm_sq(self, own_sq: float) -> tuple[float, PhaseStats]:
         """Sum over owners of their averaged shards' squared norms (for global clipping).
@@ -1048,9 +1065,11 @@ class LossyCollective:
         Chunks whose broadcast was lost keep ``out``'s previous values (``flat``'s if None)."""
         self.begin_round()
         avg, p1 = self.reduce_scatter(flat)
-        if out is None:
-            out = np.array(flat, dtype=np.float32, copy=True)
-        _, p2 = self.broadcast(avg, out)
+        if out is None:  # chunks that do not arrive keep flat's values
+            out = np.empty(self.layout.numel, np.float32)
+            _, p2 = self.broadcast(avg, out, stale=np.asarray(flat, np.float32))
+        else:
+            _, p2 = self.broadcast(avg, out)
         return out, [p1, p2]
 
     def worst_loss_in(self) -> float:

@@ -146,18 +146,26 @@ class Wire:
         self._seq += n
         return first
 
-    def seal_rows(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+    def seal_rows(self, rows: np.ndarray, lengths: np.ndarray,
+                  values: np.ndarray | None = None) -> None:
         """Give each row the next sequence numbers and write its tag in place: row = header |
         payload(length) | tag.
 
-        ``rows`` is a C-contiguous (n, slot) uint8 array whose headers and payloads are filled.
+        ``rows`` is a C-contiguous (n, slot) uint8 array whose headers are filled, and its
+        payloads too unless ``values`` (float32, the payloads back to back) is given.
         """
         n_rows = rows.shape[0]
         if n_rows == 0:
             return
         if self.sealer is not None:
-            self.sealer(rows, np.ascontiguousarray(lengths, np.int64))
+            self.sealer(rows, np.ascontiguousarray(lengths, np.int64),
+                        *(() if values is None else (np.ascontiguousarray(values, "<f4"),)))
             return
+        if values is not None:
+            ends = np.cumsum(lengths)
+            for i, (a, b) in enumerate(zip((ends - lengths).tolist(), ends.tolist(),
+                                           strict=True)):
+                rows[i, HEADER_BYTES: HEADER_BYTES + 4 * (b - a)] = values[a:b].view(np.uint8)
         hdr = rows[:, :HEADER_BYTES].view(HEADER).reshape(n_rows)
         hdr["seq"] = self._take_seq(n_rows) + np.arange(n_rows, dtype=np.uint64)
         nonces = _nonces(hdr)
