@@ -29,7 +29,6 @@ import time
 import numpy as np
 
 from stalwart.comm import fec, native
-from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.rounds import ROUNDS_OPEN, FecRx, RoundState
 from stalwart.comm.transport import _ip_u32
 from stalwart.comm.wire import (
@@ -109,14 +108,7 @@ class Receiving:
             self.silent.discard(s)
 
     def _new_round(self, rnd: int) -> RoundState:
-        lay = self.layout
-        return RoundState(rnd, ShardAccumulator(lay, self.rank, keep=self.fec_mode == "rs"),
-                      np.zeros(lay.numel, np.float32),
-                      [np.zeros(lay.n_chunks(s), bool) for s in range(self.world)],
-                      np.zeros(self.world), np.zeros((3, self.world), np.int64),
-                      np.full((3, self.world), -1),
-                      np.zeros((self.world, lay.n_chunks(self.rank), TAG_BYTES), np.uint8),
-                      np.zeros((int(self._chunk_base[-1]), TAG_BYTES), np.uint8))
+        return RoundState.new(self.layout, self.rank, rnd, keep=self.fec_mode == "rs")
 
     # ---- receiving thread -----------------------------------------------------------------
     def _wake(self) -> None:

@@ -22,6 +22,8 @@ import numpy as np
 
 from stalwart.comm import fec
 from stalwart.comm.aggregate import ShardAccumulator
+from stalwart.comm.layout import Layout
+from stalwart.comm.wire import TAG_BYTES
 
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
@@ -53,6 +55,19 @@ class RoundState:
     closed: list[bool] = field(default_factory=lambda: [False, False, False])
     fec: dict[tuple[int, int], FecRx] = field(default_factory=dict)  # (phase, sender)
     recovered: np.ndarray = field(default_factory=lambda: np.zeros(3, np.int64))
+
+    @classmethod
+    def new(cls, lay: Layout, rank: int, rnd: int, keep: bool) -> RoundState:
+        """Empty state of round ``rnd`` at ``rank``; ``keep``: every sender's contributions
+        are kept (the erasure decoder rebuilds a lost chunk from the others of its stripe)."""
+        world = lay.world
+        return cls(rnd, ShardAccumulator(lay, rank, keep=keep),
+                   np.zeros(lay.numel, np.float32),
+                   [np.zeros(lay.n_chunks(s), bool) for s in range(world)],
+                   np.zeros(world), np.zeros((3, world), np.int64),
+                   np.full((3, world), -1, np.int64),
+                   np.zeros((world, lay.n_chunks(rank), TAG_BYTES), np.uint8),
+                   np.zeros((sum(lay.n_chunks(s) for s in range(world)), TAG_BYTES), np.uint8))
 
     def reset(self, rnd: int) -> None:
         """Make this the state of round ``rnd``: arrays cleared in place (the native engine
