@@ -204,6 +204,7 @@ typedef struct {
     int n_rules; int64_t rules[16][6]; /* sender, phase mask, end, chunk lo, chunk hi, round */
     int64_t rx_batches;
     double rx_cpu; /* CPU seconds of the receive thread (updated every 64 batches) */
+    int64_t rx_msgs, rx_dgrams; /* messages received, datagrams in them (GRO coalesces) */
 } Engine;
 
 #define CMSG_SLOT 32
@@ -714,6 +715,8 @@ static void *rx_loop(void *arg) {
                 nd++;
             }
         }
+        e->rx_msgs += got;
+        e->rx_dgrams += nd;
         process(e, nd);
     }
     struct timespec ts;
@@ -1213,9 +1216,10 @@ static PyObject *Engine_set_drop(Engine *e, PyObject *args) {
 }
 
 static PyObject *Engine_counters(Engine *e, PyObject *noargs) {
-    return Py_BuildValue("{s:L,s:L,s:K,s:d}", "dropped", (long long)e->dropped, "rx_batches",
-                         (long long)e->rx_batches, "seq", (unsigned long long)e->seq,
-                         "rx_cpu", e->rx_cpu);
+    return Py_BuildValue("{s:L,s:L,s:K,s:d,s:L,s:L}", "dropped", (long long)e->dropped,
+                         "rx_batches", (long long)e->rx_batches, "seq",
+                         (unsigned long long)e->seq, "rx_cpu", e->rx_cpu, "rx_msgs",
+                         (long long)e->rx_msgs, "rx_dgrams", (long long)e->rx_dgrams);
 }
 
 static PyMethodDef Engine_methods[] = {
