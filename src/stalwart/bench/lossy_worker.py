@@ -64,6 +64,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
             settle = max(warmup, -(-20_000 // per_link))
             for it in range(settle + n):
                 t = torch.from_numpy(x.copy())
+                buf = x.copy()  # ours in place too, like gloo's all_reduce (lost chunks keep x)
                 _barrier()
                 timed = it >= settle
                 if with_gloo and (timed or it < warmup):
@@ -73,7 +74,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
                     _barrier()
                 b0 = coll.transport.bytes_sent
                 t0, c0 = time.perf_counter(), time.process_time()
-                _, ps = coll.allreduce(x)
+                _, ps = coll.allreduce(buf, out=buf)
                 to = time.perf_counter() - t0
                 cpu.append(time.process_time() - c0)
                 if timed:

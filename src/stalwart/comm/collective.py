@@ -220,12 +220,17 @@ class LossyCollective(Receiving, Sending, Phases):
         b = self.layout.bounds
         plan = []
         counts = {}
+        # native: the rows are filled and sealed as they are sent (receivers start earlier)
+        lazy = self._eng is not None
+        fill: dict[int, np.ndarray] = {}
         for k in range(1, self.world):  # start at the next rank: owners see spread-out load
             d = (self.rank + k) % self.world
-            rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint)
+            rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint, seal=not lazy)
+            if lazy:
+                fill[id(rows)] = flat[b[d]: b[d + 1]]
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
-        sent, want = self._send_copies(plan, self._gpol)
+        sent, want = self._send_copies(plan, self._gpol, fill)
         # parity after all the data: a receiver decodes a stripe once k of its packets are in
         par_plan: list[tuple[np.ndarray, np.ndarray, int]] = []
         npar: dict[int, int] = {}
@@ -250,9 +255,11 @@ class LossyCollective(Receiving, Sending, Phases):
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
-        rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint)
+        lazy = self._eng is not None  # (as in reduce_scatter)
+        rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint, seal=not lazy)
         peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-        sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol)
+        sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol,
+                                       {id(rows): shard_values} if lazy else None)
         par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint)
         sent += self._send(par_plan)
         sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint, want,

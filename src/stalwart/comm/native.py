@@ -27,6 +27,7 @@ else Python with one line on stderr saying why (a machine without a compiler sti
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -36,7 +37,9 @@ try:
     _WHY = ""
 except ImportError as e:  # not built: no compiler or no OpenSSL headers at install time
     _stwnative = None
-    _WHY = str(e)
+    _WHY = (str(e) if importlib.util.find_spec("stalwart.comm._stwnative") is not None else
+            "no compiler or OpenSSL headers when it was installed; reinstall with gcc and "
+            "libssl-dev for it")
 
 ENGINES = ("native", "python")
 AVAILABLE = _stwnative is not None

@@ -45,8 +45,10 @@ class Sending:
     """The send half of ``LossyCollective`` (a mixin: it works on the collective's state)."""
 
     def _rows(self, phase: int, shard: int, values: np.ndarray,
-              hint_us: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sealed packets carrying ``values`` (shard ``shard``'s elements) for this round."""
+              hint_us: int, seal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Sealed packets carrying ``values`` (shard ``shard``'s elements) for this round;
+        with ``seal`` False (native engine) only their headers: ``_send`` fills and seals
+        them run by run as it sends them."""
         lay = self.layout
         nc = lay.n_chunks(shard)
         key = (phase, shard)
@@ -62,6 +64,8 @@ class Sending:
         h["fb"] = FB_UNKNOWN
         h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
         rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
+        if not seal:
+            return rows, lengths
         if self._eng is not None:  # copy and tag row by row, in one pass (native)
             self.wire.seal_rows(rows, lengths, values)
             return rows, lengths
@@ -122,14 +126,31 @@ class Sending:
         self.wire.seal_rows(rows, lengths)
         return rows, lengths
 
-    def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]]) -> int:
+    def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
+              fill: dict[int, np.ndarray] | None = None) -> int:
         """Send each (rows, lengths, dest), destinations interleaved so that no receiver gets a
         long burst; the rows are sent in place (no copy). With segmentation offload, runs of
         ``gso_segments`` consecutive rows to one destination go as one message (every row but
-        a shard's last is exactly one slot, so a run is one contiguous buffer)."""
+        a shard's last is exactly one slot, so a run is one contiguous buffer).
+
+        ``fill`` (native engine): rows (by ``id``) whose payloads are still to be copied from
+        these values and sealed -- done run by run as they are sent, the first time they are.
+        """
         plan = [p for p in plan if len(p[1])]
         if not plan:
             return 0
+        if self._eng is not None and not self.transport.pace:
+            fill = dict(fill or {})
+            entries = [(rows, np.ascontiguousarray(lengths, np.int64),
+                        fill.pop(id(rows), None), d) for rows, lengths, d in plan]
+            sent, nbytes, errors = self._eng.send(entries, self.transport.gso_segments)
+            self.transport.bytes_sent += nbytes
+            self.transport.send_errors += errors
+            return sent
+        if fill:
+            for rows, lengths, _ in plan:
+                if id(rows) in fill:
+                    self.wire.seal_rows(rows, lengths, fill.pop(id(rows)))
         g = self.transport.gso_segments
         pos, which, ptrs, sizes, dests, counts = [], [], [], [], [], []
         for j, (rows, lengths, d) in enumerate(plan):
@@ -150,14 +171,15 @@ class Sending:
                                         counts=np.concatenate(counts)[order])
 
     def _send_copies(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
-                     policy: CopyPolicy) -> tuple[int, dict[int, int]]:
+                     policy: CopyPolicy, fill: dict[int, np.ndarray] | None = None
+                     ) -> tuple[int, dict[int, int]]:
         """Send the plan, each destination's packets as many times as its policy says (all
         first copies, then all second copies, ...: copies of one packet are spread in time,
         so a burst of loss rarely takes all of them). Returns (sent, copies per destination)."""
         want = {d: policy.copies(d) for _, _, d in plan}
         sent = 0
         for k in range(max(want.values(), default=1)):
-            sent += self._send([p for p in plan if want[p[2]] > k])
+            sent += self._send([p for p in plan if want[p[2]] > k], fill if k == 0 else None)
         return sent, want
 
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,

@@ -1145,6 +1145,169 @@ static PyObject *Engine_seal(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* send a phase's rows: plan = [(rows (n, slot) uint8, lengths int64 (n), values float32 or None,
+ * dest)], ``g`` rows per message (UDP GSO: the socket's UDP_SEGMENT is the slot size). Runs
+ * of g consecutive rows go as one message, destinations interleaved run by run (no receiver
+ * gets a long burst); an entry with values has each run's rows filled and sealed just before
+ * it is queued, so the receivers start while later runs are still being sealed. Returns
+ * (datagrams handed to the kernel, bytes, failed messages); a failed message is skipped, never
+ * retried (EINTR is retried). The GIL is released for the whole phase. */
+#define SEND_BURST 32
+static PyObject *Engine_send(Engine *e, PyObject *args) {
+    PyObject *plan;
+    int g;
+    if (!PyArg_ParseTuple(args, "Oi", &plan, &g)) return NULL;
+    PyObject *seq = PySequence_Fast(plan, "plan must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (g < 1) g = 1;
+    Py_buffer *rows = calloc(n ? n : 1, sizeof(Py_buffer));
+    Py_buffer *lens = calloc(n ? n : 1, sizeof(Py_buffer));
+    Py_buffer *vals = calloc(n ? n : 1, sizeof(Py_buffer));
+    int *dest = calloc(n ? n : 1, sizeof(int));
+    int64_t *voff = NULL;
+    Py_ssize_t got = 0, maxruns = 0, total_rows = 0;
+    int bad = !rows || !lens || !vals || !dest;
+    for (; got < n && !bad; got++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, got), *r, *l, *v;
+        int d;
+        if (!PyArg_ParseTuple(it, "OOOi", &r, &l, &v, &d)) { bad = 1; break; }
+        if (PyObject_GetBuffer(r, &rows[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) { bad = 1; break; }
+        if (PyObject_GetBuffer(l, &lens[got], PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&rows[got]); bad = 1; break;
+        }
+        if (v != Py_None && PyObject_GetBuffer(v, &vals[got], PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&rows[got]); PyBuffer_Release(&lens[got]); bad = 1; break;
+        }
+        Py_ssize_t nr = lens[got].len / 8;
+        const int64_t *L = lens[got].buf;
+        int64_t tot = 0;
+        int ok = d >= 0 && d < e->world && rows[got].len == nr * e->slot;
+        for (Py_ssize_t i = 0; i < nr && ok; i++) {
+            ok = L[i] >= 0 && OVERHEAD + 4 * L[i] <= e->slot;
+            tot += L[i];
+        }
+        if (ok && vals[got].buf && vals[got].len != 4 * tot) ok = 0;
+        if (!ok) {
+            PyBuffer_Release(&rows[got]); PyBuffer_Release(&lens[got]);
+            if (vals[got].buf) PyBuffer_Release(&vals[got]);
+            PyErr_SetString(PyExc_ValueError, "send: rows, lengths, values or dest do not match");
+            bad = 1;
+            break;
+        }
+        dest[got] = d;
+        Py_ssize_t runs = (nr + g - 1) / g;
+        if (runs > maxruns) maxruns = runs;
+        total_rows += nr;
+    }
+    if (!bad) {
+        voff = calloc(total_rows + 1, 8);
+        bad = !voff;
+    }
+    int64_t dgrams = 0, bytes = 0, errors = 0;
+    int fail = 0;
+    if (!bad) {
+        /* where each row's payload starts in its entry's values */
+        int64_t **offs = malloc(sizeof(int64_t *) * (n ? n : 1));
+        int64_t *o = voff;
+        for (Py_ssize_t p = 0; p < n; p++) {
+            offs[p] = o;
+            const int64_t *L = lens[p].buf;
+            int64_t acc = 0;
+            for (Py_ssize_t i = 0; i < lens[p].len / 8; i++) { o[i] = acc; acc += L[i]; }
+            o += lens[p].len / 8;
+        }
+        struct sockaddr_in *sa = calloc(e->world, sizeof(struct sockaddr_in));
+        for (int s = 0; s < e->world; s++) {
+            sa[s].sin_family = AF_INET;
+            sa[s].sin_addr.s_addr = e->peer_addr[s];
+            sa[s].sin_port = e->peer_port[s];
+        }
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&e->seal_mu);
+        struct mmsghdr msgs[SEND_BURST];
+        struct iovec iov[SEND_BURST];
+        int cnt[SEND_BURST];
+        int k = 0;
+        memset(msgs, 0, sizeof msgs);
+        for (Py_ssize_t j = 0; j < maxruns && !fail; j++) {
+            for (Py_ssize_t p = 0; p < n && !fail; p++) {
+                Py_ssize_t nr = lens[p].len / 8;
+                Py_ssize_t first = j * g;
+                if (first >= nr) continue;
+                Py_ssize_t last = first + g < nr ? first + g - 1 : nr - 1;
+                const int64_t *L = lens[p].buf;
+                uint8_t *base = rows[p].buf;
+                if (vals[p].buf) {
+                    for (Py_ssize_t i = first; i <= last && !fail; i++) {
+                        uint8_t *row = base + i * e->slot;
+                        uint64_t q = e->seq++;
+                        memcpy(row + 32, &q, 8);
+                        memcpy(row + HEADER_BYTES, (const uint8_t *)vals[p].buf + 4 * offs[p][i],
+                               4 * (size_t)L[i]);
+                        int m = HEADER_BYTES + 4 * (int)L[i];
+                        fail = gmac(e->tx_ctx, row, m, row + m) != 0;
+                    }
+                }
+                iov[k].iov_base = base + first * e->slot;
+                iov[k].iov_len = (size_t)(last - first) * e->slot + OVERHEAD + 4 * (size_t)L[last];
+                msgs[k].msg_hdr.msg_name = &sa[dest[p]];
+                msgs[k].msg_hdr.msg_namelen = sizeof(struct sockaddr_in);
+                msgs[k].msg_hdr.msg_iov = &iov[k];
+                msgs[k].msg_hdr.msg_iovlen = 1;
+                cnt[k] = (int)(last - first + 1);
+                k++;
+                int final = j == maxruns - 1 && p == n - 1;
+                if (k == SEND_BURST || final) {
+                    int i = 0;
+                    while (i < k) {
+                        int r = sendmmsg(e->fd, msgs + i, (unsigned)(k - i), 0);
+                        if (r < 0) {
+                            if (errno == EINTR) continue;
+                            errors++; /* e.g. EPERM from a firewall: skip this message */
+                            i++;
+                            continue;
+                        }
+                        for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += iov[q].iov_len; }
+                        i += r;
+                    }
+                    k = 0;
+                }
+            }
+        }
+        if (k && !fail) { /* the last entries had no run j == maxruns - 1 */
+            int i = 0;
+            while (i < k) {
+                int r = sendmmsg(e->fd, msgs + i, (unsigned)(k - i), 0);
+                if (r < 0) {
+                    if (errno == EINTR) continue;
+                    errors++;
+                    i++;
+                    continue;
+                }
+                for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += iov[q].iov_len; }
+                i += r;
+            }
+        }
+        pthread_mutex_unlock(&e->seal_mu);
+        Py_END_ALLOW_THREADS
+        free(sa);
+        free(offs);
+    }
+    for (Py_ssize_t p = 0; p < got; p++) {
+        PyBuffer_Release(&rows[p]); PyBuffer_Release(&lens[p]);
+        if (vals[p].buf) PyBuffer_Release(&vals[p]);
+    }
+    free(rows); free(lens); free(vals); free(dest); free(voff);
+    Py_DECREF(seq);
+    if (bad) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return NULL;
+    }
+    if (fail) { PyErr_SetString(PyExc_RuntimeError, "send: EVP failed"); return NULL; }
+    return Py_BuildValue("(LLL)", (long long)dgrams, (long long)bytes, (long long)errors);
+}
+
 /* one datagram through the whole receive path, as if it came from peer src (-1: unknown);
  * returns the reason code (tests and the fuzzer) */
 static PyObject *Engine_feed(Engine *e, PyObject *args) {
@@ -1238,6 +1401,7 @@ static PyMethodDef Engine_methods[] = {
     {"watch", (PyCFunction)Engine_watch, METH_VARARGS, "what wakes wait()"},
     {"drain", (PyCFunction)Engine_drain, METH_NOARGS, "hints and feedback since last call"},
     {"seal", (PyCFunction)Engine_seal, METH_VARARGS, "seal rows in place"},
+    {"send", (PyCFunction)Engine_send, METH_VARARGS, "seal (optionally) and send a phase"},
     {"feed", (PyCFunction)Engine_feed, METH_VARARGS, "one datagram through the receive path"},
     {"set_drop", (PyCFunction)Engine_set_drop, METH_VARARGS, "test hook: burst drops"},
     {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "dropped, rx_batches, seq"},
