@@ -140,6 +140,18 @@ static void gf_apply(const uint8_t *coef, int rows, int k, uint8_t **src, uint8_
     }
 }
 
+/* whether n float32 at p are all finite: exponent bits not all ones, tested on the bit patterns
+ * so that the loop vectorizes (a per-float isfinite() branch was a whole pass at ~1 ns/float) */
+static int all_finite(const uint8_t *p, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t t = 0; t < n; t++) {
+        uint32_t b;
+        memcpy(&b, p + 4 * t, 4);
+        bad |= (b & 0x7f800000u) == 0x7f800000u;
+    }
+    return !bad;
+}
+
 /* ---- engine --------------------------------------------------------------------------- */
 typedef struct {
     int n, S, m, k;
@@ -368,10 +380,7 @@ static void maybe_decode(Engine *e, Round *st, int ph, int s, FecRx *rx, int i) 
         int64_t r = (int64_t)missing[x] * S + i;
         int64_t len = slen - r * C < C ? slen - r * C : C;
         float *v = out + (size_t)x * C;
-        int fin = 1;
-        for (int64_t t = 0; t < len; t++)
-            if (!isfinite(v[t])) { fin = 0; break; }
-        if (!fin) { e->rejected[RJ_NONFINITE]++; continue; }
+        if (!all_finite((const uint8_t *)v, len)) { e->rejected[RJ_NONFINITE]++; continue; }
         if (ph == PHASE_GRAD) {
             st->seen[(size_t)s * nchunks(e, e->me) + r] = 1;
             float *sum = st->sum + r * C;
@@ -460,8 +469,16 @@ static int place(Engine *e, const uint8_t *row, const Hdr *h) {
         if (gseen[c]) return e->may_copy ? RJ_OK : RJ_DUPLICATE;
         gseen[c] = 1;
         float *sum = st->sum + off;
-        for (int64_t t = 0; t < n; t++) sum[t] += pay[t];
-        if (st->contrib) memcpy(st->contrib + (size_t)s * nchunks(e, e->me) * C + off, pay, 4 * n);
+        if (st->contrib) { /* add and keep in one pass over the payload */
+            float *keep = st->contrib + (size_t)s * nchunks(e, e->me) * C + off;
+            for (int64_t t = 0; t < n; t++) {
+                float v = pay[t];
+                sum[t] += v;
+                keep[t] = v;
+            }
+        } else {
+            for (int64_t t = 0; t < n; t++) sum[t] += pay[t];
+        }
         st->count[c]++;
         memcpy(st->gtag + ((size_t)s * nchunks(e, e->me) + c) * TAG_BYTES,
                row + HEADER_BYTES + 4 * n, TAG_BYTES);
@@ -556,14 +573,7 @@ static int check_post(Engine *e, const uint8_t *p, const Hdr *h, int src_ok, int
         ok = off % C == 0 && off < slen && len == (C < slen - off ? C : slen - off);
     }
     if (!ok) return RJ_BAD_RANGE;
-    if (fl == 0) {
-        const float *pay = (const float *)(p + HEADER_BYTES);
-        for (int64_t t = 0; t < len; t++) {
-            float v;
-            memcpy(&v, pay + t, 4);
-            if (!isfinite(v)) return RJ_NONFINITE;
-        }
-    }
+    if (fl == 0 && !all_finite(p + HEADER_BYTES, len)) return RJ_NONFINITE;
     return RJ_OK;
 }
 
