@@ -143,7 +143,7 @@ class Monitor:
                  check_every: int | None = None, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
-                 max_every: int = 1, persist: int = 20) -> None:
+                 max_every: int = 1, persist: int = 20, device: Any = None) -> None:
         """``check_every``: steps per exchange of rows (each exchange carries every step's
         samples, so nothing is dropped); None (default) lets rank 0 choose it from measured
         costs, between 1 and ``max_every``, each row read at the next check. A fixed
@@ -153,7 +153,10 @@ class Monitor:
         (``--comm lossy``): one exchange per step would hold every rank to the group's
         ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
         jobs exchange every 8 steps with 2 exchanges in flight. ``persist``: samples an
-        unexplained slowdown must last to be logged (see the module docstring)."""
+        unexplained slowdown must last to be logged (see the module docstring). ``device``:
+        the job's compute device when the caller knows it (``stalwart run`` passes it: ranks
+        that share GPUs over gloo compute on CUDA although their backend string says gloo);
+        None: found from the default group's backend (``validate.validation_device``)."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             # under `stalwart run --script`: a script's own Monitor() writes into the run
             run_dir = Path(os.environ[RUN_DIR_ENV])
@@ -169,6 +172,7 @@ class Monitor:
         self.check_every = 1 if check_every is None else check_every  # in force now
         self.max_every = max_every if check_every is None else check_every
         self.persist = persist
+        self.device = torch.device(device) if device is not None else None
         self.validate_on_detect = validate_on_detect
         self.compute_reps = compute_reps
         self.link_bytes = link_bytes
@@ -713,6 +717,10 @@ class Monitor:
         "undefined" with CUDA) tests its own GPU and sends device buffers over its default
         group -- the path its gradients take (not run here: no GPU on the testbed).
         """
+        if self.device is not None:  # the caller said where the job computes
+            if self.device.type == "cuda":
+                return self.device, None  # device buffers over the job's default group
+            return None, self._group()
         cuda = torch.cuda.is_available()
         try:
             local_rank: int | None = int(os.environ["LOCAL_RANK"])

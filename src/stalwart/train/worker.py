@@ -310,7 +310,7 @@ def train(cfg: RunConfig) -> int:
                           # lossy: the monitor's gloo ops must not pace the job (monitor.py);
                           # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
                           check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1)
+                          lag=2 if cfg.comm == "lossy" else 1, device=device)
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
