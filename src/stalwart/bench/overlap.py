@@ -233,7 +233,7 @@ def run(quick: bool, workdir: Path, device: str = "cpu") -> BenchResult:
     reps, micro = (5, 8) if quick else (7, 12)
     command = "stalwart bench overlap" + (" --quick" if quick else "")
     if _resolve_device(device) == "cuda":
-        return _run_cuda(quick, workdir, reps, micro, command)
+        return _run_loopback(workdir, reps, micro, command, "cuda")
     why = _why_not_netns()
     if why is not None:
         return BenchResult("overlap", {k: None for k in TARGETS}, dict(TARGETS),
@@ -269,22 +269,24 @@ def run(quick: bool, workdir: Path, device: str = "cpu") -> BenchResult:
     return BenchResult("overlap", figs, targets, details, command)
 
 
-def _run_cuda(quick: bool, workdir: Path, reps: int, micro: int, command: str) -> BenchResult:
-    """TP=2 on the GPU(s) of this machine: the three schedules at comm ~= compute."""
+def _run_loopback(workdir: Path, reps: int, micro: int, command: str, device: str
+                  ) -> BenchResult:
+    """TP=2 on this machine's loopback (its GPUs for "cuda"): the three schedules at comm ~=
+    compute, the model's width calibrated."""
     from stalwart.devices import plan_devices, visible_gpus
 
     t0 = time.perf_counter()
     nproc = 2
-    plan = plan_devices("cuda", nproc, visible_gpus())
-    details: dict[str, Any] = {"device": "cuda", "devices": plan.describe(),
+    plan = plan_devices(device, nproc, visible_gpus() if device != "cpu" else 0)
+    details: dict[str, Any] = {"device": device, "devices": plan.describe(),
                                "loadavg_start": os.getloadavg()}
-    shape, cal = _calibrate_width(workdir, nproc, 4, "cuda")
+    shape, cal = _calibrate_width(workdir, nproc, 4, device)
     ranks = _launch(workdir, f"overlap-main-tp{nproc}", nproc, None,
                     [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=5",
-                     *SI_OPTIONS, *VARIANTS], shape, "cuda")
+                     *SI_OPTIONS, *VARIANTS], shape, device)
     figs, d = figures(ranks)
     details["tp2"] = {"calibration": cal, "shape": shape, **d}
     details["bench_time_s"] = time.perf_counter() - t0
     details["loadavg_end"] = os.getloadavg()
     return BenchResult("overlap", figs, {**TARGETS, **CUDA_TARGETS}, details,
-                       command + " --device cuda")
+                       f"{command} --device {device}")

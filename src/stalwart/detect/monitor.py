@@ -624,13 +624,13 @@ class Monitor:
         if distributed and self.validate_on_detect:
             with self.tracker.internal():
                 pg = self._group()
-                dev, link_pg = self._test_device()
+                dev, link_dev, link_pg = self._test_device()
                 ev.compute_rounds = validate.compute_test(reps=self.compute_reps, group=pg,
                                                           device=dev)
                 ev.compute_test = statistics.median(ev.compute_rounds)
                 ring = validate.ring_pair_passes(self.world)
                 ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
-                    ring, self.rank, self.link_bytes, group=link_pg, device=dev).items()}
+                    ring, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()}
                 gathered = self._gather(ev)
                 while extra_rounds := more_rounds(gathered, suspect):
                     # a mild straggler: the verdict waits for a longer test (every rank
@@ -647,7 +647,7 @@ class Monitor:
                     # a slow link between hosts that are not ring neighbours
                     ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
                         extra, self.rank, self.link_bytes, group=link_pg,
-                        device=dev).items()})
+                        device=link_dev).items()})
                     finding = decide(self._gather(ev), onset, decided, severity, suspect)
         else:
             finding = decide([ev], onset, decided, severity, suspect)
@@ -708,8 +708,8 @@ class Monitor:
         if self._events is not None:
             self._events.log("straggler_detected", **fields)
 
-    def _test_device(self) -> tuple[Any, Any]:
-        """Where the validation tests run: (device, group for the link test).
+    def _test_device(self) -> tuple[Any, Any, Any]:
+        """Where the validation tests run: (compute device, link buffers' device, link group).
 
         ``validate.validation_device`` decides from the default group's backend string:
         a CPU job (gloo, or no CUDA) tests its CPU and links on the monitor's gloo group; a
@@ -718,9 +718,13 @@ class Monitor:
         group -- the path its gradients take (not run here: no GPU on the testbed).
         """
         if self.device is not None:  # the caller said where the job computes
-            if self.device.type == "cuda":
-                return self.device, None  # device buffers over the job's default group
-            return None, self._group()
+            if self.device.type != "cuda":
+                return None, None, self._group()
+            if validate.cuda_backend(dist.get_backend(), True) is not None:
+                return self.device, self.device, None  # device buffers, the job's backend
+            # ranks sharing GPUs over gloo: gloo's send/recv move host buffers only, so
+            # the link test runs as a CPU job's would
+            return self.device, None, self._group()
         cuda = torch.cuda.is_available()
         try:
             local_rank: int | None = int(os.environ["LOCAL_RANK"])
@@ -732,8 +736,8 @@ class Monitor:
         path = validate.validation_device(dist.get_backend(), cuda, local_rank, current,
                                           torch.cuda.device_count() if cuda else None)
         if path.link_group == "default":
-            return torch.device(path.device), None
-        return None, self._group()
+            return torch.device(path.device), torch.device(path.device), None
+        return None, None, self._group()
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         out: list[Any] = [None] * self.world
