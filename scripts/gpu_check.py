@@ -111,17 +111,19 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
-def runs(work: Path) -> dict[str, Any]:
-    """The CPU references start first, in the background; the CUDA runs one after another."""
+def runs(work: Path, only: list[str] | None = None) -> dict[str, Any]:
+    """The CPU references start first, in the background; the CUDA runs one after another.
+    ``only``: these capabilities, without the resume check (a rerun of what failed)."""
+    caps = {k: v for k, v in CAPABILITIES.items() if not only or k in only}
     cpu_procs = {}
-    for name, extra in CAPABILITIES.items():
+    for name, extra in caps.items():
         cmd = [*RUN, *SHORT, *extra, "--device", "cpu", "--out", str(work),
                "--name", f"{name}-cpu"]
         log = open(work / f"{name}-cpu.out", "w")  # noqa: SIM115
         cpu_procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log,
                                             stderr=subprocess.STDOUT), log)
     res: dict[str, Any] = {}
-    for name, extra in CAPABILITIES.items():
+    for name, extra in caps.items():
         t0 = time.perf_counter()
         rc, tail = sh([*RUN, *SHORT, *extra, "--device", DEV, "--out", str(work),
                        "--name", f"{name}-cuda"], 150)
@@ -130,15 +132,15 @@ def runs(work: Path) -> dict[str, Any]:
         if rc != 0:
             res[name]["cuda_tail"] = tail[-600:]
         say(f"runs: {name} cuda rc={rc} val={res[name]['cuda_val']}")
-    # resume: halt at 20 and continue to 40 on the GPU (checkpoints load onto the device)
-    rc1, t1 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
-                  "resume-cuda", "--halt-at", "20"], 120)
-    rc2, t2 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
-                  "resume-cuda", "--resume"], 120)
-    res["resume"] = {"cuda_rc": max(rc1, rc2), "cuda_val": _final_val(work / "resume-cuda"),
-                     "uninterrupted_val": res["ddp_detect"]["cuda_val"]}
-    if max(rc1, rc2):
-        res["resume"]["cuda_tail"] = (t1 + t2)[-600:]
+    if not only:  # halt at 20, continue to 40 on the GPU (checkpoints load onto the device)
+        rc1, t1 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
+                      "resume-cuda", "--halt-at", "20"], 120)
+        rc2, t2 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
+                      "resume-cuda", "--resume"], 120)
+        res["resume"] = {"cuda_rc": max(rc1, rc2), "cuda_val": _final_val(work / "resume-cuda"),
+                         "uninterrupted_val": res["ddp_detect"]["cuda_val"]}
+        if max(rc1, rc2):
+            res["resume"]["cuda_tail"] = (t1 + t2)[-600:]
     for name, (p, log) in cpu_procs.items():
         try:
             p.wait(timeout=240)
@@ -152,7 +154,7 @@ def runs(work: Path) -> dict[str, Any]:
         if r.get("cuda_val") is not None and ref is not None:
             r["val_diff"] = abs(r["cuda_val"] - ref)
             r["within_1e-3"] = r["val_diff"] <= VAL_TOLERANCE
-    for name in ("ddp_detect", "mitigate"):
+    for name in [n for n in ("ddp_detect", "mitigate") if n in caps]:
         run_dir = work / f"{name}-cuda"
         res[name]["devices_event"] = (_events(run_dir, "devices") or [{}])[0].get("plan")
         res[name]["detections"] = len(_events(run_dir, "straggler_detected"))
@@ -217,8 +219,8 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    chosen = argv[1:] or list(STAGES)
-    bad = [s for s in chosen if s not in STAGES]
+    chosen = argv[1:] or list(STAGES)  # "runs:NAME,NAME" reruns some capabilities only
+    bad = [s for s in chosen if s.split(":")[0] not in STAGES]
     if bad:
         print(f"gpu_check: unknown stage {bad[0]!r} (choose from {', '.join(STAGES)})",
               file=sys.stderr)
@@ -237,8 +239,8 @@ def main(argv: list[str]) -> int:
                 r = probe()
             elif stage == "tests":
                 r = tests(out)
-            elif stage == "runs":
-                r = runs(work)
+            elif stage.startswith("runs"):
+                r = runs(work, stage.partition(":")[2].split(",") if ":" in stage else None)
             elif stage == "overhead":
                 r = overhead(work)
             else:
