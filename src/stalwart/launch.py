@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
-from stalwart.mitigate.rebalance import RESTART_EXIT
+from stalwart.mitigate import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors

@@ -34,6 +34,8 @@ EVENTS = "events.jsonl"
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 LOGS = "logs"
+ITERATIONS = "iterations.jsonl"  # a script run's monitor iterations, one line per rank
+ERROR_SUFFIX = ".error.json"  # logs/rank-R.error.json: when and how rank R's script failed
 
 # keys every metrics line has; capabilities add their own (e.g. "pkts_lost", "drift")
 METRIC_KEYS = (

@@ -41,8 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from stalwart.rundir import LOGS, JsonlWriter
-from stalwart.script import ERROR_SUFFIX, ITERATIONS
+from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS, JsonlWriter
 
 
 class _Detection:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT
+from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT
 from stalwart.mitigate.policy import Policy
 
 UNIT = 0.01  # seconds per micro-batch on a healthy rank
@@ -235,7 +235,7 @@ def _pair_run(p: Policy, slow_factor: float = 3.0) -> list:
 
 
 def test_a_slow_pair_is_remapped_once_it_has_cost_a_restart() -> None:
-    from stalwart.mitigate.agreement import REMAP
+    from stalwart.mitigate.decisions import REMAP
     from stalwart.mitigate.remap import pair_traffic, traffic_on
 
     p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 1, 2, 3])

@@ -42,7 +42,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from stalwart.mitigate import planner, remap
-from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REMAP, REVERT, Decision
+from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REMAP, REVERT, Decision
 
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.mitigate import planner
+from stalwart.mitigate import CONTROL_FILE, RESTART_FILE, planner
 from stalwart.mitigate.agreement import (
     EXCLUDE,
     REBALANCE,
@@ -57,9 +57,6 @@ from stalwart.mitigate.agreement import (
 )
 from stalwart.mitigate.policy import Policy
 
-RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
-RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
-CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
 MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
 
 

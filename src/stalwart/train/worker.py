@@ -283,7 +283,9 @@ def train(cfg: RunConfig) -> int:
 
     from stalwart.mitigate import RESTART_EXIT, work_plan
 
-    work = work_plan(cfg, monitor, rank, world, run_dir)
+    with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
+        n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
     host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["--config"] and len(argv) >= 2:
             cfg = RunConfig.load(Path(argv[1]))
         else:
-            from stalwart.cli import config_from_run_args
+            from stalwart.runargs import config_from_run_args
 
             cfg = config_from_run_args(argv)
         return train(cfg)
