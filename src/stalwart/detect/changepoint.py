@@ -67,11 +67,17 @@ def best_split(v: np.ndarray, candidates: list[int]) -> int | None:
     return best_i
 
 
+def _low_median(xs: np.ndarray) -> float:
+    """The lower of the two middle values (of two samples: the smaller one)."""
+    return float(np.sort(xs)[(len(xs) - 1) // 2])
+
+
 def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int,
-               before: int = 20) -> int | None:
+               before: int = 20, min_rise: float = 0.0) -> int | None:
     """Where a series rose: the key in ``[lo, hi]`` that best splits it (``best_split``)
     into a lower segment (up to ``before`` samples earlier) and a higher one (to ``hi``).
-    None if no split in the window leaves the later segment higher.
+    None if no split in the window leaves the later segment higher; with ``min_rise``, higher
+    by more than that in its lower median (so a rise seen in one sample only is not placed).
 
     Used to place a compute straggler's onset on the culprit's own series: the channel that
     fired may have merged an earlier job-wide blip (an OS hiccup slows every rank's step)
@@ -82,7 +88,8 @@ def rise_onset(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int,
     sel = (keys >= lo - before) & (keys <= hi)
     keys, xs = keys[sel], xs[sel]
     rising = [i for i in range(2, len(keys) - 1)  # two samples on each side at least
-              if lo <= keys[i] <= hi and np.median(xs[i:]) > np.median(xs[:i])]
+              if lo <= keys[i] <= hi and np.median(xs[i:]) > np.median(xs[:i])
+              and (min_rise <= 0 or _low_median(xs[i:]) > np.median(xs[:i]) + min_rise)]
     i = best_split(xs, rising)
     return None if i is None else int(keys[i])
 
