@@ -1,4 +1,4 @@
-"""The ``stalwart`` command: run, bench, report, testbed. Thin: parses, calls, maps errors.
+"""The ``stalwart`` command: run, bench, report, replay, testbed. Thin: parses and calls.
 
 Exit codes: 0 success; 1 a rank or a benchmark failed; 2 bad input (one line naming the value,
 never a traceback); 130 interrupted.
@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)
+
+    rp = sub.add_parser("replay", help="recorded runs through the detector and the policy, "
+                                       "without training: print their decisions")
+    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--json", type=Path, default=None, help="write the decisions here")
 
     tb = sub.add_parser("testbed", help="emulated hosts: check what works, clean up")
     tb.add_argument("action", choices=("check", "cleanup"))
@@ -87,6 +92,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from stalwart.replay import main as replay
+
+    return replay(args.run_dirs, args.json)
+
+
 def _cmd_testbed(args: argparse.Namespace) -> int:
     from stalwart.testbed import check
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, script_args = split_script_args(argv)
     args = build_parser().parse_args(argv)
     handler = {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-               "testbed": _cmd_testbed}[args.cmd]
+               "replay": _cmd_replay, "testbed": _cmd_testbed}[args.cmd]
     try:
         if args.cmd == "run":
             return _cmd_run(args, script_args)

@@ -35,3 +35,10 @@ PRESETS: dict[str, dict] = {
     "gpt2": {"model": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
              "batch_size": 8, "lr": 6e-4},
 }
+
+
+def n_params(cfg: GPTConfig) -> int:
+    """The GPT's parameter count (head tied to the token embedding), without building it."""
+    e = cfg.n_embd
+    block = 2 * 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (4 * e * e + 4 * e) + (4 * e * e + e)
+    return cfg.vocab_size * e + cfg.block_size * e + cfg.n_layer * block + 2 * e

@@ -350,6 +350,9 @@ def train(cfg: RunConfig) -> int:
             "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
             "step_time": step_time,
             "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
+            # forward/backward alone: the part that scales with the plan (replay rebuilds the
+            # detector's and the policy's per-micro-batch inputs from it)
+            "fb_time": timing["compute_time"],
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
             "micro_batches": len(batches), "plan_version": share.version, "host": host,
