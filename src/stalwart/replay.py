@@ -165,6 +165,7 @@ def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, gro
     mon_mod.decide = oracle
     mon = mon_mod.Monitor(rank=0, world=inc.world, validate_on_detect=False)
     mon._events = sink
+    mon._hinted = True  # the live monitor gets step hints: no iteration holds the pause
     try:
         HEADER, NONE, DETECT = mon_mod.HEADER, mon_mod.NONE, mon_mod.DETECT
         inflight: tuple[tuple[int, int, float, int], list[list[float]]] | None = None
