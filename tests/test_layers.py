@@ -15,10 +15,10 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 """
 
-PURE = ("stalwart.cli", "stalwart.config", "stalwart.runargs", "stalwart.detect.changepoint",
-        "stalwart.detect.cusum", "stalwart.detect.localize", "stalwart.detect.period",
-        "stalwart.mitigate.policy", "stalwart.mitigate.planner", "stalwart.mitigate.remap",
-        "stalwart.mitigate.decisions")
+PURE = ("stalwart.cli", "stalwart.config", "stalwart.runargs", "stalwart.replay",
+        "stalwart.detect.changepoint", "stalwart.detect.cusum", "stalwart.detect.decision",
+        "stalwart.detect.localize", "stalwart.detect.period", "stalwart.mitigate.policy",
+        "stalwart.mitigate.planner", "stalwart.mitigate.remap", "stalwart.mitigate.decisions")
 
 
 def test_the_command_line_and_the_decision_code_import_without_torch() -> None:

@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.localize import Finding
 from stalwart.errors import ConfigError
+from stalwart.events import Event
 from stalwart.mitigate import planner, remap
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
 from stalwart.mitigate.policy import Policy
@@ -116,6 +119,16 @@ class Verdicts:
         self.left.remove(e)
         return e
 
+    def verdict(self, onset: int, decided: int, severity: float) -> Finding:
+        """What validation decided on an alarm (onset, decision step, severity): the recorded
+        verdict, or nothing confirmed."""
+        e = self.take(decided)
+        if e is None or e["event"] != "straggler_detected":
+            return Finding("unknown", onset, decided, severity, 0.3)
+        f = Finding.from_event(e)
+        f.step, f.severity, f.recovered_step = decided, severity, None
+        return f
+
 
 def _round(x: Any) -> Any:
     """Floats to 6 significant digits: the decisions, not the last bits of their arithmetic."""
@@ -129,82 +142,50 @@ def _round(x: Any) -> Any:
 
 
 class EventSink:
-    """Collects what the decision code logs (an ``EventLog``'s interface, in memory)."""
+    """Collects the events the decision code emits, in memory."""
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
 
-    def log(self, event: str, **fields: Any) -> dict[str, Any]:
-        rec = {"event": event, **fields}
-        self.events.append(rec)
-        return rec
-
-    def close(self) -> None:
-        pass
+    def emit(self, ev: Event) -> None:
+        self.events.append({"event": ev.name, **ev.fields()})
 
 
 # ---- the detector ---------------------------------------------------------------------------
 def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, groups: int,
-                     on_step: Callable[[int, list[dict[str, Any]]], None]) -> dict[str, Any]:
-    """Drive rank 0's decision state machine over one incarnation (see the module docstring).
-    ``on_step(step, findings)`` runs after each step's detection, as the policy would."""
-    from stalwart.detect import monitor as mon_mod
-    from stalwart.detect.localize import Finding
-
-    def oracle(ev: list[Any], onset: int, decided: int, severity: float,
-               suspect: int | None = None) -> Finding:
-        e = verdicts.take(decided)
-        if e is None or e["event"] != "straggler_detected":
-            return Finding("unknown", onset, decided, severity, 0.3)
-        return Finding(str(e["kind"]), int(e["onset_step"]), decided, severity,
-                       float(e.get("confidence", 0.0)), ranks=list(e.get("ranks") or []),
-                       link=e.get("link"), evidence=dict(e.get("evidence") or {}))
-
+                     on_step: Callable[[int, list[Finding]], None]) -> dict[str, Any]:
+    """Drive rank 0's decision state machine over one incarnation (see the module docstring):
+    each step's sample, then the rows sent one step earlier (every rank's compute), then the
+    alarm they carry, validated by the recording. ``on_step(step, findings)`` runs after each
+    step's detection, as the policy would."""
     sink = EventSink()
-    real_decide = mon_mod.decide
-    mon_mod.decide = oracle
-    mon = mon_mod.Monitor(rank=0, world=inc.world, validate_on_detect=False)
-    mon._events = sink
-    mon._hinted = True  # the live monitor gets step hints: no iteration holds the pause
-    try:
-        HEADER, NONE, DETECT = mon_mod.HEADER, mon_mod.NONE, mon_mod.DETECT
-        inflight: tuple[tuple[int, int, float, int], list[list[float]]] | None = None
-        alarms: list[dict[str, Any]] = []
-        for srow in inc.steps:
-            k = srow.step
-            m0 = srow.ranks[0]
-            comps = [monitor_compute(srow.ranks[r], micro_total, groups)
-                     for r in range(inc.world)]
-            mon._sample(mon_mod.IterSample(k, float(m0["step_time"]), comps[0],
-                                           float(m0["comm_time"])))
-            got = None
-            if inflight is not None:
-                got, rows = inflight
-                mon._relative(rows, 1)
-                if got[0] != NONE:
-                    mon._deciding -= 1
-            action = mon._pending
-            mon._pending = (NONE, 0, 0.0, -1)
-            if action[0] != NONE:
-                mon._deciding += 1
-            rows_k = [[0.0] * HEADER + [float(k), c] for c in comps]
-            inflight = (action, rows_k)
-            if got is not None and got[0] != NONE:
-                act, onset, severity, suspect = got
-                alarms.append({"step": k, "action": "detect" if act == DETECT else "recover",
-                               "onset_step": onset, "ratio": severity, "suspect": suspect})
-                if act == DETECT:
-                    mon._on_detect(onset, k, severity, False, suspect if suspect >= 0 else None)
-                else:
-                    mon._on_recover(onset, k, severity)
-            on_step(k, [{**f.event_fields(), "recovered_step": f.recovered_step}
-                        for f in mon.findings])
-        mon.close()
-    finally:
-        mon_mod.decide = real_decide
-        if not mon._closed:
-            mon.close()
-    return {"events": sink.events, "hiccups": mon.hiccups, "alarms": alarms}
+    core = DecisionCore(True, emit=sink.emit)
+    inflight: tuple[Alarm, int, list[float]] | None = None
+    alarms: list[dict[str, Any]] = []
+    for srow in inc.steps:
+        k = srow.step
+        m0 = srow.ranks[0]
+        comps = [monitor_compute(srow.ranks[r], micro_total, groups) for r in range(inc.world)]
+        core.sample(IterSample(k, float(m0["step_time"]), comps[0], float(m0["comm_time"])))
+        got = None
+        if inflight is not None:
+            got, key, prev = inflight
+            core.relative(key, prev)
+            if got.action != NONE:
+                core.alarm_read()
+        inflight = (core.take_pending(), k, comps)
+        if got is not None and got.action != NONE:
+            alarms.append({"step": k, "action": "detect" if got.action == DETECT else "recover",
+                           "onset_step": got.onset, "ratio": got.severity,
+                           "suspect": got.suspect})
+            if got.action == DETECT:
+                suspect = got.suspect if got.suspect >= 0 else None
+                core.apply_verdict(verdicts.verdict(got.onset, k, got.severity), suspect)
+            else:
+                core.apply_recovery(got.onset, k, got.severity)
+        on_step(k, core.findings)
+    core.close()
+    return {"events": sink.events, "hiccups": core.hiccups, "alarms": alarms}
 
 
 # ---- the policy -----------------------------------------------------------------------------
@@ -236,7 +217,7 @@ class PolicyReplay:
         self._measure: tuple[str, int, float, int] | None = None
         self.stopped = False
 
-    def step(self, srow: StepRows, findings: list[dict[str, Any]]) -> None:
+    def step(self, srow: StepRows, findings: list[Finding]) -> None:
         if self.stopped:
             return
         s = srow.step
@@ -327,7 +308,7 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
             cfg.get("mitigate", "off") != "off" and groups >= 2) else None
         by_step = {s.step: s for s in inc.steps}
 
-        def on_step(step: int, findings: list[dict[str, Any]],
+        def on_step(step: int, findings: list[Finding],
                     pol: PolicyReplay | None = pol, by_step: dict = by_step) -> None:
             if pol is not None:
                 pol.step(by_step[step], findings)

@@ -27,7 +27,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalwart.events import Event
 
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -106,6 +109,10 @@ class EventLog(JsonlWriter):
         rec = {"event": event, "time": time.time(), **fields}
         self.write(rec)
         return rec
+
+    def emit(self, ev: Event) -> dict[str, Any]:
+        """A typed event (stalwart.events) as its line."""
+        return self.log(ev.name, **ev.fields())
 
 
 # ---- reading --------------------------------------------------------------------------------

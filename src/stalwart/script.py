@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import RunConfig
+from stalwart.events import describe as describe_event
 from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS
 
 __all__ = ["ERROR_SUFFIX", "ITERATIONS", "ScriptProgress", "describe", "first_errors",
@@ -135,15 +136,6 @@ def format_event(e: dict[str, Any]) -> str | None:
     at = f" at {e['elapsed_s']:.1f}s" if isinstance(e.get("elapsed_s"), (int, float)) else ""
     if ev in ("fault_applied", "fault_removed"):
         return f"{ev.replace('_', ' ')}{at}: {e.get('spec', e.get('kind'))}"
-    if ev == "straggler_detected":
-        who = (f"rank {','.join(map(str, e['ranks']))}" if e.get("ranks")
-               else f"link {e.get('link')}")
-        link = f" (link {e['link'][0]}-{e['link'][1]})" if e.get("ranks") and isinstance(
-            e.get("link"), list) else ""
-        return (f"straggler: {e.get('kind')} {who}{link} x{e.get('severity', 0):.2f} since "
-                f"iteration {e.get('onset_step')} (monitor)")
-    if ev == "straggler_recovered":
-        return f"straggler recovered at iteration {e.get('step')}"
-    if ev == "slowdown_unexplained":
-        return f"job slowed at iteration {e.get('step')}, no culprit rank or link found"
-    return None
+    if ev == "straggler_detected" and (line := describe_event(e, unit="iteration")):
+        return line + " (monitor)"
+    return describe_event(e, unit="iteration")

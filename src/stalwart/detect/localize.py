@@ -108,6 +108,18 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     recovered_step: int | None = None
 
+    @classmethod
+    def from_event(cls, e: dict[str, Any]) -> Finding:
+        """A finding from its event fields (``straggler_detected`` in events.jsonl, or
+        ``Monitor.report()``)."""
+        link = e.get("link")
+        return cls(str(e.get("kind")), int(e.get("onset_step", 0)), int(e.get("step", 0)),
+                   float(e.get("severity", 0.0)), float(e.get("confidence", 0.0)),
+                   ranks=[int(r) for r in e.get("ranks") or []],
+                   link=[int(x) for x in link] if link is not None else None,
+                   evidence=dict(e.get("evidence") or {}),
+                   recovered_step=e.get("recovered_step"))
+
     def event_fields(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
                              "kind": self.kind, "ranks": self.ranks,
