@@ -74,6 +74,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--script", default=None, metavar="PATH",
                    help="run your own torchrun script as the ranks instead of stalwart's GPT "
                         "(its arguments after --); see docs/testbed.md")
+    p.add_argument("--device", default=d.device,
+                   help="auto | cpu | cuda: where ranks compute (auto: CUDA when visible; "
+                        "ranks share GPUs over gloo when there are fewer GPUs than ranks)")
     p.add_argument("--detect", dest="detect", action="store_const", const=True, default=None,
                    help="run the straggler monitor (default: on for stalwart's workload; a "
                         "--script run gets it only when asked, without changing the script)")

@@ -62,13 +62,16 @@ class Monitor:
                  check_every: int | None = None, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
-                 max_every: int = 1, persist: int = 20,
+                 max_every: int = 1, persist: int = 20, device: Any = None,
                  on_sample: Callable[[IterSample], None] | None = None) -> None:
         """``check_every``: steps per exchange (None: chosen by rank 0 between 1 and
         ``max_every``, exchange.py); a fixed period reads each row ``lag`` exchanges later --
         what ``--comm lossy`` jobs use (8 and 2), because the monitor's TCP exchanges stall on
         retransmission timeouts under packet loss while training does not. ``persist``:
-        samples an unexplained slowdown must last to be logged (decision.py)."""
+        samples an unexplained slowdown must last to be logged (decision.py). ``device``: the
+        job's compute device when the caller knows it (``stalwart run`` passes it; ranks that
+        share GPUs over gloo compute on CUDA although their backend says gloo), else found
+        from the default group's backend (verify.py)."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             run_dir = Path(os.environ[RUN_DIR_ENV])  # a script's own Monitor() in a run
         ready = dist.is_available() and dist.is_initialized()
@@ -80,6 +83,7 @@ class Monitor:
             raise ValueError(f"need lag, check_every, max_every >= 1: {lag}, {check_every}, "
                              f"{max_every}")
         self.check_every = 1 if check_every is None else check_every
+        self.device = device
         self.validate_on_detect = validate_on_detect
         self.compute_reps = compute_reps
         self.link_bytes = link_bytes
@@ -215,7 +219,7 @@ class Monitor:
                     finding = verify.validate_alarm(
                         ev, self.group(), self.world, self.rank, alarm.onset, decided,
                         alarm.severity, suspect, compute_reps=self.compute_reps,
-                        link_bytes=self.link_bytes)
+                        link_bytes=self.link_bytes, device=self.device)
             else:
                 finding = decide([ev], alarm.onset, decided, alarm.severity, suspect)
             self._skip_next = not self._hinted  # this iteration holds the pause

@@ -29,14 +29,15 @@ MAX_ROUND_ROBIN = 16  # world sizes above this test only the ring pairs
 
 def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: int,
                    decided: int, severity: float, suspect: int | None, *,
-                   compute_reps: int, link_bytes: int) -> Finding:
-    """Collective on ``group``: run the tests, gather, decide (see the module docstring)."""
-    dev, link_pg = where_to_test(group)
+                   compute_reps: int, link_bytes: int, device: Any = None) -> Finding:
+    """Collective on ``group``: run the tests, gather, decide (see the module docstring).
+    ``device``: the job's compute device when the caller knows it (``where_to_test``)."""
+    dev, link_dev, link_pg = where_to_test(group, device)
     ev.compute_rounds = validate.compute_test(reps=compute_reps, group=group, device=dev)
     ev.compute_test = statistics.median(ev.compute_rounds)
     ring = validate.ring_pair_passes(world)
     ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
-        ring, rank, link_bytes, group=link_pg, device=dev).items()}
+        ring, rank, link_bytes, group=link_pg, device=link_dev).items()}
     gathered = gather(ev, group, world)
     while extra_rounds := more_rounds(gathered, suspect):
         ev.compute_rounds += validate.compute_test(reps=compute_reps, rounds=extra_rounds,
@@ -49,19 +50,30 @@ def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: i
     if finding.kind == "unknown" and extra and world <= MAX_ROUND_ROBIN:
         # a slow link between hosts that are not ring neighbours
         ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
-            extra, rank, link_bytes, group=link_pg, device=dev).items()})
+            extra, rank, link_bytes, group=link_pg, device=link_dev).items()})
         finding = decide(gather(ev, group, world), onset, decided, severity, suspect)
     return finding
 
 
-def where_to_test(group: Any) -> tuple[Any, Any]:
-    """Where the validation tests run: (device, group for the link test).
+def where_to_test(group: Any, device: Any = None) -> tuple[Any, Any, Any]:
+    """Where the validation tests run: (compute device, link buffers' device, link group).
 
-    ``validate.validation_device`` decides from the default group's backend string: a CPU job
-    (gloo, or no CUDA) tests its CPU and links on the monitor's gloo group; a job whose
-    default group carries CUDA tensors tests its own GPU and sends device buffers over its
-    default group -- the path its gradients take.
+    A caller that knows the job's device (``stalwart run`` passes it) decides: CPU -> the
+    monitor's gloo group; CUDA with a CUDA backend (NCCL) -> device buffers over the job's
+    default group; ranks sharing GPUs over gloo -> the compute test on the GPU and the link
+    test on host buffers (gloo's send/recv move host memory only). Otherwise
+    ``validate.validation_device`` decides from the default group's backend string: a CPU
+    job tests its CPU and links on ``group``; a job whose default group carries CUDA tensors
+    tests its own GPU and sends device buffers over its default group -- the path its
+    gradients take.
     """
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None, None, group
+        if validate.cuda_backend(dist.get_backend(), True) is not None:
+            return device, device, None
+        return device, None, group
     cuda = torch.cuda.is_available()
     try:
         local_rank: int | None = int(os.environ["LOCAL_RANK"])
@@ -73,8 +85,8 @@ def where_to_test(group: Any) -> tuple[Any, Any]:
     path = validate.validation_device(dist.get_backend(), cuda, local_rank, current,
                                       torch.cuda.device_count() if cuda else None)
     if path.link_group == "default":
-        return torch.device(path.device), None
-    return None, group
+        return torch.device(path.device), torch.device(path.device), None
+    return None, None, group
 
 
 def gather(ev: RankEvidence, group: Any, world: int) -> list[RankEvidence]:

@@ -44,14 +44,22 @@ MAX_INTERVALS = 4096  # completed intervals a ledger keeps before folding (a few
 
 # The strand (if any) that runs on the current thread; set by stalwart.overlap.strands.
 _local = threading.local()
+# The strand that holds the baton, while it runs (None while the scheduler runs): CUDA autograd
+# runs a backward on its device thread, not on the strand's, and that thread must park the
+# strand whose backward it is running. Only one strand runs at a time, so it is that one.
+_baton: list = [None]
 
 
 def current_strand():  # -> strands.Strand | None (no import: strands imports this module)
-    return getattr(_local, "strand", None)
+    return getattr(_local, "strand", None) or _baton[0]
 
 
 def set_current_strand(strand) -> None:
     _local.strand = strand
+
+
+def set_baton(strand) -> None:
+    _baton[0] = strand
 
 
 @dataclass
