@@ -175,11 +175,8 @@ class Policy:
             return 1.0
         ns = {n for n, _ in pts}
         if len(ns) >= 2:
-            mn = statistics.fmean(n for n, _ in pts)
+            b, a = statistics.linear_regression([n for n, _ in pts], [c for _, c in pts])
             mc = statistics.fmean(c for _, c in pts)
-            sxx = sum((n - mn) ** 2 for n, _ in pts)
-            b = sum((n - mn) * (c - mc) for n, c in pts) / sxx
-            a = mc - b * mn
             if b > 0 and 0 <= a <= 0.5 * mc:  # a plausible fixed part; else per micro-batch
                 return units[g] * counts[g] / (a + b * counts[g])
         return units[g] / statistics.median(peers)
