@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 README = Path(__file__).parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readme_has_its_library_examples() -> None:
@@ -33,7 +30,7 @@ def test_the_readme_has_its_library_examples() -> None:
 def test_a_readme_example_runs_as_written(tmp_path: Path, i: int) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[i])
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
