@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
-from stalwart.mitigate.rebalance import RESTART_EXIT
+from stalwart.mitigate import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
@@ -132,6 +132,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     from stalwart.devices import DeviceError, check_request
     from stalwart.testbed import open_testbed
 
+    cfg.validate()  # every value first (one pass), then what this machine can run
     try:
         check_request(cfg.device, cfg.nproc)
     except DeviceError as e:

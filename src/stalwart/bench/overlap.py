@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench import BenchResult
+from stalwart.bench import BenchResult, Steps
 
 TARGETS = {
     "si_comm_hidden": ">= 0.8",
@@ -247,9 +247,13 @@ def run(quick: bool, workdir: Path, device: str = "cpu") -> BenchResult:
     details: dict[str, Any] = {"shape": SHAPE, "loadavg_start": os.getloadavg()}
     figs: dict[str, float] = {}
     targets = dict(TARGETS)
-    for nproc in ((2,) if quick else (2, 4)):
+    sizes = (2,) if quick else (2, 4)
+    st = Steps("overlap", 2 * len(sizes))
+    for nproc in sizes:
         suffix = "" if nproc == 2 else f"_tp{nproc}"
+        st.start(f"TP={nproc}: calibrating the link rate")
         rate, cal = _calibrate(workdir, nproc, micro=4)
+        st.start(f"TP={nproc}: sequential, async and interleaved schedules, {reps} reps")
         ranks = _launch(workdir, f"overlap-main-tp{nproc}", nproc, rate,
                         [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=5",
                          *SI_OPTIONS, *VARIANTS])

@@ -332,7 +332,9 @@ def train(cfg: RunConfig) -> int:
 
     from stalwart.mitigate import RESTART_EXIT, work_plan
 
-    work = work_plan(cfg, monitor, rank, world, run_dir)
+    with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
+        n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
     host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
@@ -400,6 +402,9 @@ def train(cfg: RunConfig) -> int:
             "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
             "step_time": step_time,
             "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
+            # forward/backward alone: the part that scales with the plan (replay rebuilds the
+            # detector's and the policy's per-micro-batch inputs from it)
+            "fb_time": timing["compute_time"],
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
             "micro_batches": len(batches), "plan_version": share.version, "host": host,
@@ -429,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["--config"] and len(argv) >= 2:
             cfg = RunConfig.load(Path(argv[1]))
         else:
-            from stalwart.cli import config_from_run_args
+            from stalwart.runargs import config_from_run_args
 
             cfg = config_from_run_args(argv)
         return train(cfg)
