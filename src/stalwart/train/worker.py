@@ -305,8 +305,10 @@ def train(cfg: RunConfig) -> int:
     if cfg.detect:
         from stalwart.detect import Monitor
 
-        monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
-                          track_ddp=cfg.comm == "reliable",
+        # no DDP tracking: every step's hint carries its compute and comm times, so the
+        # tracker would record nothing, and its Python comm hook would still take DDP off its
+        # C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        monitor = Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=False,
                           # lossy: the monitor's gloo ops must not pace the job (monitor.py);
                           # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
                           check_every=8 if cfg.comm == "lossy" else None,
