@@ -30,8 +30,11 @@ test: setup lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not root"
 
+# ruff, and the import layering (pyproject.toml [tool.importlinter]: no upward import, the
+# decision code torch-free)
 lint: setup
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

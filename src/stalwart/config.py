@@ -12,20 +12,29 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from stalwart.train.model import PRESETS
+from stalwart.devices import DEVICE_MODES
+from stalwart.errors import ConfigError
+from stalwart.faultspec import FAULT_KINDS, TESTBEDS, parse_fault
+from stalwart.presets import PRESETS
+from stalwart.rundir import atomic_write_text
+
+__all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "MITIGATE_MODES", "OVERLAP_MODES",
+           "TESTBEDS", "ConfigError", "RunConfig", "check_script", "check_writable"]
 
 COMM_MODES = ("reliable", "lossy")
-TESTBEDS = ("local", "netns")
 MITIGATE_MODES = ("off", "auto", "rebalance")
 OVERLAP_MODES = ("off", "si")
 CPU_CAP_MODES = ("auto", "fair", "off")
-FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-
-class ConfigError(ValueError):
-    """Bad user input. The message is one line that names the bad value."""
+# options that change what stalwart's own workload does; a user's script decides that itself
+_WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
+    ("tp", "--tp", 1), ("comm", "--comm", "reliable"), ("mitigate", "--mitigate", "off"),
+    ("overlap", "--overlap", "off"), ("resume", "--resume", False),
+    ("halt_at", "--halt-at", None),
+)
 
 
 @dataclass
@@ -76,6 +85,8 @@ class RunConfig:
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
     threads: int = 1  # torch threads per rank (ranks share the machine's cores)
+    # auto | cpu | cuda: where each rank computes and which backend it uses (devices.py)
+    device: str = "auto"
     max_data_bytes: int = 16 * 1024 * 1024
 
     # ---- derived -------------------------------------------------------------------------
@@ -174,24 +185,40 @@ class RunConfig:
         need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
-        from stalwart.testbed.faults import parse_fault
-
+        need(self.device in DEVICE_MODES,
+             f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
         hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
             parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
         if self.script is not None or self.script_args:
-            from stalwart.script import validate_script_run
-
-            validate_script_run(self)
+            self._validate_script_run()
         return self
+
+    def _validate_script_run(self) -> None:
+        """A user's own torchrun script as the ranks (``--script PATH -- ARGS``)."""
+        if self.script is None:
+            raise ConfigError(f"script arguments {' '.join(self.script_args)!r} after -- need "
+                              "--script PATH")
+        check_script(self.script)
+        for attr, flag, default in _WORKLOAD_ONLY:
+            value = getattr(self, attr)
+            if value != default:
+                shown = "" if isinstance(value, bool) else f" {value}"
+                raise ConfigError(f"{flag}{shown} does not apply to --script runs (it "
+                                  "configures stalwart's own training workload)")
+        if not self.detect:
+            hosts = max(self.hosts) + 1 if self.hosts else self.nproc
+            for spec in self.faults:
+                if parse_fault(spec, hosts, self.testbed).uses_steps:
+                    raise ConfigError(
+                        f"fault {spec!r} counts steps, and a script's steps are the monitor's "
+                        "iterations: add --detect, or give the window in seconds (start=20s)")
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)
 
     def save(self, path: Path) -> None:
-        from stalwart.rundir import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
@@ -224,3 +251,24 @@ def check_writable(folder: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"output folder is not writable: {folder} ({e.strerror})") from None
+
+
+def check_script(path: str) -> Path:
+    """The script as an absolute path, if it is a Python source file that compiles."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"script not found: {path}")
+    if p.is_dir():
+        raise ConfigError(f"--script must be a Python file, got a folder: {path}")
+    try:
+        source = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read script {path}: {e.strerror}") from None
+    try:
+        # compile() honours a PEP 263 coding line, as the interpreter will
+        compile(source, str(p), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise ConfigError(f"not a Python script: {path} (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:  # e.g. null bytes: a binary file
+        raise ConfigError(f"not a Python script: {path} ({e})") from None
+    return p.resolve()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stalwart.bench import BenchResult
+from stalwart.bench import BenchResult, Steps
 
 NUMEL = 4 * 1024 * 1024  # 16 MiB of float32
 TARGETS = {
@@ -214,8 +214,10 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     else:
         ar_iters = {0.0: 15, 0.001: 40, 0.01: 40, 0.05: 12, 0.10: 12}
         steps, drift_steps, train_mtus = 200, 200, (9000, 1500)
+    st = Steps("lossy", 2 + len(train_mtus) + 1)
     for mtu in (9000, 1500):
         sfx = "" if mtu == 9000 else "_mtu1500"
+        st.start(f"all-reduce at MTU {mtu}, ours and gloo, {len(ar_iters)} loss levels")
         ar = bench_allreduce(mtu, ar_iters, workdir, gloo_levels=[0.0, 0.001, 0.01, 0.05],
                              progress=progress)
         details[f"allreduce{sfx}"] = {
@@ -249,6 +251,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
             for k in TRAIN_FIGURES:
                 figures[k + sfx] = None
             continue
+        st.start(f"training at MTU {mtu}, reliable and lossy, {steps} steps per run")
         tr = bench_training(mtu, steps, workdir, repeat=not quick, progress=progress)
         details[f"training{sfx}"] = tr
         ref = tr["reliable0.0"]["val_loss"]
@@ -262,7 +265,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
             tr["lossy0.05"]["tokens_per_s"] / tr["reliable0.05"]["tokens_per_s"])
         figures[f"tokens_per_s_kept_loss5{sfx}"] = (
             tr["lossy0.05"]["tokens_per_s"] / tr["lossy0.0"]["tokens_per_s"])
-    progress("drift at 10% loss (params, naive)")
+    st.start(f"replica drift, {drift_steps} steps")
     dr = bench_drift(drift_steps, workdir)
     details["drift"] = {m: {"growth": growth(v["drift"]), "max": max(v["drift"]),
                             "lost_frac": v["lost_frac"], "series": v["drift"]}

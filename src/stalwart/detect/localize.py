@@ -108,6 +108,18 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     recovered_step: int | None = None
 
+    @classmethod
+    def from_event(cls, e: dict[str, Any]) -> Finding:
+        """A finding from its event fields (``straggler_detected`` in events.jsonl, or
+        ``Monitor.report()``)."""
+        link = e.get("link")
+        return cls(str(e.get("kind")), int(e.get("onset_step", 0)), int(e.get("step", 0)),
+                   float(e.get("severity", 0.0)), float(e.get("confidence", 0.0)),
+                   ranks=[int(r) for r in e.get("ranks") or []],
+                   link=[int(x) for x in link] if link is not None else None,
+                   evidence=dict(e.get("evidence") or {}),
+                   recovered_step=e.get("recovered_step"))
+
     def event_fields(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
                              "kind": self.kind, "ranks": self.ranks,
@@ -220,10 +232,12 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     return 0
 
 
-def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int:
+def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int | None:
     """A compute straggler's onset: where its own compute, relative to the median of every
-    rank's at the same step, rose -- from ``ONSET_SLACK`` steps before the detected onset to
-    the decision; the detected onset if it did not rise there.
+    rank's at the same step, rose by at least ``COMPUTE_MILD`` -- from ``ONSET_SLACK`` steps
+    before the detected onset to the decision, with two samples of the rise at least; the
+    detected onset when the evidence holds no series; None when the series shows no such
+    rise: the rank the test finds slow now was not slow over this slowdown.
 
     The channel that fired may have merged an earlier job-wide blip into the slowdown (every
     rank's step slows in an OS hiccup), or fired on noise that validation, run while the
@@ -242,14 +256,19 @@ def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int)
     if not keys:
         return onset_step
     rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
-    at = rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
-                    before=BEFORE)
-    return onset_step if at is None else at
+    return rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
+                      before=BEFORE, min_rise=math.log(COMPUTE_MILD))
 
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                      severity: float, conf: float, evidence: dict[str, Any]) -> Finding:
     onset = culprit_onset(ev, rank, onset_step, step)
+    if onset is None:
+        # the test finds the rank slow now, but its own compute did not rise over this
+        # slowdown (or only in the last sample): a change on noise, validated just as a real
+        # fault began. Not this slowdown's culprit; the channels find the fault's own onset.
+        evidence["culprit_not_slow_since_onset"] = rank
+        return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)
     if onset != onset_step:  # say where the channel that fired had put it
         evidence["channel_onset_step"] = onset_step
     return Finding("compute", onset, step, severity, conf, ranks=[rank], evidence=evidence)
