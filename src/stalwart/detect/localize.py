@@ -143,11 +143,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def profile_ratios(ev: list[RankEvidence]) -> dict[int, dict[str, float | None]]:
-    return {e.rank: {"compute": _ratio(e.compute_after, e.compute_before),
-                     "comm": _ratio(e.comm_after, e.comm_before)} for e in ev}
-
-
 def _profile_suspect(ev: list[RankEvidence]) -> tuple[int | None, dict[int, float]]:
     """The one rank whose compute grew (with peers waiting longer), if the profile shows it."""
     ratios = {e.rank: r for e in ev

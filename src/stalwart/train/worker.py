@@ -305,12 +305,15 @@ def train(cfg: RunConfig) -> int:
     if cfg.detect:
         from stalwart.detect import Monitor
 
-        monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
-                          track_ddp=cfg.comm == "reliable",
-                          # lossy: the monitor's gloo ops must not pace the job (monitor.py);
-                          # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
-                          check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1, device=device)
+        d = cfg.detection
+        lossy = cfg.comm == "lossy"
+        monitor = Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=not lossy,
+                          # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+                          check_every=d.lossy_check_every if lossy else None,
+                          lag=d.lossy_lag if lossy else 1, max_every=d.max_every,
+                          warmup=d.warmup, persist=d.persist, history=d.history,
+                          compute_reps=d.compute_reps, link_bytes=d.link_bytes,
+                          device=device)
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
