@@ -2,6 +2,8 @@
 
 Stages (each bounded by a timeout; a failed stage is recorded and the next one runs):
   probe     what the machine has: GPUs, torch, network namespaces / tc, CUDA MPS
+  mps       (only when named) start the CUDA MPS daemon for the later stages, so that ranks
+            sharing the GPU run their kernels at once; stopped again if a CUDA program fails
   tests     the GPU-marked tests (tests/gpu) and the device-plan tests
   runs      a short 2-rank ``stalwart run --device cuda`` per capability (data parallel with the
             detector, lossy transport, tensor parallel with strand interleaving, mitigation,
@@ -12,7 +14,7 @@ Stages (each bounded by a timeout; a failed stage is recorded and the next one r
 
 Writes OUT/gpu_check.json (every figure, updated after each stage), OUT/bench_overlap.json,
 OUT/pytest.log and OUT/runs.tar.gz (the run directories' events, metrics, logs).
-Usage: python scripts/gpu_check.py OUT [stage ...]   (default: every stage)
+Usage: python scripts/gpu_check.py OUT [stage ...]   (default: every stage but mps)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("probe", "tests", "runs", "overhead", "bench")
+STAGES = ("probe", "mps", "tests", "runs", "overhead", "bench")
+DEFAULT_STAGES = ("probe", "tests", "runs", "overhead", "bench")  # mps only when asked
 RUN = [sys.executable, "-m", "stalwart.cli", "run", "--no-progress"]
 SHORT = ["--nproc", "2", "--steps", "40", "--eval-every", "20", "--eval-batches", "4",
          "--ckpt-every", "20", "--seed", "0"]
@@ -84,6 +87,29 @@ def probe() -> dict[str, Any]:
     return res
 
 
+def mps() -> dict[str, Any]:
+    """Start CUDA MPS (pipe and log folders under /tmp) and check that a CUDA program runs."""
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return {"started": False, "why": "nvidia-cuda-mps-control not found"}
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe",
+           "CUDA_MPS_LOG_DIRECTORY": "/tmp/mps-log"}
+    for d in ("/tmp/mps-pipe", "/tmp/mps-log"):
+        os.makedirs(d, exist_ok=True)
+    rc, tail = sh(["nvidia-cuda-mps-control", "-d"], 20, env=env)
+    if rc != 0:
+        return {"started": False, "why": tail[-300:]}
+    os.environ.update(CUDA_MPS_PIPE_DIRECTORY="/tmp/mps-pipe",
+                      CUDA_MPS_LOG_DIRECTORY="/tmp/mps-log")
+    rc, tail = sh([sys.executable, "-c", "import torch; print((torch.ones(4, device='cuda')"
+                   " * 2).sum().item())"], 60)
+    if rc != 0 or "8.0" not in tail:
+        sh(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], 20)
+        for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+            os.environ.pop(k, None)
+        return {"started": False, "why": f"a CUDA program failed under MPS: {tail[-300:]}"}
+    return {"started": True}
+
+
 def tests(out: Path) -> dict[str, Any]:
     rc, tail = sh([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    "tests/gpu", "tests/test_devices.py", "-ra"], 240, out / "pytest.log")
@@ -111,17 +137,19 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
-def runs(work: Path) -> dict[str, Any]:
-    """The CPU references start first, in the background; the CUDA runs one after another."""
+def runs(work: Path, only: list[str] | None = None) -> dict[str, Any]:
+    """The CPU references start first, in the background; the CUDA runs one after another.
+    ``only``: these capabilities, without the resume check (a rerun of what failed)."""
+    caps = {k: v for k, v in CAPABILITIES.items() if not only or k in only}
     cpu_procs = {}
-    for name, extra in CAPABILITIES.items():
+    for name, extra in caps.items():
         cmd = [*RUN, *SHORT, *extra, "--device", "cpu", "--out", str(work),
                "--name", f"{name}-cpu"]
         log = open(work / f"{name}-cpu.out", "w")  # noqa: SIM115
         cpu_procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log,
                                             stderr=subprocess.STDOUT), log)
     res: dict[str, Any] = {}
-    for name, extra in CAPABILITIES.items():
+    for name, extra in caps.items():
         t0 = time.perf_counter()
         rc, tail = sh([*RUN, *SHORT, *extra, "--device", DEV, "--out", str(work),
                        "--name", f"{name}-cuda"], 150)
@@ -130,15 +158,15 @@ def runs(work: Path) -> dict[str, Any]:
         if rc != 0:
             res[name]["cuda_tail"] = tail[-600:]
         say(f"runs: {name} cuda rc={rc} val={res[name]['cuda_val']}")
-    # resume: halt at 20 and continue to 40 on the GPU (checkpoints load onto the device)
-    rc1, t1 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
-                  "resume-cuda", "--halt-at", "20"], 120)
-    rc2, t2 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
-                  "resume-cuda", "--resume"], 120)
-    res["resume"] = {"cuda_rc": max(rc1, rc2), "cuda_val": _final_val(work / "resume-cuda"),
-                     "uninterrupted_val": res["ddp_detect"]["cuda_val"]}
-    if max(rc1, rc2):
-        res["resume"]["cuda_tail"] = (t1 + t2)[-600:]
+    if not only:  # halt at 20, continue to 40 on the GPU (checkpoints load onto the device)
+        rc1, t1 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
+                      "resume-cuda", "--halt-at", "20"], 120)
+        rc2, t2 = sh([*RUN, *SHORT, "--device", DEV, "--out", str(work), "--name",
+                      "resume-cuda", "--resume"], 120)
+        res["resume"] = {"cuda_rc": max(rc1, rc2), "cuda_val": _final_val(work / "resume-cuda"),
+                         "uninterrupted_val": res["ddp_detect"]["cuda_val"]}
+        if max(rc1, rc2):
+            res["resume"]["cuda_tail"] = (t1 + t2)[-600:]
     for name, (p, log) in cpu_procs.items():
         try:
             p.wait(timeout=240)
@@ -152,7 +180,7 @@ def runs(work: Path) -> dict[str, Any]:
         if r.get("cuda_val") is not None and ref is not None:
             r["val_diff"] = abs(r["cuda_val"] - ref)
             r["within_1e-3"] = r["val_diff"] <= VAL_TOLERANCE
-    for name in ("ddp_detect", "mitigate"):
+    for name in [n for n in ("ddp_detect", "mitigate") if n in caps]:
         run_dir = work / f"{name}-cuda"
         res[name]["devices_event"] = (_events(run_dir, "devices") or [{}])[0].get("plan")
         res[name]["detections"] = len(_events(run_dir, "straggler_detected"))
@@ -217,8 +245,8 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    chosen = argv[1:] or list(STAGES)
-    bad = [s for s in chosen if s not in STAGES]
+    chosen = argv[1:] or list(DEFAULT_STAGES)  # "runs:NAME,NAME" reruns some capabilities only
+    bad = [s for s in chosen if s.split(":")[0] not in STAGES]
     if bad:
         print(f"gpu_check: unknown stage {bad[0]!r} (choose from {', '.join(STAGES)})",
               file=sys.stderr)
@@ -235,10 +263,12 @@ def main(argv: list[str]) -> int:
         try:
             if stage == "probe":
                 r = probe()
+            elif stage == "mps":
+                r = mps()
             elif stage == "tests":
                 r = tests(out)
-            elif stage == "runs":
-                r = runs(work)
+            elif stage.startswith("runs"):
+                r = runs(work, stage.partition(":")[2].split(",") if ":" in stage else None)
             elif stage == "overhead":
                 r = overhead(work)
             else:

@@ -54,8 +54,11 @@ SI_OPTIONS = ["--defer-wgrad=1", "--wgrad-memory=0.1", "--chunks=1", "--serial-c
 # timed in the same rotation, for what each mechanism adds: strand interleaving alone
 VARIANTS = ["--variant=si_plain=0,0,1,0"]
 # on CUDA: the step shape whose width E is calibrated (a multiple of 64 within the bounds)
-CUDA_SHAPE = {"n_layer": 2, "n_head": 8, "n_embd": 1024, "block": 256, "batch": 8}
-MIN_EMBD, MAX_EMBD = 256, 8192
+# (E ~ 3.5k: comm ~= compute for two ranks sharing one H200 over gloo, from its first
+# calibration there; batch 2 keeps a step near 0.2 s: at batch 8 the quick run outlasted the
+# device check's 3 minutes)
+CUDA_SHAPE = {"n_layer": 2, "n_head": 8, "n_embd": 3584, "block": 256, "batch": 2}
+MIN_EMBD, MAX_EMBD = 256, 6144
 R0_MBIT = 200.0
 MIN_MBIT, MAX_MBIT = 10.0, 2000.0
 # model and step shape: big enough per byte that the rate needed for comm ~= compute stays
@@ -192,24 +195,24 @@ def _calibrate(workdir: Path, nproc: int, micro: int) -> tuple[float, dict[str, 
     return rate, {"rounds": rounds, "rate_mbit": rate}
 
 
-def _calibrate_width(workdir: Path, nproc: int, micro: int, device: str
+def _calibrate_width(workdir: Path, nproc: int, micro: int, device: str, rounds: int = 2
                      ) -> tuple[dict[str, int], dict[str, Any]]:
     """CUDA: the link is this machine's loopback, which nothing shapes; what moves the
     balance is the model's width E -- a collective carries B*T*E values, a layer computes
-    ~24*B*T*E^2/TP -- so compute/comm grows as E. Two rounds: E1 = E0 * comm/compute at E0,
-    then E2 from E1 likewise (rounded to a multiple of 64 heads' width, within bounds)."""
+    ~24*B*T*E^2/TP -- so compute/comm grows as E. Rounds: E1 = E0 * comm/compute at E0, then
+    E2 from E1 likewise (rounded to a multiple of 64, within bounds)."""
     shape = dict(CUDA_SHAPE)
-    rounds = []
-    for k in range(2):
+    done = []
+    for k in range(rounds):
         ranks = _launch(workdir, f"overlap-calibrate-tp{nproc}-{k}", nproc, None,
                         ["--schedules=off", "--reps=2", f"--micro-batches={micro}"],
                         shape, device)
         comm = _med(ranks, "off", "comm_time")
         compute = _med(ranks, "off", "compute_time")
-        rounds.append({"n_embd": shape["n_embd"], "comm_s": comm, "compute_s": compute})
+        done.append({"n_embd": shape["n_embd"], "comm_s": comm, "compute_s": compute})
         width = shape["n_embd"] * comm / max(compute, 1e-9)
         shape["n_embd"] = int(min(max(round(width / 64) * 64, MIN_EMBD), MAX_EMBD))
-    return shape, {"rounds": rounds, "n_embd": shape["n_embd"]}
+    return shape, {"rounds": done, "n_embd": shape["n_embd"]}
 
 
 def _resolve_device(device: str) -> str:
@@ -233,7 +236,7 @@ def run(quick: bool, workdir: Path, device: str = "cpu") -> BenchResult:
     reps, micro = (5, 8) if quick else (7, 12)
     command = "stalwart bench overlap" + (" --quick" if quick else "")
     if _resolve_device(device) == "cuda":
-        return _run_loopback(workdir, reps, micro, command, "cuda")
+        return _run_loopback(workdir, reps, micro, command, "cuda", rounds=1 if quick else 2)
     why = _why_not_netns()
     if why is not None:
         return BenchResult("overlap", {k: None for k in TARGETS}, dict(TARGETS),
@@ -273,8 +276,8 @@ def run(quick: bool, workdir: Path, device: str = "cpu") -> BenchResult:
     return BenchResult("overlap", figs, targets, details, command)
 
 
-def _run_loopback(workdir: Path, reps: int, micro: int, command: str, device: str
-                  ) -> BenchResult:
+def _run_loopback(workdir: Path, reps: int, micro: int, command: str, device: str,
+                  rounds: int = 2) -> BenchResult:
     """TP=2 on this machine's loopback (its GPUs for "cuda"): the three schedules at comm ~=
     compute, the model's width calibrated."""
     from stalwart.devices import plan_devices, visible_gpus
@@ -284,7 +287,7 @@ def _run_loopback(workdir: Path, reps: int, micro: int, command: str, device: st
     plan = plan_devices(device, nproc, visible_gpus() if device != "cpu" else 0)
     details: dict[str, Any] = {"device": device, "devices": plan.describe(),
                                "loadavg_start": os.getloadavg()}
-    shape, cal = _calibrate_width(workdir, nproc, 4, device)
+    shape, cal = _calibrate_width(workdir, nproc, 4, device, rounds)
     ranks = _launch(workdir, f"overlap-main-tp{nproc}", nproc, None,
                     [f"--reps={reps}", f"--micro-batches={micro}", "--profile-reps=5",
                      *SI_OPTIONS, *VARIANTS], shape, device)

@@ -196,6 +196,11 @@ class TPComm:
     def start(self, tensor: torch.Tensor) -> Pending:
         """Issue an in-place sum all-reduce of `tensor` over the TP group (with ``serial``:
         queue it while another collective is in flight)."""
+        if self.mode == "sync" and tensor.is_cuda:
+            # the sequential reference measures the transfer alone: without this the host,
+            # ahead of the GPU, would count the kernels still producing `tensor` as
+            # communication (the wait below blocks for them anyway, so nothing is lost)
+            torch.cuda.synchronize(tensor.device)
         t0 = time.perf_counter()
         if self.world == 1:
             return Pending(tensor, None, t0, t0)
