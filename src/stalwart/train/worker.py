@@ -338,8 +338,11 @@ class Rank:
 
             d = cfg.detection
             lossy = cfg.comm == "lossy"
+            # no DDP tracking: every step's hint carries its compute and comm times, so the
+            # tracker would record nothing, and its Python comm hook would still take DDP off
+            # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
             self.monitor = Monitor(
-                run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=not lossy,
+                run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
                 # lossy: the monitor's gloo ops must not pace the job (monitor.py)
                 check_every=d.lossy_check_every if lossy else None,
                 lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
