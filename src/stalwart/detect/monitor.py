@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from stalwart.detect import validate
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
-from stalwart.detect.cusum import CusumBank
+from stalwart.detect.cusum import CusumBank, per_rank_z
 from stalwart.detect.localize import (
     BEFORE,
     ONSET_SLACK,
@@ -407,8 +407,10 @@ class Monitor:
             if not self.rel_detectors:
                 # one bank: every rank's channel advances in one vector update per step
                 bank = BOCPDBank(hazard=self.detector.hazard)
+                # as strict per rank as the job size needs (cusum.per_rank_z)
+                z = per_rank_z(len(comps))
                 self.rel_detectors = {r: ChangeDetector(
-                    warmup=self.detector.warmup, min_shift=0.15, bank=bank)
+                    warmup=self.detector.warmup, min_shift=0.15, z_sig=z, bank=bank)
                     for r in range(len(comps))}
             dets = [self.rel_detectors[r] for r in range(len(comps))]
             rel = [c / med for c in comps]
