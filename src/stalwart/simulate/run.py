@@ -2,7 +2,7 @@
 one run directory.
 
 Writes ``OUT/NAME/``: ``config.json`` (the options), ``events.jsonl`` (every scenario's
-faults, detections, mitigations, each line tagged with ``scenario`` and ``ranks``),
+faults, detections, mitigations, each line tagged with ``scenario`` and ``job_ranks``),
 ``figures.json`` (also to ``--json FILE``), ``cost.json``, ``calibration.json``, PNG plots and
 ``report.html``. Progress goes to stderr about once a second: scenario i of n, its steps,
 elapsed time and an estimate of the rest (from the steps still to simulate at the current
@@ -117,10 +117,10 @@ def simulate(opts: Options, command: str = "stalwart simulate") -> tuple[Path, d
             results.append(res)
             figures.update(res.figures)
             for f in res.faults:
-                events.log("fault_drawn", ranks=job.ranks, **f.as_event())
+                events.log("fault_drawn", job_ranks=job.ranks, **f.as_event())
             for sname, out in res.outcomes.items():
                 for e in out.events:
-                    events.log(e.pop("event"), scenario=sname, ranks=job.ranks, **e)
+                    events.log(e.pop("event"), scenario=sname, job_ranks=job.ranks, **e)
     figures["planner_ms_10k_groups"] = round(planner.time_plan_ms(10000, 160000), 3)
     cost_rows: list[dict[str, Any]] = []
     if opts.cost_ranks:
