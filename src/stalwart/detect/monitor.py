@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from stalwart.detect import validate
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
-from stalwart.detect.cusum import CusumBank, per_rank_z
+from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.localize import (
     BEFORE,
     ONSET_SLACK,
@@ -92,6 +92,7 @@ ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
 STATS_FILE = "detect_stats.json"
+POOLED_FLOOR = 0.75  # a per-rank channel's noise scale is at least this x the pooled one
 LINK_SETUP_S = 30.0  # seconds to set up the row link before falling back to the all-gather
 READ_TIMEOUT_S = 1800.0  # a due row this late means a peer is gone: raise, never hang
 log = logging.getLogger("stalwart.detect")
@@ -179,6 +180,11 @@ class Monitor:
         # per-rank compute channels (rank 0): each rank's compute / the job's median, per step
         self.rel_detectors: dict[int, ChangeDetector] = {}
         self.cusum: CusumBank | None = None  # the same channels, for small lasting shifts
+        # rank 0, more than REF_RANKS ranks: recent cross-rank spreads of log relative compute
+        # and the noise floor set from them on every per-rank channel (``_pool_noise``)
+        self._spreads: deque[float] = deque(maxlen=32)
+        self._floor: float | None = None
+        self._own_floors = (0.0, 0.0)
         self._channel = "iteration"  # which channel found the slowdown in progress
         self.samples: deque[IterSample] = deque(maxlen=history)
         self.findings: list[Finding] = []
@@ -414,6 +420,8 @@ class Monitor:
                     for r in range(len(comps))}
             dets = [self.rel_detectors[r] for r in range(len(comps))]
             rel = [c / med for c in comps]
+            if len(comps) > REF_RANKS:
+                self._pool_noise(dets, rel)
             for r, ch in enumerate(ChangeDetector.add_many(dets, key, rel)):
                 if ch is not None:
                     self._classify(ch, f"rank{r}")
@@ -424,6 +432,32 @@ class Monitor:
             for r, ch in enumerate(self.cusum.add(key, np.asarray(rel))):
                 if ch is not None:
                     self._classify(ch, f"rank{r}")
+
+    def _pool_noise(self, dets: list[ChangeDetector], rel: list[float]) -> None:
+        """A floor under every per-rank channel's noise scale: ``POOLED_FLOOR`` x the median
+        of recent cross-rank spreads (1.4826 MAD of log relative compute over all ranks).
+
+        Why: each channel learns its noise from its own first 8 samples (BOCD+V) or 18
+        (CUSUM), an estimate that is often far too small; among thousands of ranks the
+        smallest ones are, and those channels alarm on noise. In one step every rank gives
+        a sample of the same noise, so at scale the pooled spread is known well after a few
+        steps. Up to REF_RANKS ranks (the size the thresholds were tuned on) nothing
+        changes. Cost: one vector median per step, an O(N) loop when the floor moves > 20%."""
+        x = np.log(np.asarray(rel))
+        self._spreads.append(float(1.4826 * np.median(np.abs(x - np.median(x)))))
+        if len(self._spreads) < 4:
+            return
+        floor = POOLED_FLOOR * statistics.median(self._spreads)
+        if self._floor is not None and abs(floor / self._floor - 1.0) <= 0.2:
+            return
+        if self._floor is None:  # the floors the channels were built with
+            self._own_floors = (dets[0].min_scale,
+                                self.cusum.min_sigma if self.cusum is not None else 0.0)
+        self._floor = floor
+        for d in dets:
+            d.min_scale = max(self._own_floors[0], floor)
+        if self.cusum is not None:
+            self.cusum.min_sigma = max(self._own_floors[1], floor)
 
     def _group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""

@@ -35,7 +35,7 @@ class Options:
     tp: int = 8
     pp: int = 5
     gpus_per_host: int = 8
-    noise_scale: float = 1.0
+    noise_scale: float = 0.25
     restart_s: float = 12.0
     validation_s: float = 1.0
     seed: int = 0
