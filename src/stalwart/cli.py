@@ -77,6 +77,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--script", default=None, metavar="PATH",
                    help="run your own torchrun script as the ranks instead of stalwart's GPT "
                         "(its arguments after --); see docs/testbed.md")
+    p.add_argument("--device", default=d.device,
+                   help="auto | cpu | cuda: where ranks compute (auto: CUDA when visible; "
+                        "ranks share GPUs over gloo when there are fewer GPUs than ranks)")
     p.add_argument("--detect", dest="detect", action="store_const", const=True, default=None,
                    help="run the straggler monitor (default: on for stalwart's workload; a "
                         "--script run gets it only when asked, without changing the script)")
@@ -126,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_argument("suite", choices=SUITES)
     bench.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
+    bench.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                       help="where the ranks compute (overlap only; default cpu)")
     bench.add_argument("--json", type=Path, default=None, help="write the figures here")
     bench.add_argument("--workdir", type=Path, default=Path("runs/bench"),
                        help="each invocation's runs go to a new folder under it "
@@ -156,6 +161,7 @@ def _cmd_run(args: argparse.Namespace, script_args: list[str] | None = None) -> 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
+    import inspect
     import shlex
 
     from rich.console import Console
@@ -164,9 +170,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from stalwart.bench import fresh_workdir, save
 
     mod = importlib.import_module(f"stalwart.bench.{args.suite}")
+    kw = {}
+    if "device" in inspect.signature(mod.run).parameters:
+        from stalwart.devices import DeviceError, check_request
+
+        try:
+            check_request(args.device, 2)  # a one-line error before any folder is made
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        kw["device"] = args.device
+    elif args.device == "cuda":
+        raise ConfigError(f"bench {args.suite} runs on CPU only (--device cuda: use bench "
+                          f"overlap, or stalwart run --device cuda)")
     workdir = fresh_workdir(args.workdir, args.suite)  # every invocation starts clean
     print(f"work folder: {workdir}")
-    result = mod.run(quick=args.quick, workdir=workdir)
+    result = mod.run(quick=args.quick, workdir=workdir, **kw)
     result.command = "stalwart " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = Table(title=f"stalwart bench {args.suite}{' --quick' if args.quick else ''}")
     for col in ("figure", "value", "target", "verdict"):

@@ -76,6 +76,8 @@ class RunConfig:
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
     threads: int = 1  # torch threads per rank (ranks share the machine's cores)
+    # auto | cpu | cuda: where each rank computes and which backend it uses (devices.py)
+    device: str = "auto"
     max_data_bytes: int = 16 * 1024 * 1024
 
     # ---- derived -------------------------------------------------------------------------
@@ -174,6 +176,10 @@ class RunConfig:
         need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
+        from stalwart.devices import DEVICE_MODES
+
+        need(self.device in DEVICE_MODES,
+             f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
         from stalwart.testbed.faults import parse_fault
 
         hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts

@@ -129,8 +129,13 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
 
     ConfigError is raised (not returned) for bad input found before any rank starts.
     """
+    from stalwart.devices import DeviceError, check_request
     from stalwart.testbed import open_testbed
 
+    try:
+        check_request(cfg.device, cfg.nproc)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
     run_dir = prepare_run_dir(cfg)
     events = EventLog(run_dir)
     say = on_line or (lambda s: print(s, flush=True))
@@ -218,6 +223,9 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
             # a script's own Monitor() finds the run directory here (detect/monitor.py)
             **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),
             "OMP_NUM_THREADS": str(cfg.threads),
+            # the testbed's hosts are namespaces of this one machine: GPUs are assigned over
+            # all its ranks, whatever LOCAL_RANK says (devices.py)
+            "STALWART_DEVICE_SLOT": str(r), "STALWART_DEVICE_SLOTS": str(cfg.nproc),
             **tb.env(r),
         }
         cmd = [*tb.command_prefix(r), sys.executable, "-m", "stalwart.lifeline",

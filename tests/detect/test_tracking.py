@@ -157,3 +157,39 @@ def test_monitor_finds_the_period_of_a_hintless_loop(group: None) -> None:
         assert len(mon.samples) >= 20
     finally:
         mon.close()
+
+
+class _Event:
+    """Stands in for a CUDA event (none can exist here): like CUDA, an event never recorded
+    reports itself reached, and reading the time between it and another fails."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = 1.0 if self.at is None else self.at
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _Event) -> float:
+        if self.at is None or end.at is None:
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
+        return 2.0  # ms
+
+
+def test_an_async_cuda_op_is_not_read_from_an_end_event_never_recorded() -> None:
+    # an asynchronous collective on CUDA tensors completes through its Work's future; its
+    # end event is never recorded (the TP layers' all-reduces on a GPU crashed the monitor)
+    from stalwart.detect.tracking import OpRecord, Tracker
+
+    start, end = _Event(), _Event()
+    start.record()
+    rec = OpRecord("all_reduce", None, 4, 16, issue=10.0, cuda=(start, end))
+    assert rec.finish() is None  # in flight: unknown, not an error
+    rec.complete = 10.5  # the future's callback
+    assert rec.finish() == 10.5
+    sync = OpRecord("all_reduce", None, 4, 16, issue=10.0, cuda=(_Event(), _Event()))
+    sync.cuda[0].record()
+    Tracker.end(sync)  # a synchronous op records its end event
+    assert sync.finish() == 10.0 + 2.0 / 1e3

@@ -82,10 +82,32 @@ def test_the_monitor_validates_where_the_job_runs(monkeypatch: pytest.MonkeyPatc
     m = Monitor(rank=0, world=1)
     m._pg = own = object()  # the monitor's gloo group (a real one needs a job)
     try:
-        dev, group = m._test_device()
+        dev, link_dev, group = m._test_device()
     finally:
         m.close()
     if want is None:
-        assert (dev, group) == (None, own)  # the CPU path, exactly as before
-    else:
-        assert (dev, group) == (torch.device(want), None)  # the job's default group
+        assert (dev, link_dev, group) == (None, None, own)  # the CPU path, as before
+    else:  # the job's default group
+        assert (dev, link_dev, group) == (torch.device(want), torch.device(want), None)
+
+
+@pytest.mark.parametrize(("backend", "link"), [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "gpu")])
+def test_a_monitor_told_its_gpu_tests_compute_there(monkeypatch: pytest.MonkeyPatch,
+                                                    backend: str, link: str) -> None:
+    # ranks that share a GPU over gloo (devices.py): the compute test runs on the GPU, the
+    # link test on host buffers over the monitor's gloo group (gloo's send/recv take no
+    # device memory); with NCCL both run on the GPU over the job's group
+    import torch
+    import torch.distributed as dist
+
+    from stalwart.detect import Monitor
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    m = Monitor(rank=0, world=1, device="cuda:0")
+    m._pg = own = object()
+    try:
+        got = m._test_device()
+    finally:
+        m.close()
+    gpu = torch.device("cuda:0")
+    assert got == ((gpu, None, own) if link == "cpu" else (gpu, gpu, None))

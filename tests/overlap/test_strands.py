@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stalwart.overlap import TPGPT, Interleaved, TPComm
-from stalwart.overlap.comm import CommLedger
+from stalwart.overlap.comm import CommLedger, current_strand
 from stalwart.overlap.memory import SavedTensorMeter
 from stalwart.overlap.plan import Profile, make_plan
 from stalwart.overlap.strands import Strand, StrandCancelled, StrandError, run_plan
@@ -275,8 +275,26 @@ def test_whole_step_stream_plan_keeps_gradients_and_memory() -> None:
     assert t_plain["act_peak_bytes"] <= 1.05 * t_off["act_peak_bytes"]
 
 
-def test_strand_interleaving_refuses_a_model_off_the_cpu() -> None:
-    # CUDA cannot exist here; a "meta" tensor is off the CPU in the same way (device type)
-    model = torch.nn.Linear(4, 4, device="meta")
-    with pytest.raises(ValueError, match=r"CPU models only \(got meta\)"):
-        Interleaved(model, TPComm(None), schedule="si")
+def test_a_strand_parks_from_a_thread_it_handed_its_pass_to() -> None:
+    # CUDA autograd runs a backward on its device thread, not on the strand's: a collective
+    # reached there must park the strand whose pass it is (the one holding the baton)
+    order: list[str] = []
+
+    def pass_on_another_thread() -> None:
+        def body() -> None:
+            order.append("b1")
+            current_strand().yield_()
+            order.append("b2")
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+
+    def fwd() -> None:
+        order.append("f1")
+        current_strand().yield_()
+        order.append("f2")
+
+    run_plan(["B", "F", "B", "F"], Strand("F", fwd), Strand("B", pass_on_another_thread))
+    assert order == ["b1", "f1", "b2", "f2"]
+    assert current_strand() is None  # the scheduler's thread runs no strand afterwards

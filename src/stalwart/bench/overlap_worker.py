@@ -58,6 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="NAME=DEFER,WGRAD_MEMORY,CHUNKS,SERIAL: one more interleaved executor, "
                         "timed in the same rotation (e.g. si_plain=0,0,1,0: strand "
                         "interleaving alone), for comparisons within one run")
+    p.add_argument("--device", default="cpu", help="auto | cpu | cuda (devices.py)")
     p.add_argument("--tag", default="bench")
     p.add_argument("--trace", action="store_true",
                    help="after the timed steps, one traced step per schedule: every "
@@ -92,7 +93,14 @@ def probe(block: int, batch: int, n_embd: int, reps: int = 15) -> dict[str, list
 def main(argv: list[str] | None = None) -> int:
     a = parse(list(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    from stalwart.devices import plan_devices, rank_slot, visible_gpus
+
+    slot, slots = rank_slot()
+    dplan = plan_devices(a.device, slots, visible_gpus() if a.device != "cpu" else 0)
+    device = torch.device(dplan.device_of(slot))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(os.environ.get("STALWART_RUN_DIR", Path(a.config).parent))
     try:
@@ -110,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             opts._threads = a.gloo_threads
             group = dist.new_group(list(range(world)), backend="gloo", pg_options=opts)
         comm = TPComm(group)
-        model = TPGPT.from_full(GPT(cfg), comm)
+        model = TPGPT.from_full(GPT(cfg), comm).to(device)
         g = torch.Generator().manual_seed(1)
-        mbs = [(torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g),
-                torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g))
+        mbs = [(torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g).to(device),
+                torch.randint(0, cfg.vocab_size, (a.batch, a.block), generator=g).to(device))
                for _ in range(a.micro_batches)]
         scheds = a.schedules.split(",")
         execs = {s: Interleaved(model, comm, schedule=s, profile_reps=a.profile_reps,
@@ -135,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         profile_time = time.perf_counter() - t0
         for s in scheds[len(scheds) - len(a.variant):]:
             execs[s].ensure_plan(mbs)
+        # a step ends when the device is done with it (a no-op on CPU): the deferred
+        # weight-gradient GEMMs of "si" are enqueued after the loss was read
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for s in scheds:  # warm-up (first-touch allocations, gloo connections)
             dist.barrier()
             execs[s].forward_backward(mbs)
+            sync()
         steps: dict[str, list[dict[str, float]]] = {s: [] for s in scheds}
         for r in range(a.reps):
             for k in range(len(scheds)):
@@ -145,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.barrier()
                 t = time.perf_counter()
                 loss, timings = execs[s].forward_backward(mbs)
+                sync()
                 wall = time.perf_counter() - t
                 steps[s].append({"wall": wall, "loss": loss, "bytes": comm.ledger.bytes,
                                  **timings})
@@ -164,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = execs["si"].predicted_step_time(a.micro_batches) if "si" in execs else None
         out = {
             "rank": rank, "world": world, "model": cfg.to_dict(), "batch": a.batch,
+            "device": str(device), "backend": dplan.backend, "devices": dplan.describe(),
             "micro_batches": a.micro_batches, "reps": a.reps, "profile_time": profile_time,
             "si_options": {"defer_wgrad": bool(a.defer_wgrad), "wgrad_memory": a.wgrad_memory,
                            "chunks": a.chunks, "serial_comm": bool(a.serial_comm),

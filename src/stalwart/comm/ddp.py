@@ -27,8 +27,8 @@ from stalwart.comm.optim import (
     OptimizerSpec,
     ShardedLossyOptimizer,
     param_groups_of,
-    require_cpu,
 )
+from stalwart.comm.staging import check_devices
 
 # chunks missed per step with "auto" copies: 0.002% (at 10% loss: 5 copies). Why so low: early
 # training amplifies any perturbation. On the tiny preset a single loss event injected at step
@@ -97,7 +97,7 @@ def attach(ddp_model: torch.nn.Module, optimizer: OptimizerSpec, *,
     groups, optimizer_kwargs = param_groups_of(
         [p for p in module.parameters() if p.requires_grad], optimizer, optimizer_kwargs)
     params = [p for g in groups for p in g["params"]]
-    require_cpu(params)  # before the hook and the socket: nothing to undo
+    check_devices(params)  # before the hook and the socket: nothing to undo
     if hasattr(ddp_model, "register_comm_hook"):
         ddp_model.register_comm_hook(None, _keep_local)
     numel = sum(p.numel() for p in params)

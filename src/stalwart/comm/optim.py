@@ -39,19 +39,10 @@ import numpy as np
 import torch
 
 from stalwart.comm.collective import LossyCollective
+from stalwart.comm.staging import HostStaging
 from stalwart.comm.wire import R
 
 MAX_EXTRAPOLATE = 4  # steps a missed chunk is moved along its last update before it freezes
-
-
-def require_cpu(params: list[torch.Tensor]) -> None:
-    """Refuse parameters off the CPU with one line. The transport reads gradients and writes
-    parameters through numpy views of host memory (``.numpy()``), which CUDA tensors do not
-    have; staging through pinned host buffers would work but was never run on a GPU here."""
-    devs = sorted({str(p.device) for p in params if p.device.type != "cpu"})
-    if devs:
-        raise ValueError(f"stalwart.comm works on CPU parameters only (got {', '.join(devs)}): "
-                         f"use the reliable backend (NCCL) for GPU training")
 
 
 OptimizerSpec = type[torch.optim.Optimizer] | torch.optim.Optimizer
@@ -121,7 +112,8 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
             groups, kwargs = param_groups_of([], optimizer_class,
                                              {**kwargs, "params": list(params)})
         self.params = [p for g in groups for p in g["params"]]
-        require_cpu(self.params)
+        # CPU or CUDA parameters; the transport and the owner's update work in host memory
+        self.staging = HostStaging(self.params)
         self.coll = coll
         self.mode = mode
         self.stale = stale
@@ -207,23 +199,13 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
 
     # ---- the step -------------------------------------------------------------------------
     def _gather_params(self) -> np.ndarray:
-        with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1).float() for p in self.params]).numpy().copy()
+        return self.staging.values()
 
     def _gather_grads(self) -> np.ndarray:
-        with torch.no_grad():
-            return torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                for p in self.params]).numpy()
+        return self.staging.grads()
 
     def _scatter_params(self) -> None:
-        with torch.no_grad():
-            src = torch.from_numpy(self.flat)
-            i = 0
-            for p in self.params:
-                n = p.numel()
-                p.copy_(src[i: i + n].view_as(p))
-                i += n
+        self.staging.put_values(self.flat)
 
     def _inner_step(self, values: np.ndarray, grad: np.ndarray) -> np.ndarray:
         """Step the inner optimizer on ``values`` (this rank's shard, or the whole vector in
@@ -340,15 +322,7 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
                 self.flat[missed] = self.last_true[missed] + self.vel[missed] * k
 
     def flat_model_shard(self) -> np.ndarray:
-        with torch.no_grad():
-            i, out = 0, []
-            for p in self.params:
-                n = p.numel()
-                lo, hi = max(self.lo, i), min(self.hi, i + n)
-                if lo < hi:
-                    out.append(p.detach().reshape(-1)[lo - i: hi - i].float())
-                i += n
-            return torch.cat(out).numpy() if out else np.zeros(0, np.float32)
+        return self.staging.slice_values(self.lo, self.hi)
 
     def stats(self) -> dict[str, Any]:
         """Metrics of the last step (merged by the worker into metrics.jsonl)."""

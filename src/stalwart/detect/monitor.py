@@ -144,7 +144,7 @@ class Monitor:
                  check_every: int | None = None, validate_on_detect: bool = True,
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
-                 max_every: int = 1, persist: int = 20) -> None:
+                 max_every: int = 1, persist: int = 20, device: Any = None) -> None:
         """``check_every``: steps per exchange of rows (each exchange carries every step's
         samples, so nothing is dropped); None (default) lets rank 0 choose it from measured
         costs, between 1 and ``max_every``, each row read at the next check. A fixed
@@ -154,7 +154,10 @@ class Monitor:
         (``--comm lossy``): one exchange per step would hold every rank to the group's
         ~4 ops/s and skew the ranks against the lossy transport's phase deadlines, so such
         jobs exchange every 8 steps with 2 exchanges in flight. ``persist``: samples an
-        unexplained slowdown must last to be logged (see the module docstring)."""
+        unexplained slowdown must last to be logged (see the module docstring). ``device``:
+        the job's compute device when the caller knows it (``stalwart run`` passes it: ranks
+        that share GPUs over gloo compute on CUDA although their backend string says gloo);
+        None: found from the default group's backend (``validate.validation_device``)."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             # under `stalwart run --script`: a script's own Monitor() writes into the run
             run_dir = Path(os.environ[RUN_DIR_ENV])
@@ -170,6 +173,7 @@ class Monitor:
         self.check_every = 1 if check_every is None else check_every  # in force now
         self.max_every = max_every if check_every is None else check_every
         self.persist = persist
+        self.device = torch.device(device) if device is not None else None
         self.validate_on_detect = validate_on_detect
         self.compute_reps = compute_reps
         self.link_bytes = link_bytes
@@ -656,13 +660,13 @@ class Monitor:
         if distributed and self.validate_on_detect:
             with self.tracker.internal():
                 pg = self._group()
-                dev, link_pg = self._test_device()
+                dev, link_dev, link_pg = self._test_device()
                 ev.compute_rounds = validate.compute_test(reps=self.compute_reps, group=pg,
                                                           device=dev)
                 ev.compute_test = statistics.median(ev.compute_rounds)
                 ring = validate.ring_pair_passes(self.world)
                 ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
-                    ring, self.rank, self.link_bytes, group=link_pg, device=dev).items()}
+                    ring, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()}
                 gathered = self._gather(ev)
                 while extra_rounds := more_rounds(gathered, suspect):
                     # a mild straggler: the verdict waits for a longer test (every rank
@@ -679,7 +683,7 @@ class Monitor:
                     # a slow link between hosts that are not ring neighbours
                     ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
                         extra, self.rank, self.link_bytes, group=link_pg,
-                        device=dev).items()})
+                        device=link_dev).items()})
                     finding = decide(self._gather(ev), onset, decided, severity, suspect)
         else:
             finding = decide([ev], onset, decided, severity, suspect)
@@ -740,8 +744,8 @@ class Monitor:
         if self._events is not None:
             self._events.log("straggler_detected", **fields)
 
-    def _test_device(self) -> tuple[Any, Any]:
-        """Where the validation tests run: (device, group for the link test).
+    def _test_device(self) -> tuple[Any, Any, Any]:
+        """Where the validation tests run: (compute device, link buffers' device, link group).
 
         ``validate.validation_device`` decides from the default group's backend string:
         a CPU job (gloo, or no CUDA) tests its CPU and links on the monitor's gloo group; a
@@ -749,6 +753,14 @@ class Monitor:
         "undefined" with CUDA) tests its own GPU and sends device buffers over its default
         group -- the path its gradients take (not run here: no GPU on the testbed).
         """
+        if self.device is not None:  # the caller said where the job computes
+            if self.device.type != "cuda":
+                return None, None, self._group()
+            if validate.cuda_backend(dist.get_backend(), True) is not None:
+                return self.device, self.device, None  # device buffers, the job's backend
+            # ranks sharing GPUs over gloo: gloo's send/recv move host buffers only, so
+            # the link test runs as a CPU job's would
+            return self.device, None, self._group()
         cuda = torch.cuda.is_available()
         try:
             local_rank: int | None = int(os.environ["LOCAL_RANK"])
@@ -760,8 +772,8 @@ class Monitor:
         path = validate.validation_device(dist.get_backend(), cuda, local_rank, current,
                                           torch.cuda.device_count() if cuda else None)
         if path.link_group == "default":
-            return torch.device(path.device), None
-        return None, self._group()
+            return torch.device(path.device), torch.device(path.device), None
+        return None, None, self._group()
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         out: list[Any] = [None] * self.world

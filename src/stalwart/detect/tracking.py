@@ -59,10 +59,14 @@ class OpRecord:
     complete: float | None = None  # when finished (None: not yet, or unknown)
     source: str = "python"  # "python" (module function) or "ddp" (bucket hook)
     cuda: tuple[Any, Any] | None = None  # (start, end) CUDA events for GPU tensors
+    # the end event was recorded (a synchronous op); an asynchronous op's completion comes
+    # from its Work's future instead, and its end event is never recorded -- which CUDA's
+    # query reports as reached, so the flag, not the query, says whether it can be read
+    cuda_end: bool = False
 
     def finish(self) -> float | None:
         """Completion time, resolving CUDA events if the GPU has reached them."""
-        if self.complete is None and self.cuda is not None:
+        if self.complete is None and self.cuda is not None and self.cuda_end:
             start, end = self.cuda
             if end.query():
                 self.complete = self.issue + start.elapsed_time(end) / 1e3
@@ -143,6 +147,7 @@ class Tracker:
     def end(rec: OpRecord) -> None:
         if rec.cuda is not None:
             rec.cuda[1].record()  # resolved in finish(): no device sync on the hot path
+            rec.cuda_end = True
         else:
             rec.complete = time.perf_counter()
 

@@ -44,14 +44,22 @@ MAX_INTERVALS = 4096  # completed intervals a ledger keeps before folding (a few
 
 # The strand (if any) that runs on the current thread; set by stalwart.overlap.strands.
 _local = threading.local()
+# The strand that holds the baton, while it runs (None while the scheduler runs): CUDA autograd
+# runs a backward on its device thread, not on the strand's, and that thread must park the
+# strand whose backward it is running. Only one strand runs at a time, so it is that one.
+_baton: list = [None]
 
 
 def current_strand():  # -> strands.Strand | None (no import: strands imports this module)
-    return getattr(_local, "strand", None)
+    return getattr(_local, "strand", None) or _baton[0]
 
 
 def set_current_strand(strand) -> None:
     _local.strand = strand
+
+
+def set_baton(strand) -> None:
+    _baton[0] = strand
 
 
 @dataclass
@@ -191,6 +199,11 @@ class TPComm:
     def start(self, tensor: torch.Tensor) -> Pending:
         """Issue an in-place sum all-reduce of `tensor` over the TP group (with ``serial``:
         queue it while another collective is in flight)."""
+        if self.mode == "sync" and tensor.is_cuda:
+            # the sequential reference measures the transfer alone: without this the host,
+            # ahead of the GPU, would count the kernels still producing `tensor` as
+            # communication (the wait below blocks for them anyway, so nothing is lost)
+            torch.cuda.synchronize(tensor.device)
         t0 = time.perf_counter()
         if self.world == 1:
             return Pending(tensor, None, t0, t0)

@@ -92,13 +92,6 @@ class Interleaved:
                  serial_comm: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
-        devs = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
-        if schedule == "si" and devs:
-            # strands park inside autograd's backward on the thread that called it; CUDA
-            # autograd runs backward on its own device threads, where no strand is current,
-            # so the backward strand would never park and the plan's order would not hold
-            raise ValueError(f"strand interleaving (schedule 'si') runs on CPU models only "
-                             f"(got {', '.join(devs)}): use schedule 'off' or 'async' on GPUs")
         self.model = model
         self.comm = comm
         self.schedule = schedule

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from stalwart.overlap.comm import Pending, TPComm
 from stalwart.overlap.plan import Profile
 from stalwart.overlap.strands import Strand
-from stalwart.overlap.wgrad import WGradQueue
+from stalwart.overlap.wgrad import WGradQueue, device_sync
 
 
 def _measure_pass(comm: TPComm, s: Strand, compute: list[list[float]],
@@ -46,8 +46,10 @@ def _measure_pass(comm: TPComm, s: Strand, compute: list[list[float]],
     prev: Pending | None = None
     while not s.done:
         k, before, blocked = s.segments, live(), comm.ledger.exposed
+        device_sync()
         t0 = time.perf_counter()
         s.resume()
+        device_sync()
         dt = time.perf_counter() - t0
         compute[k].append(max(dt - (comm.ledger.exposed - blocked), 0.0))
         nbytes[k] = sign * float(live() - before)

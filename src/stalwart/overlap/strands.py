@@ -13,9 +13,14 @@ gradients.
 
 The backward is driven segment by segment through autograd itself: the backward strand calls
 ``torch.autograd.backward`` once per pass and parks inside each column-parallel layer's
-backward, at its input-gradient all-reduce (CPU autograd runs on the calling thread; CUDA
-autograd runs backward on its own device threads, where no strand is current, so the executor
-refuses CUDA models -- see ``executor.Interleaved``).
+backward, at its input-gradient all-reduce. CPU autograd runs that backward on the strand's
+own thread; CUDA autograd runs it on its device thread, where no strand is thread-local. So the
+strand that parks is the one holding the baton (``comm.current_strand``: the thread's own
+strand, else the running one): whichever thread executes a strand's pass parks it, and the
+mechanism never relies on the calling thread. On CUDA both strands issue their kernels to the
+same stream, in the order the baton runs them, so every pass's arithmetic and the gradients'
+accumulation order are those of the sequential schedule; what overlaps a collective is the
+other strand's compute while gloo's or NCCL's own streams and threads move the bytes.
 
 Errors: a strand that raises ends its pass; ``resume`` re-raises the error on the scheduler's
 thread, and ``run_plan`` then cancels the partner strand: it wakes up inside its ``park`` with
@@ -30,7 +35,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.overlap.comm import Pending, set_current_strand
+from stalwart.overlap.comm import Pending, set_baton, set_current_strand
 
 
 class StrandError(RuntimeError):
@@ -73,6 +78,7 @@ class Strand:
             self.error = e
         finally:
             set_current_strand(None)
+            set_baton(None)
             self.done = True
             self.pending = None
             self._parked.release()
@@ -89,6 +95,7 @@ class Strand:
         already cancelled: unwinding code that parks again must not block for ever)."""
         if self._cancel is None:
             self.pending = pending
+            set_baton(None)
             self._parked.release()
             self._go.acquire()
             self.pending = None
@@ -104,6 +111,7 @@ class Strand:
         if not self._started:
             self._started = True
             self._thread.start()
+        set_baton(self)  # cleared by the strand before it hands the baton back
         self._go.release()
         self._parked.acquire()
         self.segments += 1
@@ -122,6 +130,7 @@ class Strand:
             self.error = StrandCancelled(f"strand {self.name} never ran: its partner failed")
             self.error.__cause__ = cause
             return
+        set_baton(self)  # it unwinds through its park: on a CUDA device thread, too
         self._go.release()
         self._parked.acquire()  # released by _main's finally once the pass has unwound
         self._thread.join()

@@ -32,7 +32,8 @@ PLAN_FILE = "overlap-plan.json"
 
 def tp_grad_norm(params: list[torch.Tensor], comm: TPComm) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient."""
-    sq = torch.zeros(2, dtype=torch.float64)
+    dev = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float64, device=dev)
     for p in params:
         if p.grad is not None:
             sq[0 if is_sharded(p) else 1] += p.grad.detach().double().pow(2).sum()
@@ -89,8 +90,10 @@ class TPTrainer:
 
 def build_tp_trainer(model_cfg: GPTConfig, tp_group: dist.ProcessGroup | None,
                      dp_group: dist.ProcessGroup | None, schedule: str,
-                     run_dir: Path | str | None, profile_reps: int = 2) -> TPTrainer:
-    """A TP GPT over `tp_group` and its step executor (see module docstring)."""
+                     run_dir: Path | str | None, profile_reps: int = 2,
+                     device: torch.device | str = "cpu") -> TPTrainer:
+    """A TP GPT over `tp_group` and its step executor (see module docstring), its parameters
+    on `device`."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown overlap schedule {schedule!r} "
                          f"(choose from {', '.join(SCHEDULES)})")
@@ -99,7 +102,7 @@ def build_tp_trainer(model_cfg: GPTConfig, tp_group: dist.ProcessGroup | None,
     if dist.is_initialized() and dist.get_world_size() > 1:
         for t in full.state_dict().values():  # head.weight is wte.weight: sent twice, harmless
             dist.broadcast(t, src=0)
-    model = TPGPT.from_full(full, comm)
+    model = TPGPT.from_full(full, comm).to(device)
     del full
     run_dir = Path(run_dir) if run_dir is not None else None
     step = Interleaved(model, comm, schedule=schedule, dp_group=dp_group,

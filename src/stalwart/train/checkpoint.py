@@ -97,8 +97,9 @@ def latest_step(run_dir: Path) -> int:
         raise ConfigError(f"corrupt checkpoint pointer: {p}") from None
 
 
-def load_rank(run_dir: Path, rank: int, cfg: RunConfig) -> dict[str, Any]:
-    """Load and check this rank's part of the latest checkpoint (ConfigError when unusable)."""
+def load_rank(run_dir: Path, rank: int, cfg: RunConfig, device: Any = "cpu") -> dict[str, Any]:
+    """Load and check this rank's part of the latest checkpoint (ConfigError when unusable),
+    its tensors onto ``device`` (the rank's own: a checkpoint saved on another device loads)."""
     step = latest_step(run_dir)
     saved_world = _saved_world(step_dir(run_dir, step))
     if saved_world is not None and saved_world != cfg.nproc:
@@ -111,7 +112,7 @@ def load_rank(run_dir: Path, rank: int, cfg: RunConfig) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"checkpoint is missing rank {rank}: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location=device, weights_only=False)
         assert isinstance(state, dict) and "model" in state and "fingerprint" in state
     except Exception:
         raise ConfigError(f"corrupt checkpoint: {path}") from None
@@ -145,6 +146,6 @@ def validate_resume(cfg: RunConfig) -> int:
 
 def restore_rng(state: dict[str, Any]) -> None:
     rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
+    torch.set_rng_state(rng["torch"].cpu())  # a checkpoint loaded onto a GPU moved it there
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])

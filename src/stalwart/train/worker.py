@@ -53,16 +53,50 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 class LocalComputeClock:
-    """Records when this rank's last gradient was computed (post-accumulate-grad hooks)."""
+    """Records when this rank's last gradient was computed (post-accumulate-grad hooks).
 
-    def __init__(self, model: nn.Module) -> None:
+    On CUDA the host time of a hook is when autograd *enqueued* that gradient, not when the
+    device computed it, so the clock also records a CUDA event there -- only in the hook of
+    the parameter whose gradient came last in the previous step (the graph's order is fixed),
+    so a step costs one event record, not one per parameter. ``device_times`` reads the events
+    once they are complete: after the loop's own sync (the loss), never by syncing for them.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.last = 0.0
-        for p in model.parameters():
+        self.cuda = device.type == "cuda"
+        self._last_param = -1  # index of the parameter whose gradient came last
+        self._seen = -1
+        if self.cuda:
+            self._ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        for i, p in enumerate(model.parameters()):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._mark)
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._mark(i))
 
-    def _mark(self, _p: torch.Tensor) -> None:
+    def _mark(self, i: int) -> None:
         self.last = time.perf_counter()
+        self._seen = i
+        if self.cuda and i == self._last_param:
+            self._ev[1].record()  # on the stream that produced this gradient
+
+    def start(self) -> None:
+        if self.cuda:
+            self._ev[1].record()  # a step whose last hook differs still has a valid event
+            self._ev[0].record()
+
+    def backward_done(self) -> None:
+        if self.cuda:
+            self._ev[2].record()
+
+    def device_times(self) -> tuple[float, float] | None:
+        """(compute, comm) seconds on the device for the step just run; None on CPU, or when
+        the events are not complete yet (the caller keeps its host times)."""
+        first = self._last_param != self._seen
+        self._last_param = self._seen  # learn the order for the next step
+        if not self.cuda or first or not self._ev[2].query():
+            return None
+        e0, e1, e2 = self._ev
+        return e0.elapsed_time(e1) / 1e3, e1.elapsed_time(e2) / 1e3
 
 
 class DataParallelStep:
@@ -71,7 +105,7 @@ class DataParallelStep:
     def __init__(self, model: GPT, device: torch.device) -> None:
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.model = model
-        self.clock = LocalComputeClock(model)
+        self.clock = LocalComputeClock(model, device)
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -82,26 +116,36 @@ class DataParallelStep:
         DDP's average over the G ranks is the mean over the step's M micro-batches."""
         t0 = time.perf_counter()
         self.clock.last = t0
-        total = 0.0
+        self.clock.start()
+        losses = []
         for i, (x, y) in enumerate(batches):
             sync = i == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 _, loss = self.ddp(x, y)
                 (loss * micro_weight).backward()
-            total += loss.item()
+            # CPU: read at once (as always); CUDA: no host sync per micro-batch
+            losses.append(loss.item() if not self.clock.cuda else loss.detach())
+        self.clock.backward_done()
+        total = sum(v if isinstance(v, float) else v.item() for v in losses)  # CUDA: one sync
         t1 = time.perf_counter()
         local_done = min(max(self.clock.last, t0), t1)
-        return total / len(batches), {"compute_time": local_done - t0, "comm_time": t1 - local_done}
+        timing = {"compute_time": local_done - t0, "comm_time": t1 - local_done}
+        dev = self.clock.device_times()
+        if dev is not None:  # the device's own clock: what the GPU did, not what was enqueued
+            timing["compute_time"], timing["comm_time"] = dev
+            timing["host_time"] = t1 - t0
+        return total / len(batches), timing
 
 
 class TensorParallelStep:
     """Tensor-parallel forward/backward from stalwart.overlap (sequential or interleaved)."""
 
-    def __init__(self, cfg: RunConfig, tp_group: Any, dp_group: Any, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, tp_group: Any, dp_group: Any, run_dir: Path,
+                 device: torch.device) -> None:
         from stalwart.overlap import build_tp_trainer
 
         self.trainer = build_tp_trainer(PRESETS[cfg.preset]["model"], tp_group, dp_group,
-                                        cfg.overlap, run_dir)
+                                        cfg.overlap, run_dir, device=device)
         self.model = self.trainer.model
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -226,16 +270,21 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
 def train(cfg: RunConfig) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world != cfg.nproc:
         cfg.nproc = world  # torchrun decides the world size
     cfg.validate()
     torch.set_num_threads(cfg.threads)
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
+
+    slot, slots = rank_slot()
+    try:
+        dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
+    device = torch.device(dplan.device_of(slot))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
+    dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
     launched = "STALWART_RUN_DIR" in os.environ
     if not launched and cfg.faults:
         raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
@@ -261,12 +310,12 @@ def train(cfg: RunConfig) -> int:
                           # lossy: the monitor's gloo ops must not pace the job (monitor.py);
                           # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
                           check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1)
+                          lag=2 if cfg.comm == "lossy" else 1, device=device)
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
         tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
-        stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir)
+        stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir, device)
     else:
         data_rank, data_parts = rank, world
         stepper = DataParallelStep(GPT(mcfg).to(device), device)
@@ -287,15 +336,18 @@ def train(cfg: RunConfig) -> int:
     host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
-        state = ckpt.load_rank(run_dir, rank, cfg)
+        state = ckpt.load_rank(run_dir, rank, cfg, device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         ckpt.restore_rng(state)
         start = state["step"]
         if rank == 0:
             events.log("resumed", step=start, world=world, saved_world=state["world"])
+    if rank == 0 and start == 0:
+        events.log("devices", plan=dplan.describe(), device=dplan.kind, backend=dplan.backend)
 
-    val = val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)
+    val = [(x.to(device), y.to(device))
+           for x, y in val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)]
 
     def do_eval(step: int) -> None:
         t = time.perf_counter()
