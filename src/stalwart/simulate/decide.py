@@ -153,8 +153,8 @@ class SimDetector(Monitor):
     def _group(self) -> Any:
         return None
 
-    def _test_device(self) -> tuple[Any, Any]:
-        return None, None
+    def _test_device(self) -> tuple[Any, Any, Any]:
+        return None, None, None
 
     def _gather(self, ev: RankEvidence) -> list[RankEvidence]:
         t0 = time.thread_time()
