@@ -39,6 +39,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="scripted fault instead of FALCON-drawn ones: compute:rank=R,factor=F"
                         " | link:host=H,factor=F | stop:host=H, with start=/end= (steps, or "
                         "seconds with an s)")
+    p.add_argument("--events", type=int, default=0,
+                   help="exactly this many FALCON-drawn fail-slows within --hours (FALCON's "
+                        "end-to-end protocol: 12 over one job) instead of the per-GPU-hour rate")
     p.add_argument("--cost-ranks", default="",
                    help="comma-separated rank counts for the decision-cost sweep (before and "
                         "after the scale fixes); empty: no sweep")
@@ -76,12 +79,15 @@ def options(a: argparse.Namespace) -> Options:
     for p in pols:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
+    if a.events < 0:
+        raise ValueError(f"--events must be >= 0, got {a.events}")
     if a.cost_steps < 20:
         raise ValueError(f"--cost-steps must be >= 20, got {a.cost_steps}")
     opts = Options(ranks=ranks, hours=a.hours, policies=pols, tp=a.tp, pp=a.pp,
                    gpus_per_host=a.gpus_per_host, noise_scale=a.noise_scale,
                    restart_s=a.restart_s, validation_s=a.validation_s, seed=a.seed,
-                   faults=list(a.faults), cost_ranks=_ints(a.cost_ranks, "--cost-ranks"),
+                   faults=list(a.faults), events=a.events,
+                   cost_ranks=_ints(a.cost_ranks, "--cost-ranks"),
                    cost_steps=a.cost_steps, calibrate_dirs=list(a.calibrate), out=a.out,
                    name=a.name, json=a.json, progress=not a.no_progress)
     from stalwart.simulate.faults import parse

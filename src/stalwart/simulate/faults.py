@@ -88,6 +88,30 @@ def draw(rng: np.random.Generator, ranks: int, gpus_per_host: int, horizon_s: fl
     return sorted(out, key=lambda f: f.start_s)
 
 
+def draw_events(rng: np.random.Generator, k: int, ranks: int, gpus_per_host: int,
+                within_s: float, stop_rate: float = STOP_PER_GPU_H,
+                horizon_s: float | None = None) -> list[Fault]:
+    """Exactly ``k`` fail-slows, each drawn like ``draw``'s (kind, duration, severity),
+    starting uniformly within ``[0, within_s)``, plus fail-stops at their usual rate: the
+    protocol of FALCON's end-to-end experiment (12 injected events over one job), for a trace
+    short enough that the Poisson rate would give one or none."""
+    hosts = math.ceil(ranks / gpus_per_host)
+    comm = rng.random(k) < COMM_SHARE
+    starts = rng.uniform(0.0, within_s, k)
+    durs = _loguniform(rng, *DURATION_S, k)
+    cf, lf = _loguniform(rng, *COMPUTE_FACTOR, k), _loguniform(rng, *LINK_FACTOR, k)
+    rk, hs = rng.integers(0, ranks, k), rng.integers(0, hosts, k)
+    out = [Fault("link", int(hs[i]), float(lf[i]), float(starts[i]), float(starts[i] + durs[i]))
+           if comm[i] else
+           Fault("compute", int(rk[i]), float(cf[i]), float(starts[i]),
+                 float(starts[i] + durs[i])) for i in range(k)]
+    horizon = horizon_s or 3 * within_s
+    m = int(rng.poisson(stop_rate * ranks * horizon / 3600.0))
+    for t, h in zip(rng.uniform(0.0, horizon, m), rng.integers(0, hosts, m), strict=True):
+        out.append(Fault("stop", int(h), 1.0, float(t), float(t)))
+    return sorted(out, key=lambda f: f.start_s)
+
+
 def _time(v: str, step_s: float, what: str) -> float:
     try:
         return float(v[:-1]) if v.endswith("s") else float(v) * step_s

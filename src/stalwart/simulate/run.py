@@ -40,6 +40,7 @@ class Options:
     validation_s: float = 1.0
     seed: int = 0
     faults: list[str] = field(default_factory=list)  # scripted; none: FALCON-drawn
+    events: int = 0  # > 0: exactly this many FALCON-drawn fail-slows within ``hours``
     cost_ranks: list[int] = field(default_factory=list)  # decision-cost sweep (empty: none)
     cost_steps: int = 150
     cost_before: bool = True
@@ -113,7 +114,8 @@ def simulate(opts: Options, command: str = "stalwart simulate") -> tuple[Path, d
                 prog(f"{tag} {nm}", d, t)
 
             scripted = _scripted(opts, job, 8.0)
-            res = run_scale(job, opts.hours, noise, settings, opts.policies, scripted, rep)
+            res = run_scale(job, opts.hours, noise, settings, opts.policies, scripted, rep,
+                            opts.events)
             results.append(res)
             figures.update(res.figures)
             for f in res.faults:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from stalwart.simulate.engine import Engine, Outcome, Settings
-from stalwart.simulate.faults import Fault, draw
+from stalwart.simulate.faults import Fault, draw, draw_events
 from stalwart.simulate.model import Job, Link
 from stalwart.simulate.noise import Noise
 
@@ -68,12 +68,19 @@ class ScaleResult:
 
 def run_scale(job: Job, hours: float, noise: Noise, settings: Settings,
               policies: tuple[str, ...] = POLICIES, scripted: list[Fault] | None = None,
-              report: Callable[[str, int, int], None] | None = None) -> ScaleResult:
-    """Every scenario at one scale (module docstring). ``report(name, done, total)``."""
+              report: Callable[[str, int, int], None] | None = None,
+              events: int = 0) -> ScaleResult:
+    """Every scenario at one scale (module docstring). ``report(name, done, total)``;
+    ``events`` > 0: that many FALCON-drawn fail-slows within ``hours`` (faults.draw_events)
+    instead of the Poisson rate."""
     rng = np.random.default_rng(settings.seed)
     horizon = hours * 3600.0 * 3.0  # the slowed jobs run longer than ``hours``
-    faults = draw(rng, job.ranks, job.gpus_per_host, horizon) if scripted is None \
-        else list(scripted)
+    if scripted is not None:
+        faults = list(scripted)
+    elif events > 0:
+        faults = draw_events(rng, events, job.ranks, job.gpus_per_host, hours * 3600.0)
+    else:
+        faults = draw(rng, job.ranks, job.gpus_per_host, horizon)
     stops = [f for f in faults if f.kind == "stop"]
     res = ScaleResult(job, 0, faults=faults)
 
