@@ -48,3 +48,12 @@ def test_schedule_applies_and_removes() -> None:
     assert [f.kind for f in ended] == ["link"]
     comp, _, _, _ = s.at(40.0)
     assert comp.tolist() == [1, 1, 1, 1]
+
+
+def test_draw_events_gives_exactly_k_fail_slows_within_the_window() -> None:
+    from stalwart.simulate.faults import draw_events
+
+    fs = draw_events(np.random.default_rng(0), 12, 1000, 8, 7200.0)
+    slow = [f for f in fs if f.kind != "stop"]
+    assert len(slow) == 12 and all(0.0 <= f.start_s < 7200.0 for f in slow)
+    assert {f.kind for f in slow} <= {"compute", "link"}

@@ -72,7 +72,8 @@ class _Progress:
         el = time.perf_counter() - self.t0
         done_all = self.done_before + self._cur
         eta = el / done_all * (self.total - done_all) if done_all else float("nan")
-        print(f"\rsimulate: scenario {self.i}/{self.n} {name}: step {min(done, total)}/{total}"
+        what = f"scenario {self.i}/{self.n} " if self.n else ""
+        print(f"\rsimulate: {what}{name}: step {min(done, total)}/{total}"
               f"  elapsed {el:6.0f} s  estimate {eta:6.0f} s left   ", end="",
               file=sys.stderr, flush=True)
         if done >= total:
