@@ -10,7 +10,8 @@ STAMP   := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# (setup.py and the C source: the native data plane is built by the editable install)
+$(STAMP): pyproject.toml setup.py src/stalwart/comm/_native/engine.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
@@ -29,8 +30,11 @@ test: setup lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not root"
 
+# ruff, and the import layering (pyproject.toml [tool.importlinter]: no upward import, the
+# decision code torch-free)
 lint: setup
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,6 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stalwart.launch import free_port
+
+__all__ = ["FAST", "SRC", "free_port", "spawn_ranks", "stalwart"]
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 

@@ -12,20 +12,75 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from stalwart.train.model import PRESETS
+from stalwart.devices import DEVICE_MODES
+from stalwart.errors import ConfigError
+from stalwart.faultspec import FAULT_KINDS, TESTBEDS, parse_fault
+from stalwart.presets import PRESETS
+from stalwart.rundir import atomic_write_text
+
+__all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "MITIGATE_MODES", "OVERLAP_MODES",
+           "TESTBEDS", "ConfigError", "DetectConfig", "PolicyConfig", "RunConfig",
+           "check_script", "check_writable"]
 
 COMM_MODES = ("reliable", "lossy")
-TESTBEDS = ("local", "netns")
 MITIGATE_MODES = ("off", "auto", "rebalance")
 OVERLAP_MODES = ("off", "si")
 CPU_CAP_MODES = ("auto", "fair", "off")
-FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
+# options that change what stalwart's own workload does; a user's script decides that itself
+_WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
+    ("tp", "--tp", 1), ("comm", "--comm", "reliable"), ("mitigate", "--mitigate", "off"),
+    ("overlap", "--overlap", "off"), ("resume", "--resume", False),
+    ("halt_at", "--halt-at", None),
+)
 
-class ConfigError(ValueError):
-    """Bad user input. The message is one line that names the bad value."""
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """The straggler monitor's settings in a run (``stalwart.detect.Monitor``'s arguments;
+    the thresholds behind them: docs/calibration.md)."""
+
+    warmup: int = 10  # samples the change detectors ignore at the start
+    persist: int = 20  # samples an unexplained slowdown must last to be logged
+    history: int = 1000  # samples kept per rank
+    max_every: int = 1  # at most this many steps per exchange (reliable comm)
+    # --comm lossy: a fixed exchange period and rows read this many exchanges later (the
+    # monitor's TCP rows stall on retransmission timeouts under loss; training does not)
+    lossy_check_every: int = 8
+    lossy_lag: int = 2
+    compute_reps: int = 64  # matmuls per round of the compute test
+    link_bytes: int = 1 << 18  # bytes per transfer of the link test
+
+    def problems(self) -> list[str]:
+        return [f"detection.{k} must be >= 1, got {v}" for k, v in (
+            ("warmup", self.warmup + 1), ("persist", self.persist), ("history", self.history),
+            ("max_every", self.max_every), ("lossy_check_every", self.lossy_check_every),
+            ("lossy_lag", self.lossy_lag), ("compute_reps", self.compute_reps),
+            ("link_bytes", self.link_bytes)) if v < 1]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The mitigation policy's settings in a run (``stalwart.mitigate.policy.Policy``)."""
+
+    every: int = 2  # steps per exchange of the agreement channel
+    min_gain: float = 0.05  # a first plan must be predicted this much faster
+    replan_gain: float = 0.25  # a plan in force is replaced only for this much more
+    revert_windows: int = 2  # healthy exchanges in a row before a revert
+
+    def problems(self) -> list[str]:
+        out = [f"policy.{k} must be >= 1, got {v}" for k, v in (
+            ("every", self.every), ("revert_windows", self.revert_windows)) if v < 1]
+        out += [f"policy.{k} must be in [0, 1), got {v}" for k, v in (
+            ("min_gain", self.min_gain), ("replan_gain", self.replan_gain))
+            if not 0.0 <= v < 1.0]
+        return out
+
+
+_NESTED = {"detection": DetectConfig, "policy": PolicyConfig}
 
 
 @dataclass
@@ -79,6 +134,8 @@ class RunConfig:
     # auto | cpu | cuda: where each rank computes and which backend it uses (devices.py)
     device: str = "auto"
     max_data_bytes: int = 16 * 1024 * 1024
+    detection: DetectConfig = field(default_factory=DetectConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -176,28 +233,42 @@ class RunConfig:
         need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
-        from stalwart.devices import DEVICE_MODES
-
         need(self.device in DEVICE_MODES,
              f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
-        from stalwart.testbed.faults import parse_fault
-
+        for problem in self.detection.problems() + self.policy.problems():
+            raise ConfigError(problem)
         hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
             parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
         if self.script is not None or self.script_args:
-            from stalwart.script import validate_script_run
-
-            validate_script_run(self)
+            self._validate_script_run()
         return self
+
+    def _validate_script_run(self) -> None:
+        """A user's own torchrun script as the ranks (``--script PATH -- ARGS``)."""
+        if self.script is None:
+            raise ConfigError(f"script arguments {' '.join(self.script_args)!r} after -- need "
+                              "--script PATH")
+        check_script(self.script)
+        for attr, flag, default in _WORKLOAD_ONLY:
+            value = getattr(self, attr)
+            if value != default:
+                shown = "" if isinstance(value, bool) else f" {value}"
+                raise ConfigError(f"{flag}{shown} does not apply to --script runs (it "
+                                  "configures stalwart's own training workload)")
+        if not self.detect:
+            hosts = max(self.hosts) + 1 if self.hosts else self.nproc
+            for spec in self.faults:
+                if parse_fault(spec, hosts, self.testbed).uses_steps:
+                    raise ConfigError(
+                        f"fault {spec!r} counts steps, and a script's steps are the monitor's "
+                        "iterations: add --detect, or give the window in seconds (start=20s)")
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)
 
     def save(self, path: Path) -> None:
-        from stalwart.rundir import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
@@ -206,6 +277,15 @@ class RunConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        for key, kind in _NESTED.items():
+            if isinstance(d.get(key), dict):
+                sub = d[key]
+                bad = set(sub) - {f.name for f in fields(kind)}
+                if bad:
+                    raise ConfigError(f"unknown config keys: "
+                                      f"{', '.join(f'{key}.{k}' for k in sorted(bad))}")
+                d[key] = kind(**sub)
         return cls(**d)
 
     @classmethod
@@ -230,3 +310,24 @@ def check_writable(folder: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"output folder is not writable: {folder} ({e.strerror})") from None
+
+
+def check_script(path: str) -> Path:
+    """The script as an absolute path, if it is a Python source file that compiles."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"script not found: {path}")
+    if p.is_dir():
+        raise ConfigError(f"--script must be a Python file, got a folder: {path}")
+    try:
+        source = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read script {path}: {e.strerror}") from None
+    try:
+        # compile() honours a PEP 263 coding line, as the interpreter will
+        compile(source, str(p), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise ConfigError(f"not a Python script: {path} (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:  # e.g. null bytes: a binary file
+        raise ConfigError(f"not a Python script: {path} ({e})") from None
+    return p.resolve()

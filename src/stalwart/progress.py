@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import RunConfig
+from stalwart.events import describe
 
 PLAIN_EVERY_S = 30.0
 RATE_WINDOW_S = 5.0
@@ -125,15 +126,8 @@ def _fmt_event(e: dict[str, Any], *, plan: list[int] | None = None,
     tp 2).
     """
     ev = e.get("event")
-    if ev == "straggler_detected":
-        who = (f"rank {','.join(map(str, e['ranks']))}" if e.get("ranks")
-               else f"link {e.get('link')}")
-        return (f"straggler: {e.get('kind')} {who} x{e.get('severity', 0):.2f} "
-                f"since step {e.get('onset_step')}")
-    if ev == "slowdown_unexplained":
-        return f"job slowed at step {e.get('step')}, no culprit rank or link found"
-    if ev == "straggler_recovered":
-        return f"straggler recovered at step {e.get('step')}"
+    if (detected := describe(e)) is not None:
+        return detected
     if ev in ("fault_applied", "fault_removed"):
         return f"{ev.replace('_', ' ')}: {e.get('spec', e.get('kind'))} at step {e.get('step')}"
     return _fmt_mitigation(e, plan, hosts, tp)

@@ -27,13 +27,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalwart.events import Event
 
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 LOGS = "logs"
+ITERATIONS = "iterations.jsonl"  # a script run's monitor iterations, one line per rank
+ERROR_SUFFIX = ".error.json"  # logs/rank-R.error.json: when and how rank R's script failed
 
 # keys every metrics line has; capabilities add their own (e.g. "pkts_lost", "drift")
 METRIC_KEYS = (
@@ -104,6 +109,10 @@ class EventLog(JsonlWriter):
         rec = {"event": event, "time": time.time(), **fields}
         self.write(rec)
         return rec
+
+    def emit(self, ev: Event) -> dict[str, Any]:
+        """A typed event (stalwart.events) as its line."""
+        return self.log(ev.name, **ev.fields())
 
 
 # ---- reading --------------------------------------------------------------------------------

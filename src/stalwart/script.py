@@ -26,64 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import ConfigError, RunConfig
-from stalwart.rundir import LOGS
+from stalwart.config import RunConfig
+from stalwart.events import describe as describe_event
+from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS
 
-ITERATIONS = "iterations.jsonl"  # the monitor's iterations, one line per rank and iteration
-ERROR_SUFFIX = ".error.json"  # logs/rank-R.error.json: when and how rank R's script failed
+__all__ = ["ERROR_SUFFIX", "ITERATIONS", "ScriptProgress", "describe", "first_errors",
+           "format_event"]
 PLAIN_EVERY_S = 10.0
-
-# options that change what stalwart's own workload does; a script decides that for itself
-_WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
-    ("tp", "--tp", 1), ("comm", "--comm", "reliable"), ("mitigate", "--mitigate", "off"),
-    ("overlap", "--overlap", "off"), ("resume", "--resume", False),
-    ("halt_at", "--halt-at", None),
-)
-
-
-def validate_script_run(cfg: RunConfig) -> None:
-    """ConfigError (one line naming the value) unless `cfg` is a runnable script run."""
-    from stalwart.testbed.faults import parse_fault
-
-    if cfg.script is None:
-        raise ConfigError(f"script arguments {' '.join(cfg.script_args)!r} after -- need "
-                          "--script PATH")
-    check_script(cfg.script)
-    for attr, flag, default in _WORKLOAD_ONLY:
-        value = getattr(cfg, attr)
-        if value != default:
-            shown = "" if isinstance(value, bool) else f" {value}"
-            raise ConfigError(f"{flag}{shown} does not apply to --script runs (it configures "
-                              "stalwart's own training workload)")
-    if not cfg.detect:
-        hosts = max(cfg.hosts) + 1 if cfg.hosts else cfg.nproc
-        for spec in cfg.faults:
-            if parse_fault(spec, hosts, cfg.testbed).uses_steps:
-                raise ConfigError(
-                    f"fault {spec!r} counts steps, and a script's steps are the monitor's "
-                    "iterations: add --detect, or give the window in seconds (start=20s)")
-
-
-def check_script(path: str) -> Path:
-    """The script as an absolute path, if it is a Python source file that compiles."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"script not found: {path}")
-    if p.is_dir():
-        raise ConfigError(f"--script must be a Python file, got a folder: {path}")
-    try:
-        source = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read script {path}: {e.strerror}") from None
-    try:
-        # compile() honours a PEP 263 coding line, as the interpreter will
-        compile(source, str(p), "exec", dont_inherit=True)
-    except SyntaxError as e:
-        raise ConfigError(f"not a Python script: {path} (line {e.lineno}: {e.msg})") from None
-    except ValueError as e:  # e.g. null bytes: a binary file
-        raise ConfigError(f"not a Python script: {path} ({e})") from None
-    return p.resolve()
-
 
 def first_errors(run_dir: Path) -> dict[int, dict[str, Any]]:
     """rank -> {"time", "error", ...} for every rank whose script raised or exited non-zero."""
@@ -187,15 +136,6 @@ def format_event(e: dict[str, Any]) -> str | None:
     at = f" at {e['elapsed_s']:.1f}s" if isinstance(e.get("elapsed_s"), (int, float)) else ""
     if ev in ("fault_applied", "fault_removed"):
         return f"{ev.replace('_', ' ')}{at}: {e.get('spec', e.get('kind'))}"
-    if ev == "straggler_detected":
-        who = (f"rank {','.join(map(str, e['ranks']))}" if e.get("ranks")
-               else f"link {e.get('link')}")
-        link = f" (link {e['link'][0]}-{e['link'][1]})" if e.get("ranks") and isinstance(
-            e.get("link"), list) else ""
-        return (f"straggler: {e.get('kind')} {who}{link} x{e.get('severity', 0):.2f} since "
-                f"iteration {e.get('onset_step')} (monitor)")
-    if ev == "straggler_recovered":
-        return f"straggler recovered at iteration {e.get('step')}"
-    if ev == "slowdown_unexplained":
-        return f"job slowed at iteration {e.get('step')}, no culprit rank or link found"
-    return None
+    if ev == "straggler_detected" and (line := describe_event(e, unit="iteration")):
+        return line + " (monitor)"
+    return describe_event(e, unit="iteration")

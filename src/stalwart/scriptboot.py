@@ -41,8 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from stalwart.rundir import LOGS, JsonlWriter
-from stalwart.script import ERROR_SUFFIX, ITERATIONS
+from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS, JsonlWriter
 
 
 class _Detection:
@@ -86,29 +85,22 @@ class _Detection:
         if self.monitor is not None:
             return
         from stalwart.detect import Monitor
-        from stalwart.detect.monitor import IterSample
 
         writer = JsonlWriter(self.run_dir / ITERATIONS)
         self.writer = writer
         rank = self.rank
 
-        class ScriptMonitor(Monitor):
-            """The monitor, writing each iteration it counts (all ranks) to iterations.jsonl."""
+        def log_iteration(s: Any) -> None:
+            """Every iteration the monitor counts (all ranks), to iterations.jsonl."""
+            try:
+                writer.write({"step": int(s.key), "rank": rank, "time": time.time(),
+                              "step_time": round(s.seconds, 6),
+                              "compute_time": round(s.compute or 0.0, 6),
+                              "comm_time": round(s.comm or 0.0, 6), "source": "monitor"})
+            except OSError:
+                pass  # (disk full, closed) the report loses a point, not the run
 
-            def _sample(self, s: IterSample) -> None:
-                counted = not self._skip_next  # the iteration that held a validation pause
-                super()._sample(s)
-                if counted:
-                    try:
-                        writer.write({"step": int(s.key), "rank": rank, "time": time.time(),
-                                      "step_time": round(s.seconds, 6),
-                                      "compute_time": round(s.compute or 0.0, 6),
-                                      "comm_time": round(s.comm or 0.0, 6),
-                                      "source": "monitor"})
-                    except OSError:
-                        pass  # (disk full, closed) the report loses a point, not the run
-
-        self.monitor = ScriptMonitor(run_dir=self.run_dir)
+        self.monitor = Monitor(run_dir=self.run_dir, on_sample=log_iteration)
 
     def close(self) -> None:
         mon, self.monitor = self.monitor, None

@@ -23,6 +23,7 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
 
     from stalwart.bench.detect import abba, begin_step, end_step
     from stalwart.detect import Monitor
+    from stalwart.detect.exchange import Exchange
     from stalwart.detect.rowlink import GlooRows
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -32,9 +33,9 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
         # one exchange per step, each read at the next check (as the benchmark's reliable runs)
         mon = Monitor(rank=rank, world=world, check_every=1)
         if link == "gloo":
-            assert mon._rows is not None
-            mon._rows.close()
-            mon._rows = GlooRows(rank, world, mon._width(), mon._group())
+            assert mon.exchange is not None
+            mon.exchange.rows.close()
+            mon.exchange.rows = GlooRows(rank, world, Exchange.width(1), mon.group())
         issued: dict[int, float] = {}
         ended: dict[int, float] = {}
         for step in range(STEPS):
@@ -45,7 +46,7 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
             end_step(mon, step, WARM, {"step_time": 0.01, "compute_time": 0.01,
                                        "comm_time": 0.0})
             ended[step] = time.time()
-        res[link] = {"issued": issued, "ended": ended, "exchanges": mon.exchanges}
+        res[link] = {"issued": issued, "ended": ended, "exchanges": mon.exchange.exchanges}
         mon.close()
     out.put((rank, res))
     dist.destroy_process_group()

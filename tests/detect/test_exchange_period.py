@@ -1,10 +1,11 @@
-"""Rank 0's choice of the exchange period (monitor.py ``_choose_every``/``_read``), driven
-through the monitor's own issue/read path with a two-rank row link held in memory (the real
-link is tested in test_rowlink.py; here only what rank 0 decides from the rows matters)."""
+"""Rank 0's choice of the exchange period (exchange.py), driven through the exchange's own
+check path with a two-rank row link held in memory (the real link is tested in
+test_rowlink.py; here only what rank 0 decides from the rows matters)."""
 
 from __future__ import annotations
 
-from stalwart.detect import Monitor
+from stalwart.detect.decision import DecisionCore
+from stalwart.detect.exchange import Exchange
 
 
 class TwoRankRows:
@@ -30,17 +31,15 @@ class TwoRankRows:
 
 
 def periods(peer_request: int, checks: int = 40) -> list[int]:
-    m = Monitor(rank=0, world=2, max_every=2)
-    m._rows = TwoRankRows(peer_request)  # type: ignore[assignment]
-    m._exchange_process_cpu = 150e-6  # an exchange: 1.5x the 0.2% budget of a 50 ms step
-    m._step_cpu.extend([0.05] * 3)
+    # an exchange costs 1.5x the 0.2% budget of a 50 ms step
+    ex = Exchange(0, TwoRankRows(peer_request), DecisionCore(leader=True),  # type: ignore
+                  check_every=None, max_every=2, lag=1, process_cost=150e-6)
+    ex._step_cpu.extend([0.05] * 3)
     out = []
     for c in range(1, checks + 1):
-        m._read(c)
-        if c >= m._next_issue:
-            m._issue(c)
-        out.append(m.check_every)
-    m.close()
+        ex.check(c)
+        out.append(ex.check_every)
+    ex.close()
     return out
 
 

@@ -263,3 +263,22 @@ def test_a_compute_stragglers_onset_comes_from_its_own_series() -> None:
     for e in es:
         e.recent = []
     assert decide(es, 23, 36, 1.5).onset_step == 23
+
+
+def test_a_rank_slow_only_from_the_last_step_is_not_the_culprit_of_an_earlier_change() -> None:
+    # rank 3's own channel fired on noise at 24; the decision was validated at step 30, the
+    # first step of a real fault on rank 3: the test confirms it, but its compute rose in one
+    # sample only -- the finding must not carry the noise's onset (it was logged as onset 21
+    # for a rank slowed from step 30)
+    es = [ev(r, comm=(0.01, 0.04)) for r in range(3)] + [ev(3, comp=(0.05, 0.08), test=0.31)]
+    for e in es:
+        e.recent = [(k, 0.05 * (1.0 + 0.01 * ((k * 7 + e.rank) % 3))
+                     * (2.0 if e.rank == 3 and k >= 30 else 1.0)) for k in range(0, 31)]
+    f = decide(es, onset_step=24, step=30, severity=1.3, suspect_rank=3)
+    assert f.kind == "unknown" and f.evidence["culprit_not_slow_since_onset"] == 3
+    # two steps later the rise is placed: the same rank, with the fault's own onset
+    for e in es:
+        e.recent = [(k, 0.05 * (1.0 + 0.01 * ((k * 7 + e.rank) % 3))
+                     * (2.0 if e.rank == 3 and k >= 30 else 1.0)) for k in range(0, 33)]
+    f = decide(es, onset_step=24, step=32, severity=1.3, suspect_rank=3)
+    assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 30

@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 
 from stalwart.rundir import RunData
+from tests.helpers import free_port
 
 JOB = Path(__file__).with_name("gloo_job.py")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(out: Path, world: int, *args: str) -> list[dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.detect import Monitor
+from stalwart.detect.decision import DETECT, NONE, DecisionCore, IterSample
 from stalwart.rundir import RunData
 
 
@@ -102,23 +103,22 @@ def test_a_slowdown_still_open_at_close_is_not_logged_early(tmp_path: Path) -> N
     assert mon.hiccups == 1
 
 
-def test_one_fault_seen_by_two_channels_is_one_finding(tmp_path: Path) -> None:
+def test_one_fault_seen_by_two_channels_is_one_finding() -> None:
     from stalwart.detect.changepoint import Change
     from stalwart.detect.localize import Finding
 
-    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
-    mon._active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
-    mon._channel = "iteration"
+    core = DecisionCore(leader=True)
+    core.active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
+    core._channel = "iteration"
     # the culprit's own channel fires on the same slowdown later: nothing new
-    mon._classify(Change(onset=31, decided=38, before=1.0, after=1.3), "rank1")
+    core.classify(Change(onset=31, decided=38, before=1.0, after=1.3), "rank1")
     # so does the iteration time of a slowdown that began before the decision
-    mon._channel = "rank1"
-    mon._classify(Change(onset=29, decided=39, before=1.0, after=1.4), "iteration")
-    assert mon._pending[0] == 0
+    core._channel = "rank1"
+    core.classify(Change(onset=29, decided=39, before=1.0, after=1.4), "iteration")
+    assert core.pending.action == NONE
     # another rank slowing down after the decision is a new straggler
-    mon._classify(Change(onset=45, decided=50, before=1.0, after=1.3), "rank2")
-    assert mon._pending[0] == 1 and mon._pending[3] == 2
-    mon.close()
+    core.classify(Change(onset=45, decided=50, before=1.0, after=1.3), "rank2")
+    assert core.pending.action == DETECT and core.pending.suspect == 2
 
 
 def test_a_verdict_naming_nobody_while_a_straggler_is_active_keeps_it(tmp_path: Path) -> None:
@@ -127,27 +127,27 @@ def test_a_verdict_naming_nobody_while_a_straggler_is_active_keeps_it(tmp_path: 
     mon = Monitor(run_dir=tmp_path, rank=0, world=1)
     feed(mon, steps(40, 2))
     active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
-    mon._active = active
-    mon._on_detect(36, 42, 1.2, distributed=False)  # a lagging channel; tests name nobody
-    assert mon._active is active and mon.findings == [] and mon.hiccups == 1
+    mon.core.active = active
+    # a lagging channel; the tests name nobody
+    mon.core.apply_verdict(Finding("unknown", 36, 42, 1.2, 0.3), None)
+    assert mon.core.active is active and mon.findings == [] and mon.hiccups == 1
     mon.close()
     assert "slowdown_unexplained" not in logged(tmp_path)
 
 
-def test_a_second_slowdown_the_tests_do_not_confirm_leaves_the_active_one_followed(
-        tmp_path: Path) -> None:
+def test_a_second_slowdown_the_tests_do_not_confirm_leaves_the_active_one_followed() -> None:
     from stalwart.detect.changepoint import Change
     from stalwart.detect.localize import Finding
 
-    mon = Monitor(run_dir=tmp_path, rank=0, world=1)
-    feed(mon, steps(40, 3))
+    core = DecisionCore(leader=True)
+    for k, t in enumerate(steps(40, 3)):
+        core.sample(IterSample(k, float(t), 0.8 * float(t), 0.2 * float(t)))
     active = Finding("compute", 30, 34, 1.5, 1.0, ranks=[1])
-    mon._active, mon._channel, mon._healthy = active, "rank1", 1.0
+    core.active, core._channel, core._healthy = active, "rank1", 1.0
     # the iteration time slows after the decision: maybe a second straggler
-    mon._classify(Change(onset=38, decided=44, before=0.1, after=0.13), "iteration")
-    assert mon._pending[0] == 1 and mon._channel == "rank1"
-    mon._pending = (0, 0, 0.0, -1)
-    mon._on_detect(38, 44, 1.3, distributed=False)  # the tests name nobody
+    core.classify(Change(onset=38, decided=44, before=0.1, after=0.13), "iteration")
+    assert core.pending.action == DETECT and core._channel == "rank1"
+    core.take_pending(travels=False)
+    core.apply_verdict(Finding("unknown", 38, 44, 1.3, 0.3), None)  # the tests name nobody
     # recovery is still followed on the straggler's own channel, against its own level
-    assert mon._active is active and mon._channel == "rank1" and mon._healthy == 1.0
-    mon.close()
+    assert core.active is active and core._channel == "rank1" and core._healthy == 1.0

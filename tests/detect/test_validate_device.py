@@ -71,7 +71,7 @@ def test_the_monitor_validates_where_the_job_runs(monkeypatch: pytest.MonkeyPatc
     import torch
     import torch.distributed as dist
 
-    from stalwart.detect import Monitor
+    from stalwart.detect.verify import where_to_test
 
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
@@ -79,12 +79,8 @@ def test_the_monitor_validates_where_the_job_runs(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4 if cuda else 0)
-    m = Monitor(rank=0, world=1)
-    m._pg = own = object()  # the monitor's gloo group (a real one needs a job)
-    try:
-        dev, link_dev, group = m._test_device()
-    finally:
-        m.close()
+    own = object()  # the monitor's gloo group (a real one needs a job)
+    dev, link_dev, group = where_to_test(own)
     if want is None:
         assert (dev, link_dev, group) == (None, None, own)  # the CPU path, as before
     else:  # the job's default group
@@ -100,14 +96,10 @@ def test_a_monitor_told_its_gpu_tests_compute_there(monkeypatch: pytest.MonkeyPa
     import torch
     import torch.distributed as dist
 
-    from stalwart.detect import Monitor
+    from stalwart.detect.verify import where_to_test
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
-    m = Monitor(rank=0, world=1, device="cuda:0")
-    m._pg = own = object()
-    try:
-        got = m._test_device()
-    finally:
-        m.close()
+    own = object()
+    got = where_to_test(own, "cuda:0")
     gpu = torch.device("cuda:0")
     assert got == ((gpu, None, own) if link == "cpu" else (gpu, gpu, None))

@@ -126,7 +126,7 @@ def _validate(rank: int, world: int, port: int, out) -> None:  # noqa: ANN001
     dev = _init(rank, world, port)
     times = validate.compute_test(reps=8, rounds=2, device=dev)
     # the link test moves device buffers where the job's backend carries them (NCCL); gloo's
-    # send/recv take host buffers (the monitor does the same: Monitor._test_device)
+    # send/recv take host buffers (the monitor does the same: verify.where_to_test)
     link_dev = dev if validate.cuda_backend(dist.get_backend(), True) else None
     links = validate.link_test(validate.ring_pair_passes(world), rank, nbytes=1 << 16,
                                device=link_dev)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.rundir import RunData, read_jsonl
-from tests.helpers import SRC
+from tests.helpers import SRC, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +36,6 @@ STEPS, CKPT_EVERY, KILL_AFTER = 30, 4, 8  # kill once a 4-rank checkpoint >= ste
 TAG = "STALWART_ELASTIC_TEST"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tagged(tag: str) -> list[int]:
@@ -101,7 +96,7 @@ def test_a_node_leaves_and_the_other_goes_on_from_the_checkpoint(tmp_path: Path)
         Path(os.__file__).parent.glob("[a-f]*.py")))
     data.write_text(text[:400_000])
     run_dir = tmp_path / "runs" / "el"
-    port, tag = _free_port(), uuid.uuid4().hex
+    port, tag = free_port(), uuid.uuid4().hex
     # keep_alive: the dead node's heartbeats lapse after 3 s, not 15; last_call: a rendezvous
     # with fewer than 2 nodes closes 3 s after the first one joined
     conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REVERT
+from stalwart.detect.localize import Finding
+from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT
 from stalwart.mitigate.policy import Policy
 
 UNIT = 0.01  # seconds per micro-batch on a healthy rank
 M, G = 16, 4
 
 
-def finding(rank: int, step: int, kind: str = "compute") -> dict:
-    return {"kind": kind, "ranks": [rank], "onset_step": step - 4, "step": step}
+def finding(rank: int, step: int, kind: str = "compute") -> Finding:
+    return Finding(kind, step - 4, step, 1.5, 0.9, ranks=[rank])
 
 
-def feed(p: Policy, step: int, units: list[float], findings: list[dict]):
+def ev(**fields) -> Finding:
+    """A finding as an event line records it."""
+    return Finding.from_event(fields)
+
+
+def feed(p: Policy, step: int, units: list[float], findings: list[Finding]):
     """One exchange: step time = the slowest group's makespan under the policy's plan."""
     step_s = max(n * u for n, u in zip(p.counts, units, strict=True)) + 0.005
     return p.observe(step, units, step_s, 2, findings, step + 3)
@@ -71,7 +79,7 @@ def rebalanced_2x() -> tuple[Policy, list[dict]]:
 def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
     p, fs = rebalanced_2x()
     assert not p.uniform
-    healed = [{**fs[0], "recovered_step": 40}]
+    healed = [replace(fs[0], recovered_step=40)]
     d = feed(p, 41, [UNIT] * G, healed)
     assert d is not None and d.kind == REVERT
     # and a reverted straggler the detector calls recovered is not followed again on noise
@@ -83,7 +91,7 @@ def test_a_recovery_the_detector_took_back_does_not_revert() -> None:
     """The detector called the rebalanced rank recovered, then found it slow again: only its
     latest verdict counts, so one healthy-looking exchange does not revert the plan."""
     p, fs = rebalanced_2x()
-    fs = [{**fs[0], "recovered_step": 40}, finding(2, 42)]
+    fs = [replace(fs[0], recovered_step=40), finding(2, 42)]
     assert feed(p, 43, [UNIT] * G, fs) is None  # a short burst reads healthy
     assert all(feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None for s in range(45, 61, 2))
     assert not p.uniform
@@ -102,8 +110,8 @@ def test_blip_over_before_the_verdict_is_not_acted_on() -> None:
 def test_pair_links_and_unexplained_slowdowns_are_not_rebalanced() -> None:
     p = Policy(G, M)
     healthy(p, range(1, 21, 2))
-    fs = [{"kind": "link", "ranks": [], "link": [1, 2], "onset_step": 20, "step": 22},
-          {"kind": "unknown", "ranks": [], "onset_step": 20, "step": 22}]
+    fs = [ev(kind="link", ranks=[], link=[1, 2], onset_step=20, step=22),
+          ev(kind="unknown", ranks=[], onset_step=20, step=22)]
     for s in range(21, 41, 2):
         assert feed(p, s, [UNIT, UNIT, 2 * UNIT, UNIT], fs) is None
 
@@ -157,7 +165,7 @@ def test_a_slow_host_link_found_late_still_pays_its_rent() -> None:
     slow = 3 * (4 * UNIT + 0.005)
     for s in range(21, 53, 2):  # slow steps, nobody has named the link yet
         assert p.observe(s, [UNIT] * G, slow, 2, [], s + 3) is None
-    fs = [{"kind": "link", "ranks": [1], "onset_step": 21, "step": 53}]
+    fs = [ev(kind="link", ranks=[1], onset_step=21, step=53)]
     out = [d for s in range(53, 121, 2)
            if (d := p.observe(s, [UNIT] * G, slow, 2, fs, s + 3)) is not None]
     assert out and out[0].kind == EXCLUDE and out[0].target == 1
@@ -211,7 +219,7 @@ def test_a_straggler_left_a_quarter_of_its_share_needs_longer_to_revert() -> Non
     out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 61, 2)]
     assert [i for i, d in enumerate(out) if d is not None] == [7] and out[7].kind == REVERT
     p, fs = rebalanced_3x()
-    recovered = [{**fs[0], "recovered_step": 40}]
+    recovered = [replace(fs[0], recovered_step=40)]
     d = feed(p, 41, [UNIT] * G, recovered)
     assert d is not None and d.kind == REVERT
 
@@ -225,7 +233,7 @@ def test_a_right_revert_stays_reverted() -> None:
 
 def _pair_run(p: Policy, slow_factor: float = 3.0) -> list:
     healthy(p, range(1, 21, 2))
-    fs = [{"kind": "link", "ranks": [], "link": [2, 3], "onset_step": 21, "step": 25}]
+    fs = [ev(kind="link", ranks=[], link=[2, 3], onset_step=21, step=25)]
     out = []
     for s in range(25, 125, 2):
         d = p.observe(s, [UNIT] * G, slow_factor * (4 * UNIT + 0.005), 2, fs, s + 3)
@@ -235,7 +243,7 @@ def _pair_run(p: Policy, slow_factor: float = 3.0) -> list:
 
 
 def test_a_slow_pair_is_remapped_once_it_has_cost_a_restart() -> None:
-    from stalwart.mitigate.agreement import REMAP
+    from stalwart.mitigate.decisions import REMAP
     from stalwart.mitigate.remap import pair_traffic, traffic_on
 
     p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 1, 2, 3])
@@ -259,7 +267,7 @@ def test_no_remap_without_restarts_or_a_traffic_model() -> None:
     # the slow pair already carries nothing (ranks 0 and 2 are not neighbours)
     p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 2, 1, 3])
     healthy(p, range(1, 21, 2))
-    fs = [{"kind": "link", "ranks": [], "link": [0, 2], "onset_step": 21, "step": 25}]
+    fs = [ev(kind="link", ranks=[], link=[0, 2], onset_step=21, step=25)]
     assert all(p.observe(s, [UNIT] * G, 0.1, 2, fs, s + 3) is None for s in range(25, 125, 2))
 
 

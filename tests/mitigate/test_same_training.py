@@ -13,7 +13,6 @@ and fails the update check by orders of magnitude.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from stalwart.mitigate.planner import assignment
 from stalwart.train.data import load_corpus, micro_batch, step_starts
 from stalwart.train.model import GPT, GPTConfig
+from tests.helpers import free_port
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 MBS = 2  # samples per micro-batch
@@ -32,10 +32,6 @@ STEP, SEED, LR = 3, 0, 0.1
 TOL_PARAMS, TOL_UPDATE = 1e-6, 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches(counts: list[int], group: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,7 +103,7 @@ def _run(mode: str, counts: list[int], tp: int, tmp_path: Path, weighting: str =
     """(relative error of the parameters, relative error of the update)."""
     world = len(counts) * tp
     out = str(tmp_path / f"{mode}.pt")
-    mp.spawn(_worker, args=(world, _free_port(), mode, counts, tp, out, weighting),
+    mp.spawn(_worker, args=(world, free_port(), mode, counts, tp, out, weighting),
              nprocs=world, join=True)
     got = torch.load(out)
     before, ref = _reference(sum(counts))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,15 +26,12 @@ from stalwart.overlap import (
 )
 from stalwart.overlap.plan import load_plan
 from stalwart.train.model import GPT, GPTConfig
+from tests.helpers import free_port
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32)
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
@@ -50,7 +46,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 
 def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
 def _batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -57,10 +57,37 @@ class BenchResult:
             rows.append((name, shown, self.targets.get(name, ""), verdict))
         return rows
 
-    def markdown(self) -> str:
-        lines = ["| figure | value | target | |", "|---|---|---|---|"]
-        lines += [f"| `{a}` | {b} | {c} | {d} |" for a, b, c, d in self.table_rows()]
-        return "\n".join(lines)
+
+class Steps:
+    """A suite's progress on stdout, one line per scenario as it starts:
+    ``[bench detect] 3/31 compute-1.3x-r2: 4m10s elapsed, about 36m left`` (the estimate is
+    the mean time of the scenarios done so far, times those left). A suite names its
+    scenarios and their number up front; ``quiet`` (tests) prints nothing."""
+
+    def __init__(self, suite: str, total: int, quiet: bool = False) -> None:
+        import time
+
+        self.suite, self.total, self.quiet = suite, max(total, 1), quiet
+        self.done = 0
+        self._t0 = time.monotonic()
+
+    def start(self, name: str) -> str:
+        import time
+
+        elapsed = time.monotonic() - self._t0
+        left = "" if self.done == 0 else \
+            f", about {_dur(elapsed / self.done * (self.total - self.done))} left"
+        self.done += 1
+        line = (f"[bench {self.suite}] {min(self.done, self.total)}/{self.total} {name}: "
+                f"{_dur(elapsed)} elapsed{left}")
+        if not self.quiet:
+            print(line, flush=True)
+        return line
+
+
+def _dur(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def fresh_workdir(base: Path, suite: str) -> Path:

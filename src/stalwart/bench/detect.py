@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.bench import BenchResult
+from stalwart.bench import BenchResult, Steps
 
 if TYPE_CHECKING:  # the worker imports torch and the monitor only when it runs
     from stalwart.detect import Monitor
@@ -252,7 +252,10 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     base: list[tuple[Scenario, list[dict], list[Truth], int]] = []
     failed: list[Scenario] = []
     hiccups: dict[str, int | None] = {}
-    for sc in scenarios(quick):
+    todo = scenarios(quick)
+    steps = Steps("detect", len(todo) + 1)
+    for sc in todo:
+        steps.start(sc.name)
         data, rc = run_scenario(sc, workdir, tag)
         if rc == 130:
             raise KeyboardInterrupt
@@ -272,6 +275,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
             # the same on every rank of a synchronous job)
             base.append((sc, threshold_detector(data.step_table("compute_time")), truths,
                          last))
+    steps.start("overhead (monitor on/off)")
     ov = measure_overhead(workdir, tag, 160 if quick else 600)
     s = score(ours, [f for f in failed if f.comm == "reliable"])
     b = score(base, [f for f in failed if f.comm == "reliable"])

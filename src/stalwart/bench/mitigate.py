@@ -22,7 +22,7 @@ one after the other in the same invocation:
 - ``val_loss_rel_change``: final validation loss, mitigated vs healthy run (same seed: the
   plans change who computes which micro-batch, not the training);
 - ``planner_ms_10k``: the planner at 10,000 groups and 160,000 micro-batches (median ms).
-- S3 (issue 11): a slow neighbour pair of the data-parallel ring (``pairlink:hosts=2-3``,
+- S3: a slow neighbour pair of the data-parallel ring (``pairlink:hosts=2-3``,
   10 mbit) and a slow tensor-parallel pair in 2 x 2 (``pairlink:hosts=0-1``, 10 mbit), each
   unmitigated and mitigated: ``recovered_pairlink`` / ``_tp`` over the whole run's wall time
   (the restart on the new map included) against the same configuration without the fault;
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench import BenchResult
+from stalwart.bench import BenchResult, Steps
 
 MICRO_SIZE = 2  # samples per micro-batch: 16 micro-batches per step on 4 ranks
 
@@ -72,7 +72,10 @@ def scenarios(quick: bool) -> dict[str, Scenario]:
     }
 
 
-def run_one(sc: Scenario, mitigate: str, workdir: Path, tag: str, faults: bool = True) -> Any:
+def run_one(sc: Scenario, mitigate: str, workdir: Path, tag: str, faults: bool = True,
+            steps: Steps | None = None) -> Any:
+    if steps is not None:
+        steps.start(f"{sc.name}{'' if faults else ' (no fault)'} --mitigate {mitigate}")
     from stalwart.config import RunConfig
     from stalwart.launch import launch
     from stalwart.rundir import RunData
@@ -199,20 +202,25 @@ def run(quick: bool, workdir: Path) -> BenchResult:
 
     sc = scenarios(quick)
     tag = "q" if quick else "f"
+    n_clean = 1 if quick else 3
+    st = Steps("mitigate", 11 + n_clean)
     c = sc["compute2x"]
-    healthy = run_one(c, "auto", workdir, tag, faults=False)
-    c_un = run_one(c, "off", workdir, tag)
-    c_mit = run_one(c, "auto", workdir, tag)
-    blip = run_one(sc["blip"], "auto", workdir, tag)
+    healthy = run_one(c, "auto", workdir, tag, faults=False, steps=st)
+    c_un = run_one(c, "off", workdir, tag, steps=st)
+    c_mit = run_one(c, "auto", workdir, tag, steps=st)
+    blip = run_one(sc["blip"], "auto", workdir, tag, steps=st)
     h = sc["hostlink"]
-    h_un = run_one(h, "off", workdir, tag)
-    h_mit = run_one(h, "auto", workdir, tag)
-    cleans = [run_one(sc["clean"], "auto", workdir, f"{tag}{i}") for i in range(1 if quick else 3)]
+    h_un = run_one(h, "off", workdir, tag, steps=st)
+    h_mit = run_one(h, "auto", workdir, tag, steps=st)
+    cleans = [run_one(sc["clean"], "auto", workdir, f"{tag}{i}", steps=st)
+              for i in range(n_clean)]
     pl = sc["pairlink"]
-    p_un, p_mit = run_one(pl, "off", workdir, tag), run_one(pl, "auto", workdir, tag)
+    p_un = run_one(pl, "off", workdir, tag, steps=st)
+    p_mit = run_one(pl, "auto", workdir, tag, steps=st)
     pt = sc["pairlink_tp"]
-    t_ok = run_one(pt, "auto", workdir, tag, faults=False)
-    t_un, t_mit = run_one(pt, "off", workdir, tag), run_one(pt, "auto", workdir, tag)
+    t_ok = run_one(pt, "auto", workdir, tag, faults=False, steps=st)
+    t_un = run_one(pt, "off", workdir, tag, steps=st)
+    t_mit = run_one(pt, "auto", workdir, tag, steps=st)
 
     end = int(c.faults[0].split("end=")[1])
     win = plan_window(c_mit, end)
@@ -234,7 +242,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         "planner_ms_10k": planner.time_plan_ms(10_000, 160_000),
         "planner_ms_4": planner.time_plan_ms(4, 16),
         "achieved_factor": factor,
-        # S3 (issue 11): healthy references are the same configuration without the fault
+        # S3: healthy references are the same configuration without the fault
         "recovered_pairlink": recovered(wall_time(p_un), wall_time(p_mit), wall_time(healthy)),
         "recovered_pairlink_tp": recovered(wall_time(t_un), wall_time(t_mit), wall_time(t_ok)),
         "regroup_s": regroup_s(p_mit),
@@ -242,7 +250,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         "val_loss_rel_change_remap": val_change(p_mit, healthy),
         "val_loss_rel_change_remap_tp": val_change(t_mit, t_ok),
         # a slow host link is unloaded by S4 (the host leaves); the partial unload of
-        # issue 11 item 3 is not built, so this is S4's cut
+        # S3 re-maps by a restart (not in place), so this is S4's cut
         "hostlink_bytes_cut": bytes_cut(h_mit, 1),
     }
     runs = {"healthy": healthy, "compute_unmitigated": c_un, "compute_mitigated": c_mit,

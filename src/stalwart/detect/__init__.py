@@ -6,7 +6,20 @@ changepoint (BOCD with verification), validate (compute and link micro-benchmark
 localize (verdicts), baseline (the hand-written threshold detector used as a comparison).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from stalwart.detect.localize import Finding
-from stalwart.detect.monitor import Monitor
 
 __all__ = ["Finding", "Monitor"]
+
+
+def __getattr__(name: str) -> Any:
+    # the Monitor needs torch; the decision modules (changepoint, cusum, localize, ...) do not,
+    # and importing them must not import it (replay, simulation)
+    if name == "Monitor":
+        from stalwart.detect.monitor import Monitor
+
+        return Monitor
+    raise AttributeError(f"module 'stalwart.detect' has no attribute {name!r}")

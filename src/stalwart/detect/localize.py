@@ -49,7 +49,7 @@ COMPUTE_RATIO = 1.5
 COMPUTE_MILD = 1.12
 MILD_ROUNDS = 7
 # ...or the slowest in all but one of this many: a 1.3x throttle (1.23x in the test) was
-# the slowest in 6 of 7 rounds and went unconfirmed (bench detect, 2026-12-04); 9 of 10 is
+# the slowest in 6 of 7 rounds and went unconfirmed (bench detect); 9 of 10 is
 # as unlikely for a healthy rank as 7 of 7 (3e-5 vs 6e-5 at 4 ranks) and costs 3 more rounds
 # only when exactly one of the first 7 missed
 MILD_ROUNDS_LONG = 10
@@ -108,6 +108,18 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     recovered_step: int | None = None
 
+    @classmethod
+    def from_event(cls, e: dict[str, Any]) -> Finding:
+        """A finding from its event fields (``straggler_detected`` in events.jsonl, or
+        ``Monitor.report()``)."""
+        link = e.get("link")
+        return cls(str(e.get("kind")), int(e.get("onset_step", 0)), int(e.get("step", 0)),
+                   float(e.get("severity", 0.0)), float(e.get("confidence", 0.0)),
+                   ranks=[int(r) for r in e.get("ranks") or []],
+                   link=[int(x) for x in link] if link is not None else None,
+                   evidence=dict(e.get("evidence") or {}),
+                   recovered_step=e.get("recovered_step"))
+
     def event_fields(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
                              "kind": self.kind, "ranks": self.ranks,
@@ -129,11 +141,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
     return a / b
-
-
-def profile_ratios(ev: list[RankEvidence]) -> dict[int, dict[str, float | None]]:
-    return {e.rank: {"compute": _ratio(e.compute_after, e.compute_before),
-                     "comm": _ratio(e.comm_after, e.comm_before)} for e in ev}
 
 
 def _profile_suspect(ev: list[RankEvidence]) -> tuple[int | None, dict[int, float]]:
@@ -196,7 +203,7 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     1.3x more than any peer's while they waited longer) -- the same rank ``decide`` then
     confirms. Without the profile's rank, a 1.3x throttle that the iteration channel found
     first was tested 3 rounds, measured 1.486x against the 1.5x the short test needs, and
-    was logged unexplained (issue 13's done-when run, 2026-12-04).
+    was logged unexplained.
 
     Pure on the gathered evidence, so every rank reaches the same answer and runs the same
     extra rounds. Asked for only while the candidate is below ``COMPUTE_RATIO``, at least
@@ -220,10 +227,12 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     return 0
 
 
-def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int:
+def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int | None:
     """A compute straggler's onset: where its own compute, relative to the median of every
-    rank's at the same step, rose -- from ``ONSET_SLACK`` steps before the detected onset to
-    the decision; the detected onset if it did not rise there.
+    rank's at the same step, rose by at least ``COMPUTE_MILD`` -- from ``ONSET_SLACK`` steps
+    before the detected onset to the decision, with two samples of the rise at least; the
+    detected onset when the evidence holds no series; None when the series shows no such
+    rise: the rank the test finds slow now was not slow over this slowdown.
 
     The channel that fired may have merged an earlier job-wide blip into the slowdown (every
     rank's step slows in an OS hiccup), or fired on noise that validation, run while the
@@ -242,14 +251,19 @@ def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int)
     if not keys:
         return onset_step
     rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
-    at = rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
-                    before=BEFORE)
-    return onset_step if at is None else at
+    return rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
+                      before=BEFORE, min_rise=math.log(COMPUTE_MILD))
 
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                      severity: float, conf: float, evidence: dict[str, Any]) -> Finding:
     onset = culprit_onset(ev, rank, onset_step, step)
+    if onset is None:
+        # the test finds the rank slow now, but its own compute did not rise over this
+        # slowdown (or only in the last sample): a change on noise, validated just as a real
+        # fault began. Not this slowdown's culprit; the channels find the fault's own onset.
+        evidence["culprit_not_slow_since_onset"] = rank
+        return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)
     if onset != onset_step:  # say where the channel that fired had put it
         evidence["channel_onset_step"] = onset_step
     return Finding("compute", onset, step, severity, conf, ranks=[rank], evidence=evidence)

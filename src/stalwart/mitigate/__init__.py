@@ -11,25 +11,29 @@ See docs/mitigate.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stalwart.mitigate import remap
-from stalwart.mitigate.rebalance import (
-    CONTROL_FILE,
-    RESTART_EXIT,
-    RESTART_FILE,
-    Assignment,
-    Rebalancer,
-    StaticPlan,
-)
+from stalwart.presets import PRESETS
+
+if TYPE_CHECKING:
+    from stalwart.mitigate.rebalance import Rebalancer, StaticPlan
+
+# files of the run directory the launcher and rank 0 exchange (rebalance.py)
+RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
+RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
+CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
 
 __all__ = ["CONTROL_FILE", "RESTART_EXIT", "RESTART_FILE", "Assignment", "Rebalancer",
            "StaticPlan", "work_plan"]
 
 
-def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any
-              ) -> Rebalancer | StaticPlan:
-    """The worker's seam: which micro-batches each rank computes, per the run's --mitigate."""
+def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
+              n_params: int = 0) -> Rebalancer | StaticPlan:
+    """The worker's seam: which micro-batches each rank computes, per the run's --mitigate.
+    ``n_params``: the model's parameters per rank (sizes the traffic that S3 re-maps)."""
+    from stalwart.mitigate.rebalance import Rebalancer, StaticPlan  # torch: only in a rank
+
     micro = cfg.global_micro_batches()
     groups = world // cfg.tp
     if cfg.mitigate == "off" or groups < 2:
@@ -37,23 +41,30 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any
     # S4 restarts need a checkpoint that resumes at another world size (train/checkpoint.py):
     # not yet for the lossy optimizer's sharded state, nor (in the policy) for TP
     mode = "rebalance" if cfg.comm == "lossy" else cfg.mitigate
+    traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
+    pc = cfg.policy
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
-                      run_dir=run_dir, hosts=cfg.hosts,
-                      traffic=_traffic(cfg, world) if rank == 0 else None)  # rank 0 decides
+                      every=pc.every, run_dir=run_dir, hosts=cfg.hosts, traffic=traffic,
+                      policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
+                              "revert_windows": pc.revert_windows})
 
 
-def _traffic(cfg: Any, world: int) -> dict[tuple[int, int], float] | None:
+def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:
     """Bytes per step on each rank pair (remap.py) for S3; None under the lossy transport."""
     if cfg.comm == "lossy":
         return None
-    import torch
-
-    from stalwart.train.model import GPT, PRESETS
-
     m = PRESETS[cfg.preset]["model"]
-    with torch.device("meta"):  # shapes only, no memory
-        n_params = sum(p.numel() for p in GPT(m).parameters()) // cfg.tp  # about: TP shards
     dp, tp = remap.model_bytes(n_params, cfg.global_micro_batches() / (world // cfg.tp),
                                cfg.resolved_micro_batch_size(), m.block_size, m.n_embd,
                                m.n_layer, cfg.tp)
     return remap.pair_traffic(world, cfg.tp, dp, tp)
+
+
+def __getattr__(name: str) -> Any:
+    # the step-loop objects need torch; the decision modules (policy, planner, remap) do not,
+    # and importing them must not import it (replay, simulation)
+    if name in ("Assignment", "Rebalancer", "StaticPlan"):
+        from stalwart.mitigate import rebalance
+
+        return getattr(rebalance, name)
+    raise AttributeError(f"module 'stalwart.mitigate' has no attribute {name!r}")

@@ -39,10 +39,12 @@ Pure logic on rank 0 (no torch.distributed): unit-tested with synthetic measurem
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stalwart.detect.localize import Finding
 from stalwart.mitigate import planner, remap
-from stalwart.mitigate.agreement import EXCLUDE, REBALANCE, REMAP, REVERT, Decision
+from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REMAP, REVERT, Decision
 
 SLOW_RATIO = 1.15  # a group's per-micro-batch time this far above its peers' median is slow
 RECOVERED_RATIO = 1.5  # below this, the detector's recovery verdict is believed
@@ -76,15 +78,14 @@ class Straggler:
     remapped: bool = False
 
 
-def detector_recovered(s: Straggler, findings: list[dict]) -> bool:
+def detector_recovered(s: Straggler, findings: Sequence[Finding]) -> bool:
     """The detector's own verdict: its latest finding on this straggler's rank (since the
     straggler was found) is reported recovered. Only the latest: a rank given one micro-batch
-    can read healthy to the detector for a few steps and be found slow again (netns test: a
-    3x rank "recovered" at step 32 and was found again at 34; the earlier verdict reverted
-    its plan mid-fault and kept the wrong revert from being watched)."""
-    own = [f for f in findings
-           if int(f.get("step", 0)) >= s.detected_step and s.rank in (f.get("ranks") or [])]
-    return bool(own) and own[-1].get("recovered_step") is not None
+    can read healthy to the detector for a few steps and be found slow again (measured: a 3x
+    rank "recovered" at step 32 and was found again at 34; the earlier verdict reverted its
+    plan mid-fault and kept the wrong revert from being watched)."""
+    own = [f for f in findings if f.step >= s.detected_step and s.rank in f.ranks]
+    return bool(own) and own[-1].recovered_step is not None
 
 
 def recovery_ratio(s: Straggler) -> float:
@@ -135,6 +136,7 @@ class Policy:
     _undo: str = ""
     _prev_counts: list[int] = field(default_factory=list)  # the plan before the one in force
     _muted: dict[int, int] = field(default_factory=dict)
+    _need: int = 0  # healthy exchanges the straggler followed now needs before a revert
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -173,20 +175,29 @@ class Policy:
             return 1.0
         ns = {n for n, _ in pts}
         if len(ns) >= 2:
-            mn = statistics.fmean(n for n, _ in pts)
+            b, a = statistics.linear_regression([n for n, _ in pts], [c for _, c in pts])
             mc = statistics.fmean(c for _, c in pts)
-            sxx = sum((n - mn) ** 2 for n, _ in pts)
-            b = sum((n - mn) * (c - mc) for n, c in pts) / sxx
-            a = mc - b * mn
             if b > 0 and 0 <= a <= 0.5 * mc:  # a plausible fixed part; else per micro-batch
                 return units[g] * counts[g] / (a + b * counts[g])
         return units[g] / statistics.median(peers)
 
+    @property
+    def state(self) -> str:
+        """healthy | watching (a reverted straggler, for a wrong revert) | following."""
+        if self.active is not None:
+            return "following"
+        return "watching" if self._watch is not None else "healthy"
+
     def observe(self, step: int, units: list[float], step_s: float, steps: int,
-                findings: list[dict], start_step: int) -> Decision | None:
-        """One exchange's measurements: per-group seconds per micro-batch, the mean step time
-        over the ``steps`` steps since the last exchange, the detector's findings so far (as
-        event dicts, oldest first). ``start_step``: where a decision made now would start."""
+                findings: Sequence[Finding], start_step: int) -> Decision | None:
+        """One exchange: per-group seconds per micro-batch, the mean step time over the
+        ``steps`` steps since the last exchange, the detector's findings so far (oldest
+        first). ``start_step``: where a decision made now would start.
+
+        Transitions: a plan measured to hurt is undone first (``measured``); healthy ->
+        following on a finding; watching -> following when the reverted straggler is slow
+        again, -> healthy after ``WATCH`` exchanges; following -> watching on recovery (the
+        plan reverted); while following, the rent buys S2, S3 or S4 (``_escalate``)."""
         if any(not u > 0 for u in units):
             return None  # a group that computed nothing this window (excluded or idle)
         self._unit_hist.append(units)
@@ -197,20 +208,7 @@ class Policy:
             self._on_finding(f)
         self._seen_findings = len(findings)
         if self._undo:
-            reason, self._undo = self._undo, ""
-            s = self.active
-            uniform = planner.uniform(self.micro, self.groups)
-            if s is not None and self._prev_counts and self._prev_counts != uniform:
-                # a re-plan made things worse: back to the plan before it, and no more
-                # re-plans for this straggler (the first plan had measured a gain)
-                s.no_replan = True
-                return self._decide(REBALANCE, list(self._prev_counts), start_step, s.group,
-                                    0.0, reason + f"; back to {self._prev_counts}")
-            if s is not None:
-                self._muted[s.rank] = len(self._unit_hist) + MUTE
-            self.active, self._watch = None, None
-            if not self.uniform:
-                return self._decide(REVERT, uniform, start_step, -1, 0.0, reason)
+            return self._undo_plan(start_step)
         if self.active is None:
             self._rewatch(units, findings)
         s = self.active
@@ -218,51 +216,84 @@ class Policy:
             if self.uniform and self._watch is None:  # the healthy level
                 self.healthy_step_s = statistics.median(self._step_hist[-8:])
             return None
+        if not self._still_slow(s, units, step_s, steps, findings):
+            return self._on_healthy_window(s, start_step)
+        if s.kind == "pairlink":
+            return self._remap(s, step_s, start_step)
+        return self._escalate(s, step_s, start_step)
+
+    def _undo_plan(self, start_step: int) -> Decision | None:
+        """A plan measured to make steps slower: a re-plan goes back to the plan before it
+        (no more re-plans for this straggler: the first plan had measured a gain); a first
+        plan goes back to uniform and the rank's findings are muted for ``MUTE`` exchanges."""
+        reason, self._undo = self._undo, ""
+        s = self.active
+        uniform = planner.uniform(self.micro, self.groups)
+        if s is not None and self._prev_counts and self._prev_counts != uniform:
+            s.no_replan = True
+            return self._decide(REBALANCE, list(self._prev_counts), start_step, s.group, 0.0,
+                                reason + f"; back to {self._prev_counts}")
+        if s is not None:
+            self._muted[s.rank] = len(self._unit_hist) + MUTE
+        self.active, self._watch = None, None
+        if not self.uniform:
+            return self._decide(REVERT, uniform, start_step, -1, 0.0, reason)
+        return None
+
+    def _healthy_windows_needed(self, s: Straggler, confirmed: bool) -> int:
+        """Healthy exchanges in a row before a revert. While the detector (validated by its
+        own compute test) still holds the rank slow, the policy's own evidence must last
+        twice as long (a quota'd rank on 2 micro-batches read healthy for 2 exchanges
+        mid-fault on a loaded machine); on a quarter of its share or less, twice as long
+        again (its work fits the quota's burst: a 3x rank on 1 of 16 micro-batches read
+        healthy for 4 exchanges just before its fault ended)."""
         need = s.revert_need or self.revert_windows
-        cur = self.unit_times()
-        # recovery is judged on the latest exchange alone (a median would lag the revert)
-        slow_now = self._slow(units, s.group, recovery_ratio(s)) if s.kind == "compute" else (
-            self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
-        # the detector's recovery verdict (per-unit compute, its own change-point test): a
-        # rank given one micro-batch carries the per-step fixed cost alone and reads up to
-        # ~1.3x per micro-batch when healthy, so the verdict is trusted below RECOVERED_RATIO
-        confirmed = detector_recovered(s, findings)
         if s.kind == "compute" and not confirmed:
-            # the detector (validated by its own compute test) still holds the rank slow:
-            # the policy's own evidence must last twice as long (measured: a quota'd rank on 2
-            # micro-batches read healthy for 2 exchanges mid-fault on a loaded machine)
             need = max(need, 2 * self.revert_windows)
             if 4 * self.counts[s.group] <= planner.uniform(self.micro, self.groups)[s.group]:
-                # on a quarter of its share or less, a quota'd rank's work fits its quota's
-                # burst and reads healthy for longer (CI: a 3x rank on 1 of 16 micro-batches
-                # read healthy for 4 exchanges just before its fault ended; the revert came a
-                # step early): twice as long again
                 need = max(need, 4 * self.revert_windows)
+        return need
+
+    def _still_slow(self, s: Straggler, units: list[float], step_s: float, steps: int,
+                    findings: Sequence[Finding]) -> bool:
+        """Judge the latest exchange alone (a median would lag the revert); a slow one adds
+        to the rent, a healthy one counts towards the revert."""
+        slow_now = self._slow(units, s.group, recovery_ratio(s)) if s.kind == "compute" else (
+            self.healthy_step_s is not None and step_s > (1 + self.min_gain) * self.healthy_step_s)
+        # the detector's recovery verdict (per-unit compute, its own change-point test) is
+        # trusted below RECOVERED_RATIO: a rank given one micro-batch carries the per-step
+        # fixed cost alone and reads up to ~1.3x per micro-batch when healthy
+        confirmed = detector_recovered(s, findings)
+        self._need = self._healthy_windows_needed(s, confirmed)
         if (confirmed and s.kind == "compute" and not s.wrong_reverts
                 and not self._slow(units, s.group, RECOVERED_RATIO)):
             slow_now = False
-            s.healthy_windows = need
+            s.healthy_windows = self._need
         if slow_now:
             s.healthy_windows = 0
             if self.healthy_step_s is not None:
                 s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
-        else:
-            s.healthy_windows += 1
-            if s.healthy_windows >= need:
-                self.active = None
-                self._watch, self._watch_slow = s, 0
-                self._watch_until = len(self._unit_hist) + WATCH
-                if not self.uniform:
-                    return self._decide(REVERT, planner.uniform(self.micro, self.groups),
-                                        start_step, -1, 0.0, "straggler recovered: rank "
-                                        f"{s.rank}'s time per micro-batch back to its peers'")
+        return slow_now
+
+    def _on_healthy_window(self, s: Straggler, start_step: int) -> Decision | None:
+        s.healthy_windows += 1
+        if s.healthy_windows < self._need:
             return None
-        if s.kind == "pairlink":
-            return self._remap(s, step_s, start_step)
-        # rebalance (S2), or a better plan for a straggler whose severity changed
+        self.active = None
+        self._watch, self._watch_slow = s, 0
+        self._watch_until = len(self._unit_hist) + WATCH
+        if self.uniform:
+            return None
+        return self._decide(REVERT, planner.uniform(self.micro, self.groups), start_step, -1,
+                            0.0, f"straggler recovered: rank {s.rank}'s time per micro-batch "
+                            "back to its peers'")
+
+    def _escalate(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
+        """S2 (a plan that takes work off the straggler, once the rent covers a wrong plan's
+        price), or a better plan for a straggler whose severity changed; else S4."""
+        cur = self.unit_times()
         best = planner.plan(cur, self.micro, self.min_count)
-        now_mk = planner.makespan(self.counts, cur)
-        gain = 1.0 - planner.makespan(best, cur) / now_mk
+        gain = 1.0 - planner.makespan(best, cur) / planner.makespan(self.counts, cur)
         needed = self.min_gain if self.uniform else self.replan_gain  # no flapping
         # a plan is about the straggler: one that does not take work off it is noise elsewhere
         about_it = best[s.group] < planner.uniform(self.micro, self.groups)[s.group] \
@@ -273,22 +304,28 @@ class Policy:
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
                                 f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
-        # restart without the host (S4): only if N-1 hosts beat the best plan on N
         if self.mode == "auto" and self.groups > 1 and self.tp == 1:
-            without = [u for g, u in enumerate(cur) if g != s.group]
-            mk_without = planner.makespan(planner.plan(without, self.micro, self.min_count),
-                                          without)
-            mk_best = planner.makespan(best, cur)
-            if s.kind == "link":  # the host's link, not its compute, sets the step time
-                mk_best = max(mk_best, step_s * (1 - gain))
-                healthy = self.healthy_step_s or step_s
-                mk_without = healthy * self.groups / (self.groups - 1)
-            per_step = mk_best - mk_without
-            if per_step > self.min_gain * mk_best and s.rent_s >= self.restart_s:
-                return self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
-                                    f"{s.kind} straggler on rank {s.rank}: the job is faster "
-                                    f"without its host ({s.rent_s:.1f} s lost so far, restart "
-                                    f"{self.restart_s:.1f} s)")
+            return self._exclude(s, cur, best, gain, step_s, start_step)
+        return None
+
+    def _exclude(self, s: Straggler, cur: list[float], best: list[int], gain: float,
+                 step_s: float, start_step: int) -> Decision | None:
+        """S4, restart without the host: only if N-1 hosts beat the best plan on N, and once
+        the rent has paid for the restart."""
+        without = [u for g, u in enumerate(cur) if g != s.group]
+        mk_without = planner.makespan(planner.plan(without, self.micro, self.min_count),
+                                      without)
+        mk_best = planner.makespan(best, cur)
+        if s.kind == "link":  # the host's link, not its compute, sets the step time
+            mk_best = max(mk_best, step_s * (1 - gain))
+            healthy = self.healthy_step_s or step_s
+            mk_without = healthy * self.groups / (self.groups - 1)
+        per_step = mk_best - mk_without
+        if per_step > self.min_gain * mk_best and s.rent_s >= self.restart_s:
+            return self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
+                                f"{s.kind} straggler on rank {s.rank}: the job is faster "
+                                f"without its host ({s.rent_s:.1f} s lost so far, restart "
+                                f"{self.restart_s:.1f} s)")
         return None
 
     def _remap(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
@@ -336,7 +373,7 @@ class Policy:
             self._undo = (f"plan v{version} made steps slower (measured gain {gain:+.2f}): "
                           "undone")
 
-    def _rewatch(self, units: list[float], findings: list[dict]) -> None:
+    def _rewatch(self, units: list[float], findings: Sequence[Finding]) -> None:
         """Follow the last reverted straggler again if it is slow under the uniform plan for
         two exchanges in a row while the detector has not reported it recovered (its rent so
         far carries over; twice the healthy exchanges are needed before the next revert)."""
@@ -360,19 +397,16 @@ class Policy:
         w.since = max(len(self._unit_hist) - 2, 0)
         self.active, self._watch = w, None
 
-    def _on_finding(self, f: dict) -> None:
-        kind, ranks = f.get("kind"), f.get("ranks") or []
-        link = f.get("link") or []
-        if kind == "link" and not ranks and len(link) == 2:  # one slow pair of ranks: S3
-            pair = (int(link[0]), int(link[1]))
+    def _on_finding(self, f: Finding) -> None:
+        if f.kind == "link" and not f.ranks and f.link is not None and len(f.link) == 2:
+            pair = (f.link[0], f.link[1])  # one slow pair of ranks: S3
             if self.active is None or self.active.pair != pair:
-                self.active = Straggler("pairlink", -1, -1, int(f.get("onset_step", 0)),
-                                        int(f.get("step", 0)), pair=pair,
+                self.active = Straggler("pairlink", -1, -1, f.onset_step, f.step, pair=pair,
                                         since=len(self._unit_hist) - 1)
             return
-        if kind not in ("compute", "link") or len(ranks) != 1:
+        if f.kind not in ("compute", "link") or len(f.ranks) != 1:
             return  # unexplained slowdowns are not stragglers
-        r = int(ranks[0])
+        r = f.ranks[0]
         if self._muted.get(r, -1) >= len(self._unit_hist):
             return  # its last plan was undone: it made steps slower
         if self.active is not None and self.active.rank == r:
@@ -380,14 +414,14 @@ class Policy:
         if self.active is None and self._watch is not None and self._watch.rank == r:
             self._resume(self._watch)  # the same episode: keep its rent and backoff
             return
-        self.active = Straggler(kind, r // self.tp, r, int(f.get("onset_step", 0)),
-                                int(f.get("step", 0)), since=len(self._unit_hist) - 1)
+        self.active = Straggler(f.kind, r // self.tp, r, f.onset_step, f.step,
+                                since=len(self._unit_hist) - 1)
         self._healthy_before(self.active.onset_step)
 
     def _healthy_before(self, onset: int) -> None:
         """The healthy step time from the exchanges that ended before the straggler's onset.
         The level follows the latest exchanges while no straggler is active, so a verdict that
-        comes many steps after its onset (CI: a slow host link found late) would otherwise
+        comes many steps after its onset (a slow host link can be found late) would otherwise
         find the slow steps in it, read the straggler's steps as healthy and never pay the
         rent that buys the restart."""
         before = [t for st, t in zip(self._exch_steps, self._step_hist, strict=True)

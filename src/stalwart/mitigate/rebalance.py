@@ -45,7 +45,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.mitigate import planner
+from stalwart.events import MitigationApplied, MitigationMeasured, MitigationReverted
+from stalwart.mitigate import CONTROL_FILE, RESTART_FILE, planner
 from stalwart.mitigate.agreement import (
     EXCLUDE,
     REBALANCE,
@@ -57,9 +58,6 @@ from stalwart.mitigate.agreement import (
 )
 from stalwart.mitigate.policy import Policy
 
-RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
-RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
-CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
 MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
 
 
@@ -80,7 +78,9 @@ class Rebalancer:
                  world: int | None = None, tp: int = 1, mode: str = "auto", every: int = 2,
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
-                 traffic: dict[tuple[int, int], float] | None = None) -> None:
+                 traffic: dict[tuple[int, int], float] | None = None,
+                 policy: dict[str, Any] | None = None) -> None:
+        """``policy``: the policy's settings (min_gain, replan_gain, revert_windows)."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -98,8 +98,8 @@ class Rebalancer:
         self.counts = planner.uniform(micro_batches, self.groups)
         self.version = 0
         self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
-        self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every) \
-            if self.rank == 0 else None
+        self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every,
+                             **(policy or {})) if self.rank == 0 else None
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
         if self.policy is not None:
@@ -184,8 +184,7 @@ class Rebalancer:
                  for g in range(self.groups)]
         step_s = statistics.median(r[1] for r in rows)
         steps = int(rows[0][2])
-        findings = [{**f.event_fields(), "recovered_step": f.recovered_step}
-                    for f in getattr(self.monitor, "findings", [])]
+        findings = list(getattr(self.monitor, "findings", []))
         self.policy.counts = list(self.counts)
         start = self.channel.start_for(step)
         dec = self.policy.observe(step, units, step_s, steps, findings, start)
@@ -235,17 +234,16 @@ class Rebalancer:
             return
         before = self._recent_step_time()
         if dec.kind == REVERT:
-            self._events.log("mitigation_reverted", step=dec.start_step, decided_step=step,
-                             strategy="rebalance", version=dec.version, plan=dec.counts,
-                             reason=sent.reason)
+            self._events.emit(MitigationReverted(dec.start_step, step, "rebalance", dec.version,
+                                                 dec.counts, sent.reason))
         else:
             target = f"rank{dec.target * self.tp}" if dec.kind == REBALANCE else (
                 f"host{dec.target}" if dec.kind != REMAP else "hosts")
             plan: list[int] = dec.counts if dec.kind == REBALANCE else \
                 self._next_hosts(dec, sent)
-            self._events.log("mitigation_applied", step=dec.start_step, decided_step=step,
-                             strategy=dec.name, version=dec.version, plan=plan, target=target,
-                             predicted_gain=round(dec.predicted_gain, 4), reason=sent.reason)
+            self._events.emit(MitigationApplied(dec.start_step, step, dec.name, dec.version,
+                                                plan, target, round(dec.predicted_gain, 4),
+                                                sent.reason))
         if dec.kind in (REBALANCE, REVERT) and before is not None:
             self._measure = ("rebalance" if dec.kind == REBALANCE else "revert", dec.version,
                              dec.predicted_gain, before, dec.start_step)
@@ -267,10 +265,9 @@ class Rebalancer:
         if self.policy is not None:
             self.policy.measured(strategy, version, gain)  # a plan that hurts is undone
         if self._events is not None:
-            self._events.log("mitigation_measured", step=step, version=version,
-                             strategy=strategy, predicted_gain=round(predicted, 4),
-                             measured_gain=round(gain, 4), step_time_before=round(before, 5),
-                             step_time_after=round(t, 5))
+            self._events.emit(MitigationMeasured(step, version, strategy, round(predicted, 4),
+                                                 round(gain, 4), round(before, 5),
+                                                 round(t, 5)))
 
     def _measure_restart(self) -> None:
         """After a planned restart (S3/S4), measure its gain like a plan switch's: the step
@@ -289,21 +286,10 @@ class Rebalancer:
             self._measure = (str(e.get("strategy")), 0, float(e.get("predicted_gain", 0.0)),
                              float(e["step_time_before"]), int(e.get("step", 0)) + 2)
 
-    @property
-    def plan_in_force(self) -> tuple[int, list[int]]:
-        return self.version, list(self.counts)
-
     def close(self) -> None:
         self.channel.close()
         if self._events is not None:
             self._events.close()
-
-
-def restart_s_estimate(started: float, first_step_done: float, ckpt_s: float) -> float:
-    """A restart's price: this incarnation's measured start-up (interpreter, rendezvous, model,
-    first step) plus one checkpoint save."""
-    return max(first_step_done - started, 0.0) + ckpt_s
-
 
 
 def _process_age() -> float:

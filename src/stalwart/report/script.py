@@ -24,8 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
-from stalwart.rundir import LOGS, RunData, read_jsonl
-from stalwart.script import ITERATIONS
+from stalwart.rundir import ITERATIONS, LOGS, RunData, read_jsonl
 
 DPI = 110
 LOG_TAIL = 12  # lines of each rank's log on the page

@@ -4,10 +4,11 @@ Mechanism: for each N, a clean simulated job (no faults) of ``steps`` steps unde
 policy; per step the thread CPU time of the product's decision code (decide.py: detector
 feed, validation verdicts, policy), without the simulator's own work. Two variants:
 - ``after``: the code as it is;
-- ``before``: the two scale fixes undone for the measurement (``legacy``): the BOCPD bank
+- ``before``: the three scale fixes undone for the measurement (``legacy``): the BOCPD bank
   grown by one ``np.vstack`` per rank (O(N^2) to build: the whole bank copied for each new
-  row) and per-rank alarm thresholds that do not grow with N (every rank's channel a test
-  at the 4-rank level, so the job pauses N/4 times as often for noise).
+  row), per-rank alarm thresholds that do not grow with N (every rank's channel a test at
+  the 4-rank level, so the job pauses N/4 times as often for noise), and no noise floor
+  pooled over ranks.
 Reported per N: median, p99 and max ms per step, validation pauses per 1,000 steps.
 Cost of this sweep: dominated by the largest N (~0.1-0.2 s per step at 10,000 ranks here).
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect import changepoint, monitor
+from stalwart.detect import changepoint, decision
 from stalwart.detect.cusum import CusumBank
 from stalwart.simulate.engine import Engine, Settings
 from stalwart.simulate.model import Job
@@ -46,15 +47,17 @@ class _FlatCusum(CusumBank):
 @contextmanager
 def legacy() -> Iterator[None]:
     """The decision code with the two scale fixes undone (module docstring)."""
-    saved = (changepoint.BOCPDBank.add_row, monitor.per_rank_z, monitor.CusumBank)
+    saved = (changepoint.BOCPDBank.add_row, decision.per_rank_z, decision.CusumBank,
+             decision.POOLED_FLOOR)
     changepoint.BOCPDBank.add_row = _legacy_add_row  # type: ignore[method-assign]
-    monitor.per_rank_z = lambda n, z=2.5, ref=4: z  # type: ignore[assignment]
-    monitor.CusumBank = _FlatCusum  # type: ignore[misc]
+    decision.per_rank_z = lambda n, z=2.5, ref=4: z  # type: ignore[assignment]
+    decision.CusumBank = _FlatCusum  # type: ignore[misc]
+    decision.POOLED_FLOOR = 0.0  # max(own floor, 0): each channel's own estimate
     try:
         yield
     finally:
-        (changepoint.BOCPDBank.add_row, monitor.per_rank_z,  # type: ignore[method-assign]
-         monitor.CusumBank) = saved  # type: ignore[misc]
+        (changepoint.BOCPDBank.add_row, decision.per_rank_z,  # type: ignore[method-assign]
+         decision.CusumBank, decision.POOLED_FLOOR) = saved  # type: ignore[misc]
 
 
 def measure(job_for: Callable[[int], Job], ns: list[int], steps: int, noise: Noise,

@@ -90,141 +90,32 @@ class Engine:
         self.rpg = job.tp * job.pp  # ranks per replica
 
     def run(self, steps: int, name: str = "") -> Outcome:
-        j, s = self.job, self.s
+        j = self.job
         t_wall = time.perf_counter()
-        rng = np.random.default_rng(s.seed)  # same noise stream in every scenario
-        drng = np.random.default_rng(s.seed + 1)  # validation-test noise
-        sched = Schedule(self.faults, j.ranks, j.hosts)
-        host_of = j.host_of()
-        out = Outcome(name, steps, 0.0)
-        counts = np.asarray(planner.uniform(j.m, j.dp), dtype=np.int64)
-        active = np.arange(j.dp)  # replicas running, in the policy's group order
-        det, pol = self._fresh(active, drng)
-        keys = np.zeros(HISTORY, dtype=np.int64)
-        comp_hist = np.zeros((HISTORY, j.ranks))
-        step_hist = np.zeros(HISTORY)
-        unit_acc = np.zeros(j.dp)
-        step_acc = 0.0
-        out_of: dict[int, float] = {}  # excluded replica -> clock when its probe passes
-        pending_measure: tuple[int, Decision, float] | None = None
-        recent_steps: list[float] = []
-        t = 0.0
+        st = _State(self, steps, name)
         every_tl = max(1, steps // TIMELINE)
         last_progress = time.perf_counter()
-        ev = out.events
         for k in range(steps):
-            comp_f, link_f, started, ended = sched.at(t)
-            for f in started:
-                ev.append({"event": "fault_applied", "step": k, "clock_s": round(t, 1),
-                           **f.as_event()})
-            for f in ended:
-                ev.append({"event": "fault_removed", "step": k, "clock_s": round(t, 1),
-                           **f.as_event()})
-            for f in sched.stops_until(t):
-                lost = float(rng.uniform(0.0, s.ckpt_every_s))
-                t += s.restart_s + lost
-                out.restarts += 1
-                ev.append({"event": "fail_stop", "step": k, "clock_s": round(t, 1),
-                           "host": f.target, "lost_s": round(lost, 1)})
-            comp = j.mb_compute_s * comp_f * self.noise.ranks(rng, j.ranks) * \
-                self.noise.step(rng)
-            res = self.model.step(counts, comp, link_f)
-            t += res.step_s
-            i = k % HISTORY
-            keys[i], comp_hist[i], step_hist[i] = k, res.compute_s, res.step_s
+            comp_f, link_f = st.faults_at(k)
+            comp = j.mb_compute_s * comp_f * self.noise.ranks(st.rng, j.ranks) * \
+                self.noise.step(st.rng)
+            res = self.model.step(st.counts, comp, link_f)
+            st.t += res.step_s
+            st.record(k, res)
             if k % every_tl == 0:
-                out.timeline.append((t / 3600.0, res.step_s))
-            recent_steps.append(res.step_s)
-            if len(recent_steps) > 2 * MEASURE_AFTER:
-                recent_steps.pop(0)
-            if det is None:
-                continue
-            live = self._live(active)
-
-            def evidence(live: np.ndarray = live, cf: np.ndarray = comp_f,
-                         lf: np.ndarray = link_f, k: int = k) -> Evidence:
-                order = np.argsort(keys)[-min(k + 1, HISTORY):]
-                return Evidence(cf[live], lf, host_of[live], keys[order],
-                                comp_hist[order][:, live], step_hist[order])
-
-            c0 = time.thread_time()
-            sim0 = det.sim_s
-            comm0 = res.step_s - float(res.compute_s[live[0]])
-            if det.feed(k, res.step_s, res.compute_s[live], comm0, evidence):
-                t += s.validation_s
-                out.pauses += 1
-                out.pause_steps.append(k)
-            dec = None
-            unit_acc += np.nan_to_num(res.unit_s)
-            step_acc += res.step_s
-            if pol is not None and (k + 1) % s.every == 0:
-                units = (unit_acc[active] / s.every).tolist()
-                findings = SimPolicy.map_findings(
-                    det.report(), lambda r, live=live, active=active: self._group_of(
-                        int(live[r]), active))
-                dec = pol.observe(k, units, step_acc / s.every, findings)
-                unit_acc[:] = 0.0
-                step_acc = 0.0
-            out.decision_s.append(time.thread_time() - c0 - (det.sim_s - sim0))
-            for name_, fields in det.events.logged:
-                ev.append({"event": name_, "clock_s": round(t, 1), **fields})
-            det.events.logged.clear()
-            if pending_measure is not None and k >= pending_measure[0]:
-                _, pdec, before = pending_measure
-                after = float(np.median(recent_steps[-MEASURE_AFTER:]))
-                if pol is not None:
-                    pol.measured(pdec, 1.0 - after / before)
-                pending_measure = None
-            if dec is not None:
-                ev.append({"event": "mitigation_applied" if dec.kind != REVERT else
-                           "mitigation_reverted", "step": k, "clock_s": round(t, 1),
-                           "strategy": dec.name, "version": dec.version,
-                           "target": int(active[dec.target]) if dec.target >= 0 and
-                           dec.target < len(active) else -1,
-                           "reason": dec.reason})
-                if dec.kind in (REBALANCE, REVERT):
-                    counts[:] = 0
-                    counts[active] = dec.counts
-                    if dec.kind == REBALANCE:
-                        pending_measure = (k + MEASURE_AFTER, dec,
-                                           float(np.median(recent_steps[-MEASURE_AFTER:])))
-                elif dec.kind == EXCLUDE:
-                    gone = int(active[dec.target])
-                    active = active[active != gone]
-                    out_of[gone] = math.inf
-                    counts = self._uniform(active)
-                    t += s.restart_s
-                    out.restarts += 1
-                    det, pol = self._fresh(active, drng)
-                    pending_measure = None
-            # the probe of an excluded replica: healthy once its faults are over
-            for g in list(out_of):
-                ranks = range(g * self.rpg, (g + 1) * self.rpg)
-                hosts = set(host_of[list(ranks)].tolist())
-                bad = any((f.kind == "compute" and f.target in ranks) or (
-                    f.kind == "link" and f.target in hosts) for f in sched.active)
-                if bad:
-                    out_of[g] = math.inf
-                elif math.isinf(out_of[g]):
-                    out_of[g] = t + PROBE_S
-                elif t >= out_of[g] and (steps - k) * res.step_s / len(active) > \
-                        s.restart_s:  # the remaining steps repay the restart
-                    del out_of[g]
-                    active = np.sort(np.append(active, g))
-                    counts = self._uniform(active)
-                    t += s.restart_s
-                    out.restarts += 1
-                    ev.append({"event": "mitigation_applied", "step": k,
-                               "clock_s": round(t, 1), "strategy": "restore_host",
-                               "target": g, "reason": "probe: healthy twice"})
-                    det, pol = self._fresh(active, drng)
-                    pending_measure = None
+                st.out.timeline.append((st.t / 3600.0, res.step_s))
+            if st.det is not None:
+                dec = st.decide(k, res, comp_f, link_f)
+                st.measure(k)
+                if dec is not None:
+                    st.apply(k, dec)
+                st.probe(k, res.step_s)
             if self.progress is not None and time.perf_counter() - last_progress > 1.0:
                 last_progress = time.perf_counter()
                 self.progress(k + 1)
-        out.jct_s = t
-        out.wall_s = time.perf_counter() - t_wall
-        return out
+        st.out.jct_s = st.t
+        st.out.wall_s = time.perf_counter() - t_wall
+        return st.out
 
     # -- helpers ------------------------------------------------------------------------------
     def _live(self, active: np.ndarray) -> np.ndarray:
@@ -250,3 +141,143 @@ class Engine:
         if s.policy == "detect" or len(active) < 2:
             return det, None
         return det, SimPolicy(len(active), self.job.m, s.policy, s.restart_s, s.every)
+
+
+class _State:
+    """One run's moving parts: the clock, the plan, the decision code and its bookkeeping."""
+
+    def __init__(self, eng: Engine, steps: int, name: str) -> None:
+        j, s = eng.job, eng.s
+        self.eng, self.job, self.s, self.steps = eng, j, s, steps
+        self.rng = np.random.default_rng(s.seed)  # same noise stream in every scenario
+        self.drng = np.random.default_rng(s.seed + 1)  # validation-test noise
+        self.sched = Schedule(eng.faults, j.ranks, j.hosts)
+        self.host_of = j.host_of()
+        self.out = Outcome(name, steps, 0.0)
+        self.counts = np.asarray(planner.uniform(j.m, j.dp), dtype=np.int64)
+        self.active = np.arange(j.dp)  # replicas running, in the policy's group order
+        self.det, self.pol = eng._fresh(self.active, self.drng)
+        self.keys = np.zeros(HISTORY, dtype=np.int64)
+        self.comp_hist = np.zeros((HISTORY, j.ranks))
+        self.step_hist = np.zeros(HISTORY)
+        self.unit_acc = np.zeros(j.dp)
+        self.step_acc = 0.0
+        self.out_of: dict[int, float] = {}  # excluded replica -> clock its probe passes
+        self.pending_measure: tuple[int, Decision, float] | None = None
+        self.recent: list[float] = []
+        self.t = 0.0
+
+    def _event(self, name: str, k: int, **fields: Any) -> None:
+        self.out.events.append({"event": name, "step": k, "clock_s": round(self.t, 1),
+                                **fields})
+
+    def faults_at(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        comp_f, link_f, started, ended = self.sched.at(self.t)
+        for f in started:
+            self._event("fault_applied", k, **f.as_event())
+        for f in ended:
+            self._event("fault_removed", k, **f.as_event())
+        for f in self.sched.stops_until(self.t):
+            lost = float(self.rng.uniform(0.0, self.s.ckpt_every_s))
+            self.t += self.s.restart_s + lost
+            self.out.restarts += 1
+            self._event("fail_stop", k, host=f.target, lost_s=round(lost, 1))
+        return comp_f, link_f
+
+    def record(self, k: int, res: Any) -> None:
+        i = k % HISTORY
+        self.keys[i], self.comp_hist[i], self.step_hist[i] = k, res.compute_s, res.step_s
+        self.recent.append(res.step_s)
+        if len(self.recent) > 2 * MEASURE_AFTER:
+            self.recent.pop(0)
+
+    def decide(self, k: int, res: Any, comp_f: np.ndarray, link_f: np.ndarray
+               ) -> Decision | None:
+        """Rank 0's decision code for step ``k``; its CPU time (less the simulator's own
+        evidence building) goes to ``decision_s``."""
+        det, s, eng = self.det, self.s, self.eng
+        assert det is not None
+        live = eng._live(self.active)
+
+        def evidence() -> Evidence:
+            order = np.argsort(self.keys)[-min(k + 1, HISTORY):]
+            return Evidence(comp_f[live], link_f, self.host_of[live], self.keys[order],
+                            self.comp_hist[order][:, live], self.step_hist[order])
+
+        c0, sim0 = time.thread_time(), det.sim_s
+        comm0 = res.step_s - float(res.compute_s[live[0]])
+        if det.feed(k, res.step_s, res.compute_s[live], comm0, evidence):
+            self.t += s.validation_s
+            self.out.pauses += 1
+            self.out.pause_steps.append(k)
+        dec = None
+        self.unit_acc += np.nan_to_num(res.unit_s)
+        self.step_acc += res.step_s
+        if self.pol is not None and (k + 1) % s.every == 0:
+            active = self.active
+            findings = SimPolicy.map_findings(
+                det.core.findings, lambda r: eng._group_of(int(live[r]), active))
+            dec = self.pol.observe(k, (self.unit_acc[active] / s.every).tolist(),
+                                   self.step_acc / s.every, findings)
+            self.unit_acc[:] = 0.0
+            self.step_acc = 0.0
+        self.out.decision_s.append(time.thread_time() - c0 - (det.sim_s - sim0))
+        for name, fields in det.events.logged:
+            self.out.events.append({"event": name, "clock_s": round(self.t, 1), **fields})
+        det.events.logged.clear()
+        return dec
+
+    def measure(self, k: int) -> None:
+        """A switch's measured gain, ``MEASURE_AFTER`` steps on (as rebalance.py)."""
+        if self.pending_measure is None or k < self.pending_measure[0]:
+            return
+        _, dec, before = self.pending_measure
+        after = float(np.median(self.recent[-MEASURE_AFTER:]))
+        if self.pol is not None:
+            self.pol.measured(dec, 1.0 - after / before)
+        self.pending_measure = None
+
+    def apply(self, k: int, dec: Decision) -> None:
+        active = self.active
+        target = int(active[dec.target]) if 0 <= dec.target < len(active) else -1
+        self._event("mitigation_reverted" if dec.kind == REVERT else "mitigation_applied", k,
+                    strategy=dec.name, version=dec.version, target=target, reason=dec.reason)
+        if dec.kind in (REBALANCE, REVERT):
+            self.counts[:] = 0
+            self.counts[active] = dec.counts
+            if dec.kind == REBALANCE:
+                self.pending_measure = (k + MEASURE_AFTER, dec,
+                                        float(np.median(self.recent[-MEASURE_AFTER:])))
+        elif dec.kind == EXCLUDE:
+            self.active = active[active != target]
+            self.out_of[target] = math.inf
+            self._restart()
+
+    def _restart(self) -> None:
+        """A restart on the replicas in ``active``: its time, a fresh detector and policy."""
+        self.counts = self.eng._uniform(self.active)
+        self.t += self.s.restart_s
+        self.out.restarts += 1
+        self.det, self.pol = self.eng._fresh(self.active, self.drng)
+        self.pending_measure = None
+
+    def probe(self, k: int, step_s: float) -> None:
+        """The launcher's probe of each excluded replica: healthy once its faults are over,
+        taken back when the remaining steps repay a restart."""
+        rpg = self.eng.rpg
+        for g in list(self.out_of):
+            ranks = range(g * rpg, (g + 1) * rpg)
+            hosts = set(self.host_of[list(ranks)].tolist())
+            bad = any((f.kind == "compute" and f.target in ranks) or (
+                f.kind == "link" and f.target in hosts) for f in self.sched.active)
+            if bad:
+                self.out_of[g] = math.inf
+            elif math.isinf(self.out_of[g]):
+                self.out_of[g] = self.t + PROBE_S
+            elif self.t >= self.out_of[g] and \
+                    (self.steps - k) * step_s / len(self.active) > self.s.restart_s:
+                del self.out_of[g]
+                self.active = np.sort(np.append(self.active, g))
+                self._restart()
+                self._event("mitigation_applied", k, strategy="restore_host", target=g,
+                            reason="probe: healthy twice")

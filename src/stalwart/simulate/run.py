@@ -125,23 +125,7 @@ def simulate(opts: Options, command: str = "stalwart simulate") -> tuple[Path, d
                 for e in out.events:
                     events.log(e.pop("event"), scenario=sname, job_ranks=job.ranks, **e)
     figures["planner_ms_10k_groups"] = round(planner.time_plan_ms(10000, 160000), 3)
-    cost_rows: list[dict[str, Any]] = []
-    if opts.cost_ranks:
-        def job_for(n: int) -> Any:
-            return scale_job(n, opts.tp, opts.pp, opts.gpus_per_host)
-        crep = _Progress(len(opts.cost_ranks) * opts.cost_steps * (2 if opts.cost_before
-                                                                    else 1), opts.progress)
-        cost_rows = cost.measure(job_for, opts.cost_ranks, opts.cost_steps, noise, settings,
-                                 False, crep)
-        if opts.cost_before:
-            cost_rows += cost.measure(job_for, opts.cost_ranks, opts.cost_steps, noise,
-                                      settings, True, crep)
-        for r in cost_rows:
-            figures[f"cost_{r['variant']}_ms_median_{scale_tag(r['ranks'])}"] = r["ms_median"]
-            figures[f"cost_{r['variant']}_ms_max_{scale_tag(r['ranks'])}"] = r["ms_max"]
-            figures[f"cost_{r['variant']}_pauses_per_1000_{scale_tag(r['ranks'])}"] = \
-                r["pauses_per_1000_steps"]
-        atomic_write_text(run_dir / "cost.json", json.dumps(cost_rows, indent=1))
+    cost_rows = _cost_sweep(opts, noise, settings, figures, run_dir)
     summaries = [calibrate.summarise(Path(d)) for d in opts.calibrate_dirs] \
         if opts.calibrate_dirs else calibrate.load()
     calib = calibrate.predict_all(summaries, Noise.load(), opts.seed)
@@ -158,6 +142,30 @@ def simulate(opts: Options, command: str = "stalwart simulate") -> tuple[Path, d
         atomic_write_text(Path(opts.json), json.dumps(figures, indent=1))
     report.write_page(run_dir, figures, calib, plots, command)
     return run_dir, figures
+
+
+def _cost_sweep(opts: Options, noise: Noise, settings: Settings, figures: dict[str, Any],
+                run_dir: Path) -> list[dict[str, Any]]:
+    """The decision-cost sweep (cost.py), before and after, into ``figures`` and cost.json."""
+    if not opts.cost_ranks:
+        return []
+
+    def job_for(n: int) -> Any:
+        return scale_job(n, opts.tp, opts.pp, opts.gpus_per_host)
+    crep = _Progress(len(opts.cost_ranks) * opts.cost_steps * (2 if opts.cost_before else 1),
+                     opts.progress)
+    rows = cost.measure(job_for, opts.cost_ranks, opts.cost_steps, noise, settings, False,
+                        crep)
+    if opts.cost_before:
+        rows += cost.measure(job_for, opts.cost_ranks, opts.cost_steps, noise, settings, True,
+                             crep)
+    for r in rows:
+        tag = f"{r['variant']}_{{}}_{scale_tag(r['ranks'])}"
+        figures["cost_" + tag.format("ms_median")] = r["ms_median"]
+        figures["cost_" + tag.format("ms_max")] = r["ms_max"]
+        figures["cost_" + tag.format("pauses_per_1000")] = r["pauses_per_1000_steps"]
+    atomic_write_text(run_dir / "cost.json", json.dumps(rows, indent=1))
+    return rows
 
 
 def _plots(run_dir: Path, results: list[ScaleResult], cost_rows: list[dict[str, Any]]

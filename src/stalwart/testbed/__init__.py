@@ -6,10 +6,10 @@ step schedule, and every switch is written to events.jsonl as ground truth for d
 See docs/testbed.md (user page) and docs/CONTRACTS.md (API).
 """
 
+from stalwart.faultspec import Fault, parse_fault, parse_rate
 from stalwart.testbed._sys import TestbedError
 from stalwart.testbed.cleanup import cleanup_stale
 from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
-from stalwart.testbed.faults import Fault, parse_fault, parse_rate
 from stalwart.testbed.hosts import Hosts
 from stalwart.testbed.testbed import LocalTestbed, NetnsTestbed, Testbed, open_testbed
 

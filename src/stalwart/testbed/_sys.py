@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from stalwart.config import ConfigError
+from stalwart.errors import ConfigError
 
 PREFIX = "stw"
 IFNAMSIZ = 15  # Linux interface names are at most 15 characters

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from stalwart.config import ConfigError
+from stalwart.errors import ConfigError
 from stalwart.testbed._sys import TestbedError
 from stalwart.testbed.cpu import CpuGroup, find_backend
 from stalwart.testbed.hosts import Hosts

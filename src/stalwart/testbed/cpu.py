@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalwart.config import ConfigError
+from stalwart.errors import ConfigError
 from stalwart.testbed._sys import PREFIX
 
 # A short CFS period makes throttling fine-grained: with 100 ms a rank whose steps take 30 ms

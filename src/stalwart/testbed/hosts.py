@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from stalwart.config import ConfigError
+from stalwart.errors import ConfigError
 from stalwart.testbed import cleanup, loss, shaping
 from stalwart.testbed._sys import (
     IFNAMSIZ,

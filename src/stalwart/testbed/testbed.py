@@ -33,11 +33,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig
+from stalwart.faultspec import Fault, parse_fault
 from stalwart.rundir import EventLog
 from stalwart.testbed import cleanup, traffic
 from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
 from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
-from stalwart.testbed.faults import Fault, parse_fault
 from stalwart.testbed.hosts import Hosts
 
 CPU_KINDS = ("compute", "contention")

@@ -5,46 +5,20 @@ blocks of causal self-attention and a GELU MLP, a final LayerNorm and a language
 weight is tied to the token embedding. Dropout defaults to 0 so that training is a deterministic
 function of the seed (resume equivalence and loss-comparison benchmarks rely on that).
 
-The size presets live here too, so that every capability (data parallel, tensor parallel,
-benchmarks) builds the same model from one name.
+The size presets (``stalwart.presets``, torch-free) name the shapes every capability builds.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stalwart.presets import PRESETS, GPTConfig
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256  # bytes
-    block_size: int = 64  # context length
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-    dropout: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# name -> (model shape, micro-batch size per rank, default learning rate)
-PRESETS: dict[str, dict] = {
-    # fits a 2-core CPU running 4 ranks: a few minutes for a few hundred steps
-    "tiny": {"model": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), "batch_size": 8,
-             "lr": 3e-3},
-    "small": {"model": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
-              "batch_size": 16, "lr": 1e-3},
-    # for real hardware (a GPU per rank)
-    "medium": {"model": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
-               "batch_size": 32, "lr": 6e-4},
-    "gpt2": {"model": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
-             "batch_size": 8, "lr": 6e-4},
-}
+__all__ = ["GPT", "GPTConfig", "PRESETS"]
 
 
 class CausalSelfAttention(nn.Module):

@@ -305,12 +305,18 @@ def train(cfg: RunConfig) -> int:
     if cfg.detect:
         from stalwart.detect import Monitor
 
-        monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
-                          track_ddp=cfg.comm == "reliable",
-                          # lossy: the monitor's gloo ops must not pace the job (monitor.py);
-                          # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
-                          check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1, device=device)
+        d = cfg.detection
+        lossy = cfg.comm == "lossy"
+        # no DDP tracking: every step's hint carries its compute and comm times, so the
+        # tracker would record nothing, and its Python comm hook would still take DDP off its
+        # C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        monitor = Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=False,
+                          # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+                          check_every=d.lossy_check_every if lossy else None,
+                          lag=d.lossy_lag if lossy else 1, max_every=d.max_every,
+                          warmup=d.warmup, persist=d.persist, history=d.history,
+                          compute_reps=d.compute_reps, link_bytes=d.link_bytes,
+                          device=device)
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
@@ -332,7 +338,9 @@ def train(cfg: RunConfig) -> int:
 
     from stalwart.mitigate import RESTART_EXIT, work_plan
 
-    work = work_plan(cfg, monitor, rank, world, run_dir)
+    with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
+        n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
     host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
@@ -400,6 +408,9 @@ def train(cfg: RunConfig) -> int:
             "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
             "step_time": step_time,
             "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
+            # forward/backward alone: the part that scales with the plan (replay rebuilds the
+            # detector's and the policy's per-micro-batch inputs from it)
+            "fb_time": timing["compute_time"],
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
             "micro_batches": len(batches), "plan_version": share.version, "host": host,
@@ -429,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["--config"] and len(argv) >= 2:
             cfg = RunConfig.load(Path(argv[1]))
         else:
-            from stalwart.cli import config_from_run_args
+            from stalwart.runargs import config_from_run_args
 
             cfg = config_from_run_args(argv)
         return train(cfg)

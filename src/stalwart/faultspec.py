@@ -24,7 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.config import FAULT_KINDS, TESTBEDS, ConfigError
+from stalwart.errors import ConfigError
+
+TESTBEDS = ("local", "netns")
+FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
 
 NETNS_ONLY = ("link", "pairlink", "loss")
 MAX_FACTOR = 100.0  # cgroup v1 refuses quotas below 1 ms of a 100 ms period

@@ -1,0 +1,353 @@
+"""The detector's decision state machine: samples in, alarms and verdict bookkeeping out.
+
+Torch-free and deterministic: the ``Monitor`` drives it during training (monitor.py), replay
+drives it from recorded run directories (stalwart.replay), the simulator from traces. It
+does no I/O: typed events (stalwart.events) go to the ``emit`` callable it is given.
+
+Channels (rank 0, the leader, decides for the job):
+- the iteration time (rank 0's own step time) through BOCD+V (changepoint.py);
+- every rank's compute time relative to the job's median at the same step, through one
+  vector BOCD+V bank and a CUSUM bank for small lasting shifts (cusum.py) -- the per-rank
+  relative score of NVIDIA's straggler detection.
+
+States of one slowdown: healthy -> an alarm is pending (``pending``) -> it travels to every
+rank (``deciding``, the number of rows in flight that carry one) -> every rank validates and
+the verdict is applied (``apply_verdict``): a straggler becomes ``active`` and is followed on
+the channel that found it until a recovery alarm (``apply_recovery``); a verdict naming no
+rank or link is an unexplained slowdown, logged only if it lasts ``persist`` samples beyond
+chance (``LASTING_Z``), otherwise counted as a hiccup. While an alarm is pending or deciding,
+new changes are not classified (one fault, one finding).
+
+Guarantees: bounded memory (``history`` samples); the same inputs give the same alarms and
+verdict bookkeeping on every call order the monitor and replay use.
+Cost per sample: a few scalar operations while the channels are quiet (changepoint.py's
+pre-filter), one vector BOCPD update for the per-rank channels that are awake.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
+from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
+from stalwart.detect.localize import BEFORE, ONSET_SLACK, Finding, RankEvidence
+from stalwart.events import Event, SlowdownUnexplained, StragglerDetected, StragglerRecovered
+
+NONE, DETECT, RECOVER = 0, 1, 2
+LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
+REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
+POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
+#                      the scale pooled over ranks (DecisionCore._pool_noise)
+
+
+class IterSample(NamedTuple):
+    """One iteration of one rank: its key (step, or iteration index) and seconds."""
+
+    key: int
+    seconds: float
+    compute: float | None
+    comm: float | None
+
+
+class Alarm(NamedTuple):
+    """Rank 0's decision on its way to every rank (the row header carries it)."""
+
+    action: int  # NONE | DETECT | RECOVER
+    onset: int
+    severity: float
+    suspect: int  # the rank whose own channel fired; -1 for the iteration channel
+
+
+QUIET = Alarm(NONE, 0, 0.0, -1)
+
+
+def suspect_of(channel: str) -> int:
+    """The rank a per-rank channel ("rank3") points at; -1 for the iteration-time channel."""
+    return int(channel[4:]) if channel.startswith("rank") else -1
+
+
+@dataclass
+class _Unexplained:
+    fields: dict[str, Any]  # the event it would be logged as
+    before: list[float]  # iteration times before its onset
+    decided: int
+
+
+class DecisionCore:
+    """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms."""
+
+    def __init__(self, leader: bool, *, warmup: int = 10, persist: int = 20,
+                 history: int = 1000,
+                 emit: Callable[[Event], None] | None = None) -> None:
+        self.leader = leader
+        self.persist = persist
+        self.emit = emit
+        self.detector = ChangeDetector(warmup=warmup)
+        self.rel_detectors: dict[int, ChangeDetector] = {}
+        self.cusum: CusumBank | None = None
+        # above REF_RANKS ranks: recent cross-rank spreads of log relative compute, the noise
+        # floor set from them, and the floors the channels were built with (_pool_noise)
+        self._spreads: deque[float] = deque(maxlen=32)
+        self._floor: float | None = None
+        self._own_floors = (0.0, 0.0)
+        self.samples: deque[IterSample] = deque(maxlen=history)
+        self.findings: list[Finding] = []
+        self.pending: Alarm = QUIET
+        self.deciding = 0
+        self.active: Finding | None = None  # the straggler being followed
+        self._channel = "iteration"  # the channel that found it
+        self._healthy: float | None = None  # that channel's level before it
+        self._switch_to: tuple[str, float] | None = None  # a second straggler's channel
+        self._unexplained: _Unexplained | None = None
+        self.repeats = 0  # verdicts that named the active straggler again (not logged)
+        self.hiccups = 0
+        self.hiccup_log: deque[dict[str, Any]] = deque(maxlen=16)
+        self.unexplained_logged = 0
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def sample(self, s: IterSample) -> None:
+        """This rank's iteration; on the leader, the iteration-time channel's next sample."""
+        self.samples.append(s)
+        if not self.leader:
+            return
+        ch = self.detector.add(s.key, s.seconds)
+        if ch is not None:
+            self.classify(ch)
+        if self._unexplained is not None:
+            self._settle_unexplained(s.key)
+
+    def relative(self, key: int, comps: list[float]) -> None:
+        """Leader: every rank's compute time at step ``key`` (rank order)."""
+        if any(not c > 0 or not math.isfinite(c) for c in comps):
+            return
+        med = statistics.median(comps)
+        if not self.rel_detectors:
+            # one bank: every rank's channel advances in one vector update per step
+            bank = BOCPDBank(hazard=self.detector.hazard)
+            z = per_rank_z(len(comps))  # as strict per rank as the job size needs
+            self.rel_detectors = {r: ChangeDetector(
+                warmup=self.detector.warmup, min_shift=REL_MIN_SHIFT, z_sig=z, bank=bank)
+                for r in range(len(comps))}
+        dets = [self.rel_detectors[r] for r in range(len(comps))]
+        rel = [c / med for c in comps]
+        if len(comps) > REF_RANKS:
+            self._pool_noise(dets, rel)
+        for r, ch in enumerate(ChangeDetector.add_many(dets, key, rel)):
+            if ch is not None:
+                self.classify(ch, f"rank{r}")
+        if self.cusum is None or self.cusum.n != len(comps):
+            self.cusum = CusumBank(len(comps), warmup=self.detector.warmup)
+        # small lasting shifts (a 1.3x throttle) that BOCD+V's verification lets pass; the
+        # validation tests must still confirm the rank (cusum.py)
+        for r, ch in enumerate(self.cusum.add(key, np.asarray(rel))):
+            if ch is not None:
+                self.classify(ch, f"rank{r}")
+
+    def _pool_noise(self, dets: list[ChangeDetector], rel: list[float]) -> None:
+        """A floor under every per-rank channel's noise scale: ``POOLED_FLOOR`` x the median
+        of recent cross-rank spreads (1.4826 MAD of log relative compute over all ranks).
+
+        Why: each channel learns its noise from its own first 8 samples (BOCD+V) or 18
+        (CUSUM), an estimate that is often far too small; among thousands of ranks the
+        smallest ones are, and those channels alarm on noise. In one step every rank gives a
+        sample of the same noise, so at scale the pooled spread is known well after a few
+        steps. Up to REF_RANKS ranks (the size the thresholds were tuned on) nothing changes.
+        Cost: one vector median per step, an O(N) loop when the floor moves by > 20%."""
+        x = np.log(np.asarray(rel))
+        self._spreads.append(float(1.4826 * np.median(np.abs(x - np.median(x)))))
+        if len(self._spreads) < 4 or self.cusum is None:
+            return
+        floor = POOLED_FLOOR * statistics.median(self._spreads)
+        if self._floor is not None and abs(floor / self._floor - 1.0) <= 0.2:
+            return
+        if self._floor is None:  # the floors the channels were built with
+            self._own_floors = (dets[0].min_scale, self.cusum.min_sigma)
+        self._floor = floor
+        for d in dets:
+            d.min_scale = max(self._own_floors[0], floor)
+        self.cusum.min_sigma = max(self._own_floors[1], floor)
+
+    # ---- the alarm's journey ----------------------------------------------------------------
+    def take_pending(self, travels: bool = True) -> Alarm:
+        """Leader: the alarm to send now (QUIET if none); one that ``travels`` to the other
+        ranks counts as deciding until it is read back."""
+        alarm, self.pending = self.pending, QUIET
+        if alarm.action != NONE and travels:
+            self.deciding += 1
+        return alarm
+
+    def alarm_read(self) -> None:
+        """Leader: a row carrying an alarm was read back (its verdict follows at once)."""
+        self.deciding -= 1
+
+    def alert(self) -> bool:
+        """Whether a decision is under way or a channel's posterior has fired: the exchange
+        should run every step."""
+        return self.pending.action != NONE or self.deciding > 0 or any(
+            d.pending for d in (self.detector, *self.rel_detectors.values()))
+
+    def classify(self, ch: Change, channel: str = "iteration") -> None:
+        if self.pending.action != NONE or self.deciding:
+            return  # a decision is already on its way
+        if self.active is None:
+            if ch.ratio > 1.0:
+                self._healthy = ch.before
+                self._channel = channel
+                self.pending = Alarm(DETECT, ch.onset, ch.ratio, suspect_of(channel))
+            # a speed-up while healthy just moves the baseline
+            return
+        if ch.ratio > 1.0 and (ch.onset <= self.active.step or (
+                self.active.kind == "compute" and suspect_of(channel) in self.active.ranks)):
+            # the slowdown already found, seen again (the iteration time and the culprit's
+            # own compute move together; BOCD+V and CUSUM share a rank's channel): one fault,
+            # one finding
+            return
+        if channel != self._channel:
+            if ch.ratio > 1.0:  # another straggler while one is in progress
+                # followed on its channel only if the tests confirm it is a new one
+                self._switch_to = (channel, ch.before)
+                self.pending = Alarm(DETECT, ch.onset, ch.ratio, suspect_of(channel))
+            return  # recoveries are followed on the channel that found the slowdown
+        if ch.ratio > 1.0:
+            self.pending = Alarm(DETECT, ch.onset, ch.after / (self._healthy or ch.before),
+                                 suspect_of(channel))
+        elif self._healthy is not None and ch.after <= self._healthy * (
+                1.0 + self.detector.min_shift):
+            self.pending = Alarm(RECOVER, ch.onset, ch.after / self._healthy, -1)
+
+    # ---- verdicts ---------------------------------------------------------------------------
+    def evidence(self, rank: int, onset: int, decided: int) -> RankEvidence:
+        """This rank's training-time profile around a detected onset (localize.py)."""
+        before = [s for s in self.samples if onset - BEFORE <= s.key < onset]
+        after = [s for s in self.samples if onset <= s.key <= decided]
+
+        def med(xs: list[IterSample], attr: str) -> float | None:
+            vals = [getattr(s, attr) for s in xs if getattr(s, attr) is not None]
+            return statistics.median(vals) if vals else None
+
+        # what culprit_onset splits: the window it searches and the baseline before it
+        recent = [(s.key, s.compute) for s in self.samples
+                  if s.compute and onset - ONSET_SLACK - BEFORE <= s.key <= decided]
+        return RankEvidence(rank, med(before, "compute"), med(after, "compute"),
+                            med(before, "comm"), med(after, "comm"), recent=recent)
+
+    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0) -> None:
+        """Every rank: the validated verdict on an alarm (the same on every rank)."""
+        switch_to, self._switch_to = self._switch_to, None
+        if self.active is not None and (finding.kind == "unknown" or (
+                finding.kind, finding.ranks, finding.link) == (
+                self.active.kind, self.active.ranks, self.active.link)):
+            # while a straggler is active: its own slowdown seen by a channel that lags (the
+            # same verdict again), or nothing the tests confirm -- not a new finding, and the
+            # active one stays followed on its channel
+            if finding.kind == "unknown":
+                self._hiccup("nothing confirmed while a straggler is active",
+                             finding.event_fields())
+            else:
+                self.repeats += 1
+            return
+        if switch_to is not None:
+            self._channel, self._healthy = switch_to
+        self.findings.append(finding)
+        # an unexplained slowdown has no culprit to watch for recovery
+        self.active = finding if finding.kind != "unknown" else None
+        if not self.leader:
+            return
+        fields = finding.event_fields()
+        fields["evidence"] = dict(fields["evidence"], validation_s=pause)
+        if suspect is not None and self.cusum is not None:
+            # a rank's own channel pointed at it: an alarm the tests did not confirm makes
+            # that rank's next CUSUM alarm need more evidence (bounded validation pauses)
+            if finding.kind == "compute" and finding.ranks == [suspect]:
+                self.cusum.confirmed(suspect)
+            else:
+                self.cusum.unconfirmed(suspect)
+        if finding.kind == "unknown" and suspect is not None:
+            # one rank's compute moved relative to its peers and the tests found nothing
+            # (load from elsewhere shifting CPU shares, or a rank that is not slow now): not
+            # a job-wide slowdown to report, a hiccup
+            self._hiccup(f"rank {suspect}'s compute rose; the compute test did not confirm it",
+                         fields)
+            return
+        if finding.kind == "unknown":
+            # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
+            # or link, the job as a whole slowed (load from elsewhere) or something passed
+            # (an OS hiccup, a fault already gone). Only a slowdown that lasts is logged.
+            if self._unexplained is None:
+                # the iteration time before the onset (the channel that fired may be a
+                # per-rank ratio): what the job's speed must stay above to count as lasting
+                before = [x.seconds for x in self.samples
+                          if finding.onset_step - BEFORE <= x.key < finding.onset_step]
+                self._unexplained = _Unexplained(fields, before, finding.step)
+            return
+        if self._unexplained is not None:
+            # a culprit was found after all: the earlier slowdown was its start or a hiccup
+            self._hiccup("unexplained slowdown, then a culprit found", self._unexplained.fields)
+            self._unexplained = None
+        self._emit(StragglerDetected(**fields))
+
+    def apply_recovery(self, onset: int, decided: int, level: float) -> None:
+        """Every rank: the followed straggler's channel is back to its healthy level."""
+        f, self.active = self.active, None
+        if f is None:
+            return
+        f.recovered_step = onset
+        if f.kind != "unknown":
+            fields = {"step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
+                      "detected_step": f.step, "detected_onset_step": f.onset_step,
+                      "severity": round(level, 3)}
+            if f.link is not None:
+                fields["link"] = f.link
+            self._emit(StragglerRecovered(**fields))
+
+    def close(self) -> None:
+        """The run ended: settle an unexplained slowdown still waiting to prove it lasts."""
+        if self._unexplained is not None:
+            last = self.samples[-1].key if self.samples else self._unexplained.decided
+            self._settle_unexplained(last, final=True)
+
+    # ---- unexplained slowdowns and hiccups --------------------------------------------------
+    def _settle_unexplained(self, key: int, final: bool = False) -> None:
+        """Leader: log an unexplained slowdown that lasted, count one that did not.
+
+        Validation found no culprit; whether the job as a whole stays slower is what tells a
+        real job-wide slowdown (load from elsewhere) from an OS hiccup of a few steps: the
+        iteration times since the decision must be above those before the onset by
+        ``min_shift`` in the median and beyond chance in their ranks (a level ratio alone swung
+        by 10-30% on a machine whose step time swings 17-48 ms from step to step).
+        """
+        u = self._unexplained
+        assert u is not None
+        if key - u.decided < self.persist and not final:
+            return
+        self._unexplained = None
+        after = [x.seconds for x in self.samples if u.decided < x.key <= key]
+        healthy = statistics.median(u.before) if u.before else math.inf
+        ratio = statistics.median(after) / healthy if after else 0.0
+        z = rank_sum_z(np.asarray(u.before), np.asarray(after))
+        lasting = ratio >= 1.0 + self.detector.min_shift and z >= LASTING_Z
+        fields = u.fields
+        if lasting and key - u.decided >= self.persist:
+            self.unexplained_logged += 1
+            fields["evidence"] = dict(fields["evidence"],
+                                      persisted_steps=key - fields["onset_step"],
+                                      level_ratio=round(ratio, 3), rank_sum_z=round(z, 2))
+            self._emit(SlowdownUnexplained(**fields))
+        else:
+            self._hiccup("job-wide slowdown that did not last", fields)
+
+    def _hiccup(self, why: str, fields: dict[str, Any]) -> None:
+        self.hiccups += 1
+        self.hiccup_log.append({"why": why, **{k: fields.get(k) for k in (
+            "step", "onset_step", "severity", "evidence")}})
+
+    def _emit(self, ev: Event) -> None:
+        if self.emit is not None:
+            self.emit(ev)

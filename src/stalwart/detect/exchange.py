@@ -1,0 +1,214 @@
+"""The monitor's exchange: rank 0's alarm down, every rank's compute samples up, one row each.
+
+Protocol: every rank contributes one row -- a header (rank 0's alarm, the number of entries,
+the next exchange period) and its (step, compute) samples since the last exchange -- over the
+row link (rowlink.py: a TCP connection to rank 0, or the monitor group's all-gather if any
+rank could not set one up). A row is issued every ``check_every`` checks and read at a check
+fixed when it was issued (the next one; ``lag`` exchanges later with a fixed period), so no
+rank ever blocks on it and every rank reads the same rows at the same checks.
+
+Exchange period: with ``check_every=None`` rank 0 chooses it each exchange -- the smallest k
+that keeps the exchange within ``EXCHANGE_BUDGET`` of the process's CPU time per step, capped
+at ``max_every``, and 1 while a decision is under way, a change detector's posterior has
+fired, or another rank asked (its own compute jumped ``ALERT_JUMP`` above its recent median
+twice in a row); rank 0's row carries the period, so every rank switches at the same check.
+
+Cost: a few ~100-byte socket sends and receives per exchange on the calling thread; the
+process CPU of one exchange is measured once at construction (rowlink.exchange_cost).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.detect.decision import NONE, Alarm, DecisionCore
+from stalwart.detect.rowlink import GlooRows, StarRows
+from stalwart.hostaddr import default_host
+
+HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
+EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
+ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
+ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
+LINK_SETUP_S = 30.0  # seconds to set up the row link before falling back to the all-gather
+READ_TIMEOUT_S = 1800.0  # a due row this late means a peer is gone: raise, never hang
+log = logging.getLogger("stalwart.detect")
+
+
+def open_rows(rank: int, world: int, width: int, group: Any) -> StarRows | GlooRows:
+    """Collective on ``group`` (the monitor's gloo group): direct sockets to rank 0, or, if
+    any rank could not set them up, the group's all-gather (rowlink.py)."""
+    link: StarRows | None = None
+    try:
+        # the lossy transport's rule for this rank's address: rank 0's is the one used
+        link = StarRows(rank, world, width, group, default_host(), timeout=LINK_SETUP_S)
+    except OSError as e:
+        log.debug("monitor row link not set up (%s): using the gloo all-gather", e)
+    ok = torch.tensor([0.0 if link is None else 1.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item() == 1.0 and link is not None:
+        link.set_timeout(READ_TIMEOUT_S)
+        return link
+    if link is not None:
+        link.close()
+    return GlooRows(rank, world, width, group)
+
+
+class Exchange:
+    """One rank's side of the exchange (see the module docstring)."""
+
+    def __init__(self, rank: int, rows: StarRows | GlooRows, core: DecisionCore, *,
+                 check_every: int | None, max_every: int, lag: int,
+                 process_cost: float = 0.0) -> None:
+        self.rank = rank
+        self.rows = rows
+        self.core = core
+        self.auto_every = check_every is None
+        self.check_every = 1 if check_every is None else check_every  # in force now
+        self.max_every = max_every if check_every is None else check_every
+        self.lag = lag
+        self.exchanges = 0
+        self._unsent: list[tuple[float, float]] = []  # (step, compute) since the last one
+        # in flight, oldest first: (sequence number, check at which it is read)
+        self._inflight: deque[tuple[int, int]] = deque()
+        self._requested = self.max_every  # rank 0: the least period the last rows asked
+        self._next_issue = self.check_every  # check number of the next exchange
+        self._last_issue = 0
+        self._alert_until = 0  # rank 0: exchange every step until this check
+        # rank 0's costs: CPU seconds per exchange on this thread (measured each time) and of
+        # the whole process (measured once), and process CPU seconds per check
+        self._exchange_cpu: float | None = None
+        self._process_cost = process_cost
+        self._cpu_at_check: float | None = None
+        self._step_cpu: deque[float] = deque(maxlen=32)
+        self._exchange_costs: deque[float] = deque(maxlen=16)
+        self._own_compute: deque[float] = deque(maxlen=16)
+        self._own_high = False
+
+    @staticmethod
+    def width(max_every: int) -> int:
+        return HEADER + 2 * max_every
+
+    def add(self, key: int, compute: float) -> None:
+        """A new sample of this rank's to send with the next row."""
+        self._unsent.append((float(key), float(compute)))
+
+    def check(self, c: int) -> Alarm | None:
+        """Check ``c``: read the rows due now (feeding rank 0's per-rank channels), issue this
+        rank's row if due; the alarm the rows read now carry, if any were due."""
+        if self.rank == 0:
+            cpu = time.process_time()
+            if self._cpu_at_check is not None:
+                self._step_cpu.append(cpu - self._cpu_at_check)
+            self._cpu_at_check = cpu
+        got = self._read(c)
+        if c >= self._next_issue:
+            self._issue(c)
+        if got is None:
+            return None
+        return Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+
+    def drain(self) -> None:
+        """Wait until the exchanges in flight are complete (they stay queued)."""
+        for seq, _ in self._inflight:
+            self.rows.wait(seq)
+
+    def close(self) -> None:
+        # every rank issued them: completing them keeps the group's op order intact
+        while self._inflight:
+            self.rows.read(self._inflight.popleft()[0])
+        self.rows.close()
+
+    def _read(self, c: int) -> list[list[float]] | None:
+        if not self._inflight or self._inflight[0][1] > c:
+            return None
+        t0 = time.thread_time()
+        seq, _ = self._inflight.popleft()
+        got = self.rows.read(seq)
+        if self.rank == 0:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+        if self.auto_every:
+            # rank 0's choice (it folds in the other ranks' requests), read by every rank at
+            # this same check
+            self.check_every = max(1, min(int(got[0][5]), self.max_every))
+            self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
+        if self.rank == 0:
+            # the other ranks' requests (rank 0's own row holds its last choice, which must
+            # not vote for itself: once 1, the period would stay 1)
+            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
+            n = min(int(r[4]) for r in got)  # entries every rank sent
+            for j in range(n):
+                self.core.relative(int(got[0][HEADER + 2 * j]),
+                                   [r[HEADER + 2 * j + 1] for r in got])
+            if got[0][0] != NONE:
+                # only now: a change found in these rows is the slowdown this decision is
+                # about, not a second one (the decision is applied right after this read)
+                self.core.alarm_read()
+        return got
+
+    def _issue(self, c: int) -> None:
+        t0 = time.thread_time()
+        alarm = self.core.take_pending()
+        # the same length on every rank; a rank with fewer samples sends fewer entries and
+        # rank 0 uses the entries every rank has
+        width = self.width(self.max_every)
+        unsent = self._unsent[-self.max_every:]
+        self._unsent.clear()
+        every = self._choose_every(c) if self.rank == 0 else self._request_every(unsent)
+        vals = [float(alarm.action), float(alarm.onset), float(alarm.severity),
+                float(alarm.suspect), float(len(unsent)), float(every)]
+        for key, comp in unsent:
+            vals += (key, comp)
+        vals += [0.0] * (width - len(vals))
+        due = c + 1 if self.auto_every else c + self.lag * self.check_every
+        self.rows.issue(self.exchanges, vals)
+        self._inflight.append((self.exchanges, due))
+        self._last_issue = c
+        self._next_issue = c + self.check_every
+        self.exchanges += 1
+        if self.rank == 0:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+
+    def _request_every(self, unsent: list[tuple[float, float]]) -> int:
+        """Ranks other than 0: ask for one exchange per step when this rank's own compute
+        stands out (two samples in a row above its recent median by ``ALERT_JUMP``: single
+        spikes are everyday noise on a loaded machine), so that a rank turning slow gets its
+        next samples to rank 0 without batching."""
+        hist = self._own_compute
+        alert = False
+        for _, comp in unsent:
+            high = len(hist) >= 8 and comp > (1.0 + ALERT_JUMP) * statistics.median(hist)
+            alert = alert or (high and self._own_high)
+            self._own_high = high
+            hist.append(comp)
+        return 1 if alert else self.max_every
+
+    def _choose_every(self, c: int) -> int:
+        """Rank 0: steps until the next exchange after this one is read (module docstring);
+        the exchange's cost is the larger of the calibrated process cost and the median of
+        the last exchanges on this thread."""
+        if not self.auto_every:
+            return self.check_every
+        if self.core.alert() or self._requested <= 1:
+            self._alert_until = c + ALERT_CHECKS
+        per_exchange = self._exchange_cpu
+        self._exchange_cpu = 0.0  # the next exchange's cost accumulates from here
+        if per_exchange is not None and per_exchange > 0:
+            self._exchange_costs.append(per_exchange)
+        if c < self._alert_until or len(self._exchange_costs) < 3 or len(self._step_cpu) < 3:
+            return 1
+        cost = max(statistics.median(self._exchange_costs), self._process_cost)
+        step_cpu = statistics.median(self._step_cpu)
+        if not step_cpu > 0:
+            return 1
+        return max(1, min(self.max_every, math.ceil(cost / (EXCHANGE_BUDGET * step_cpu))))
+
+    def stats(self) -> dict[str, Any]:
+        return {"exchanges": self.exchanges, "check_every": self.check_every}

@@ -1,0 +1,149 @@
+"""The run directory's events as types: the detector's verdicts and the mitigation's actions.
+
+One dataclass per event; ``fields()`` is the JSON line's content (``events.jsonl`` stays the
+format: ``{"event": NAME, "time": ..., **fields}``), ``parse`` reads a line back into its type
+(None for an event this module does not type), ``describe`` is the one phrasing of an event
+for a person -- the live progress line, a script run's display and the report use it.
+
+Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``,
+``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``, ``MitigationReverted``,
+``MitigationMeasured``). Torch-free; no I/O (``rundir.EventLog.emit`` writes one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+
+@dataclass
+class Event:
+    name: ClassVar[str] = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The JSON line's fields (an optional field that is None is left out)."""
+        d = asdict(self)
+        for k in self.optional:
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
+
+    optional: ClassVar[tuple[str, ...]] = ()
+
+
+@dataclass
+class StragglerDetected(Event):
+    """A validated straggler: a rank (compute, or its host's link) or a link between two."""
+
+    name: ClassVar[str] = "straggler_detected"
+    optional: ClassVar[tuple[str, ...]] = ("link",)
+    step: int  # decided at
+    onset_step: int
+    kind: str  # "compute" | "link"
+    ranks: list[int]
+    severity: float  # iteration-time slowdown factor
+    confidence: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+    link: list[int] | None = None
+
+
+@dataclass
+class SlowdownUnexplained(StragglerDetected):
+    """A job-wide slowdown that lasted and that validation pinned on no rank or link."""
+
+    name: ClassVar[str] = "slowdown_unexplained"
+
+
+@dataclass
+class StragglerRecovered(Event):
+    """The followed straggler's channel is back to within ``min_shift`` of its healthy level."""
+
+    name: ClassVar[str] = "straggler_recovered"
+    optional: ClassVar[tuple[str, ...]] = ("link",)
+    step: int
+    onset_step: int  # of the recovery
+    kind: str
+    ranks: list[int]
+    detected_step: int
+    detected_onset_step: int
+    severity: float  # level after / healthy level
+    link: list[int] | None = None
+
+
+@dataclass
+class MitigationApplied(Event):
+    """A plan or a restart agreed by every rank; ``step`` is where it takes effect."""
+
+    name: ClassVar[str] = "mitigation_applied"
+    step: int
+    decided_step: int
+    strategy: str  # "rebalance" | "exclude_host" | "restore_host" | "remap"
+    version: int
+    plan: list[int]  # micro-batches per data-parallel group, or the hosts after a restart
+    target: str  # "rank3" | "host2" | "hosts"
+    predicted_gain: float
+    reason: str
+
+
+@dataclass
+class MitigationReverted(Event):
+    name: ClassVar[str] = "mitigation_reverted"
+    step: int
+    decided_step: int
+    strategy: str
+    version: int
+    plan: list[int]
+    reason: str
+
+
+@dataclass
+class MitigationMeasured(Event):
+    """The step-time gain measured after a switch (or a restart), against its prediction."""
+
+    name: ClassVar[str] = "mitigation_measured"
+    step: int
+    version: int
+    strategy: str
+    predicted_gain: float
+    measured_gain: float
+    step_time_before: float
+    step_time_after: float
+
+
+TYPES: dict[str, type[Event]] = {t.name: t for t in (
+    StragglerDetected, SlowdownUnexplained, StragglerRecovered, MitigationApplied,
+    MitigationReverted, MitigationMeasured)}
+
+
+def parse(rec: dict[str, Any]) -> Event | None:
+    """The typed event of a JSON line; None for an event not typed here or a malformed one."""
+    t = TYPES.get(str(rec.get("event")))
+    if t is None:
+        return None
+    names = {f.name for f in fields(t)}
+    try:
+        return t(**{k: v for k, v in rec.items() if k in names})
+    except TypeError:  # a required field is missing: a line from an older version
+        return None
+
+
+def _who(ranks: list[int], link: list[int] | None) -> str:
+    if ranks:
+        who = f"rank {','.join(map(str, ranks))}"
+        return who + (f" (link {link[0]}-{link[1]})" if link and len(link) == 2 else "")
+    return f"{link[0]}-{link[1]}" if link and len(link) == 2 else f"{link}"
+
+
+def describe(rec: dict[str, Any], unit: str = "step") -> str | None:
+    """One line for a detector event (``unit``: "step", or "iteration" for a script run whose
+    steps are the monitor's iterations); None for the others. Reads the line's fields as they
+    are, so a partial line (an older version's) still reads."""
+    ev = rec.get("event")
+    if ev == SlowdownUnexplained.name:
+        return f"job slowed at {unit} {rec.get('step')}, no culprit rank or link found"
+    if ev == StragglerDetected.name:
+        return (f"straggler: {rec.get('kind')} {_who(rec.get('ranks') or [], rec.get('link'))} "
+                f"x{rec.get('severity', 0):.2f} since {unit} {rec.get('onset_step')}")
+    if ev == StragglerRecovered.name:
+        return f"straggler recovered at {unit} {rec.get('step')}"
+    return None

@@ -1,0 +1,351 @@
+"""Replay: recorded run directories through the decision code, without training.
+
+``stalwart replay RUN_DIR... [--json FILE]`` feeds each run's ``metrics.jsonl`` to the
+detector's rank-0 decision state machine (change detectors on the iteration time and on each
+rank's compute relative to its peers, classification, recovery, the unexplained-slowdown rule)
+and to the mitigation policy, and prints (or writes) the decisions they make. It is how a
+threshold is changed: replay the corpus (tests/replay/corpus) before and after, and read the
+difference.
+
+What replay decides and what it takes from the recording:
+- the detector sees what the live monitor saw at rank 0: rank 0's step time, and every
+  rank's compute time per unit of work (``fb_time`` normalised to the uniform plan's
+  micro-batches), one exchange per step, each row read one step after it was sent;
+- validation (the compute and link tests every rank runs when a change is found) cannot be
+  replayed: its outcome is the recorded verdict (``straggler_detected`` /
+  ``slowdown_unexplained``) decided within ``MATCH_STEPS`` steps of the replayed decision, about
+  a slowdown begun by then, and "nothing confirmed" (kind unknown) when there is none;
+- the policy (runs with ``--mitigate``) gets each group's time per micro-batch and the mean
+  step time per exchange (every ``EVERY`` steps, one exchange late, as the agreement channel
+  delivers them), the replayed findings, and the measured gain of its own plans
+  (``MEASURE_STEPS`` steps after their start); a restart's price is ``RESTART_S``.
+
+A run with restarts (S3/S4) is replayed per incarnation: the monitor and the policy start
+afresh where the world size changes or the steps start over. Deterministic: same files, same
+decisions. Cost: a few milliseconds per step of the recording.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.localize import Finding
+from stalwart.errors import ConfigError
+from stalwart.events import Event
+from stalwart.mitigate import planner, remap
+from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
+from stalwart.mitigate.policy import Policy
+from stalwart.presets import PRESETS, n_params
+from stalwart.rundir import CONFIG, EVENTS, METRICS, read_jsonl
+
+MATCH_STEPS = 12  # a recorded verdict this close to a replayed decision is its outcome
+EVERY = 2  # steps per exchange of the mitigation channel, unless the run's config says
+MEASURE_STEPS = 6  # steps after a plan's start over which its gain is measured (rebalance.py)
+RESTART_S = 15.0  # a restart's price (measured restarts: 9-16 s on the testbed)
+VERDICTS = ("straggler_detected", "slowdown_unexplained")
+
+
+@dataclass
+class StepRows:
+    """One step of one incarnation: each rank's measurements (rank -> metrics line)."""
+
+    step: int
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Incarnation:
+    world: int
+    steps: list[StepRows]
+
+
+def _incarnations(metrics: list[dict[str, Any]]) -> list[Incarnation]:
+    """Split the metrics lines where a new incarnation began (world size changed, or rank 0's
+    steps started over: a restart resumes from its checkpoint)."""
+    out: list[Incarnation] = []
+    cur: dict[int, StepRows] = {}
+    world = None
+    last0 = None
+    for m in metrics:
+        w, r, s = int(m.get("world", 0)), int(m["rank"]), int(m["step"])
+        if r == 0 and ((world is not None and w != world) or (last0 is not None and s <= last0)):
+            out.append(Incarnation(world or 0, [cur[k] for k in sorted(cur)]))
+            cur = {}
+        if r == 0:
+            world, last0 = w, s
+        cur.setdefault(s, StepRows(s)).ranks[r] = m
+    if cur:
+        out.append(Incarnation(world or 0, [cur[k] for k in sorted(cur)]))
+    # a step every rank finished (a restart cuts the last one short on some ranks)
+    for inc in out:
+        n = inc.world or max(len(s.ranks) for s in inc.steps)
+        inc.world = n
+        inc.steps = [s for s in inc.steps if len(s.ranks) == n]
+    return out
+
+
+def monitor_compute(m: dict[str, Any], micro_total: int, groups: int) -> float:
+    """The compute time the live monitor was given: forward/backward scaled to the uniform
+    plan's micro-batches (mitigate.rebalance ``normalised``), plus the rest of the step's
+    compute."""
+    comp = float(m["compute_time"])
+    fb = m.get("fb_time")
+    n = int(m.get("micro_batches") or 0)
+    if fb is None or n <= 0 or micro_total <= 0:
+        return comp
+    return comp - float(fb) + float(fb) * (micro_total / groups) / n
+
+
+class Verdicts:
+    """The recorded validation outcomes, each used once, nearest decision first."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.left = [e for e in events if e.get("event") in VERDICTS]
+
+    def take(self, decided: int) -> dict[str, Any] | None:
+        # about a slowdown that had begun by the decision, decided near it
+        near = [e for e in self.left if abs(int(e.get("step", -10**9)) - decided) <= MATCH_STEPS
+                and int(e.get("onset_step", 0)) <= decided]
+        if not near:
+            return None
+        e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
+        self.left.remove(e)
+        return e
+
+    def verdict(self, onset: int, decided: int, severity: float) -> Finding:
+        """What validation decided on an alarm (onset, decision step, severity): the recorded
+        verdict, or nothing confirmed."""
+        e = self.take(decided)
+        if e is None or e["event"] != "straggler_detected":
+            return Finding("unknown", onset, decided, severity, 0.3)
+        f = Finding.from_event(e)
+        f.step, f.severity, f.recovered_step = decided, severity, None
+        return f
+
+
+def _round(x: Any) -> Any:
+    """Floats to 6 significant digits: the decisions, not the last bits of their arithmetic."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}") if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+class EventSink:
+    """Collects the events the decision code emits, in memory."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, ev: Event) -> None:
+        self.events.append({"event": ev.name, **ev.fields()})
+
+
+# ---- the detector ---------------------------------------------------------------------------
+def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, groups: int,
+                     on_step: Callable[[int, list[Finding]], None]) -> dict[str, Any]:
+    """Drive rank 0's decision state machine over one incarnation (see the module docstring):
+    each step's sample, then the rows sent one step earlier (every rank's compute), then the
+    alarm they carry, validated by the recording. ``on_step(step, findings)`` runs after each
+    step's detection, as the policy would."""
+    sink = EventSink()
+    core = DecisionCore(True, emit=sink.emit)
+    inflight: tuple[Alarm, int, list[float]] | None = None
+    alarms: list[dict[str, Any]] = []
+    for srow in inc.steps:
+        k = srow.step
+        m0 = srow.ranks[0]
+        comps = [monitor_compute(srow.ranks[r], micro_total, groups) for r in range(inc.world)]
+        core.sample(IterSample(k, float(m0["step_time"]), comps[0], float(m0["comm_time"])))
+        got = None
+        if inflight is not None:
+            got, key, prev = inflight
+            core.relative(key, prev)
+            if got.action != NONE:
+                core.alarm_read()
+        inflight = (core.take_pending(), k, comps)
+        if got is not None and got.action != NONE:
+            alarms.append({"step": k, "action": "detect" if got.action == DETECT else "recover",
+                           "onset_step": got.onset, "ratio": got.severity,
+                           "suspect": got.suspect})
+            if got.action == DETECT:
+                suspect = got.suspect if got.suspect >= 0 else None
+                core.apply_verdict(verdicts.verdict(got.onset, k, got.severity), suspect)
+            else:
+                core.apply_recovery(got.onset, k, got.severity)
+        on_step(k, core.findings)
+    core.close()
+    return {"events": sink.events, "hiccups": core.hiccups, "alarms": alarms}
+
+
+# ---- the policy -----------------------------------------------------------------------------
+class PolicyReplay:
+    """Rank 0's side of the mitigation channel (mitigate/rebalance.py), on recorded times."""
+
+    def __init__(self, cfg: dict[str, Any], world: int, micro_total: int) -> None:
+        tp = int(cfg.get("tp", 1))
+        self.tp, self.groups, self.micro = tp, world // tp, micro_total
+        mode = "rebalance" if cfg.get("comm") == "lossy" else str(cfg.get("mitigate"))
+        pc = dict(cfg.get("policy") or {})  # the run's policy settings (config.json)
+        self.every = int(pc.pop("every", EVERY))
+        self.policy = Policy(self.groups, micro_total, tp=tp, mode=mode, every=self.every,
+                             **pc)
+        self.policy.restart_s = RESTART_S
+        self.hosts = list(cfg.get("hosts") or range(world))
+        self.policy.hosts = list(self.hosts)
+        if cfg.get("comm") != "lossy":
+            m = PRESETS[str(cfg.get("preset", "tiny"))]["model"]
+            mbs = int(cfg.get("micro_batch_size") or 1)
+            dp, tpb = remap.model_bytes(n_params(m) // tp, micro_total / self.groups, mbs,
+                                        m.block_size, m.n_embd, m.n_layer, tp)
+            self.policy.traffic = remap.pair_traffic(world, tp, dp, tpb)
+        self.counts = planner.uniform(micro_total, self.groups)
+        self.version = 0
+        self.decisions: list[dict[str, Any]] = []
+        self._win: dict[int, list[float]] = {}
+        self._rows: list[list[float]] | None = None  # the previous exchange's rows
+        self._pending: Decision | None = None  # sent, not started
+        self._sent: Decision | None = None  # decided at the last exchange, not yet read
+        self._steps: list[tuple[int, float]] = []
+        self._measure: tuple[str, int, float, int] | None = None
+        self.stopped = False
+
+    def step(self, srow: StepRows, findings: list[Finding]) -> None:
+        if self.stopped:
+            return
+        s = srow.step
+        d = self._pending
+        if d is not None and s >= d.start_step:
+            self._pending = None
+            if d.kind in (REBALANCE, REVERT):
+                self.counts, self.version = list(d.counts), d.version
+            else:
+                self.stopped = True  # a restart: the next incarnation is replayed afresh
+                return
+        self._steps.append((s, float(srow.ranks[0]["step_time"])))
+        self._check_measure()
+        for r, m in srow.ranks.items():
+            w = self._win.setdefault(r, [0.0, 0.0, 0.0, 0.0])
+            fb = float(m.get("fb_time", m["compute_time"]))
+            w[0] += fb
+            w[1] += int(m.get("micro_batches") or 1)
+            w[2] += float(m["step_time"])
+            w[3] += 1
+        if (s + 1) % self.every:
+            return
+        rows = [[w[0] / max(w[1], 1), w[2] / max(w[3], 1), w[3]]
+                for _, w in sorted(self._win.items())]
+        self._win = {}
+        prev, self._rows = self._rows, rows
+        if self._sent is not None:  # read now by every rank: it starts at its start step
+            self._pending, self._sent = self._sent, None
+            self._on_read(self._pending)
+        if prev is None or self._pending is not None:
+            return
+        units = [max(prev[r][0] for r in range(g * self.tp, (g + 1) * self.tp))
+                 for g in range(self.groups)]
+        step_s = statistics.median(r[1] for r in prev)
+        self.policy.counts = list(self.counts)
+        dec = self.policy.observe(s, units, step_s, int(prev[0][2]), findings,
+                                  s + self.every + 1)
+        if dec is None:
+            return
+        if dec.kind == EXCLUDE:
+            dec.target = self.hosts[dec.target]
+        self._sent = dec
+        self.decisions.append(_round({
+            "step": s, "decision": dec.name, "version": dec.version,
+            "start_step": dec.start_step, "counts": dec.counts, "target": dec.target,
+            "predicted_gain": dec.predicted_gain, "hosts": dec.hosts, "reason": dec.reason}))
+
+    def _recent_step_time(self) -> float | None:
+        xs = [t for _, t in self._steps[-2 * self.every:]]
+        return statistics.median(xs) if xs else None
+
+    def _on_read(self, dec: Decision) -> None:
+        before = self._recent_step_time()
+        if dec.kind in (REBALANCE, REVERT) and before is not None:
+            self._measure = ("rebalance" if dec.kind == REBALANCE else "revert", dec.version,
+                             before, dec.start_step)
+
+    def _check_measure(self) -> None:
+        if self._measure is None:
+            return
+        strategy, version, before, start = self._measure
+        after = [t for s, t in self._steps if s >= start]
+        if len(after) < MEASURE_STEPS:
+            return
+        self._measure = None
+        self.policy.measured(strategy, version, 1.0 - statistics.median(after) / before)
+
+
+# ---- a run ----------------------------------------------------------------------------------
+def replay_run(run_dir: Path) -> dict[str, Any]:
+    """The decisions the decision code makes on one recorded run (see the module docstring)."""
+    run_dir = Path(run_dir)
+    for name in (CONFIG, METRICS):
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"not a run directory (no {name}): {run_dir}")
+    cfg = json.loads((run_dir / CONFIG).read_text())
+    metrics = read_jsonl(run_dir / METRICS)
+    events = read_jsonl(run_dir / EVENTS) if (run_dir / EVENTS).is_file() else []
+    verdicts = Verdicts(events)
+    tp = int(cfg.get("tp", 1))
+    out: dict[str, Any] = {"run": run_dir.name, "incarnations": []}
+    for inc in _incarnations(metrics):
+        if not inc.steps:
+            continue
+        groups = inc.world // tp
+        micro_total = sum(int(m.get("micro_batches") or 0)
+                          for r, m in inc.steps[0].ranks.items()) // tp
+        pol = PolicyReplay(cfg, inc.world, micro_total) if (
+            cfg.get("mitigate", "off") != "off" and groups >= 2) else None
+        by_step = {s.step: s for s in inc.steps}
+
+        def on_step(step: int, findings: list[Finding],
+                    pol: PolicyReplay | None = pol, by_step: dict = by_step) -> None:
+            if pol is not None:
+                pol.step(by_step[step], findings)
+
+        det = _replay_detector(inc, verdicts, micro_total, groups, on_step)
+        out["incarnations"].append(_round({
+            "world": inc.world, "first_step": inc.steps[0].step, "last_step": inc.steps[-1].step,
+            "alarms": det["alarms"], "detect": det["events"], "hiccups": det["hiccups"],
+            "policy": pol.decisions if pol is not None else []}))
+    return out
+
+
+def summary(res: dict[str, Any]) -> list[str]:
+    """One line per decision, for a terminal."""
+    lines = [f"{res['run']}:"]
+    for inc in res["incarnations"]:
+        lines.append(f"  world {inc['world']}, steps {inc['first_step']}-{inc['last_step']}: "
+                     f"{len(inc['alarms'])} alarms, {inc['hiccups']} let go as hiccups")
+        for e in inc["detect"]:
+            who = e.get("ranks") or e.get("link") or ""
+            lines.append(f"    step {e.get('step')}: {e['event']} {e.get('kind', '')} {who} "
+                         f"onset {e.get('onset_step')} x{e.get('severity')}")
+        for d in inc["policy"]:
+            lines.append(f"    step {d['step']}: {d['decision']} v{d['version']} from step "
+                         f"{d['start_step']} {d['counts'] or d['hosts'] or d['target']}")
+    return lines
+
+
+def main(run_dirs: list[Path], json_out: Path | None = None) -> int:
+    results = [replay_run(p) for p in run_dirs]
+    for res in results:
+        print("\n".join(summary(res)))
+    if json_out is not None:
+        json_out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"decisions written to {json_out}")
+    return 0

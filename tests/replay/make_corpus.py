@@ -1,0 +1,93 @@
+"""Record the replay corpus: real ``stalwart run`` jobs, trimmed to what replay reads.
+
+    sudo .venv/bin/python tests/replay/make_corpus.py tests/replay/corpus [NAME ...]
+
+Each run is a short job on the local testbed (compute and contention faults are cgroup CPU
+quotas and busy processes: root) or on network namespaces (link faults: root). Only
+``config.json``, ``events.jsonl`` and the metrics columns replay reads are kept, so the corpus
+stays small. Re-recording changes the corpus, and with it the expected decisions: record them
+again with ``stalwart replay --json tests/replay/expected.json tests/replay/corpus/*`` from
+the decision code as it was, then change the code (tests/replay/test_replay.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# the metrics columns replay reads (stalwart.replay)
+KEEP = ("step", "rank", "step_time", "compute_time", "comm_time", "fb_time", "micro_batches",
+        "plan_version", "world")
+
+C = "compute:rank={r},factor={f},start={s}"
+RUNS: dict[str, list[str]] = {
+    "clean-n2": ["--nproc", "2", "--steps", "80"],
+    "clean-n3": ["--nproc", "3", "--steps", "80"],
+    "clean-n4": ["--nproc", "4", "--steps", "80"],
+    "clean-n4-seed1": ["--nproc", "4", "--steps", "80", "--seed", "1"],
+    "clean-n4-mb2": ["--nproc", "4", "--steps", "80", "--micro-batches", "2"],
+    "clean-n2-lossy": ["--nproc", "2", "--steps", "80", "--comm", "lossy"],
+    "clean-n4-lossy": ["--nproc", "4", "--steps", "80", "--comm", "lossy"],
+    "clean-n4-mitigate": ["--nproc", "4", "--steps", "80", "--mitigate", "auto"],
+    "compute2x-n2": ["--nproc", "2", "--steps", "80", "--fault", C.format(r=1, f=2, s=30)],
+    "compute3x-n4": ["--nproc", "4", "--steps", "80", "--fault", C.format(r=2, f=3, s=30)],
+    "compute1.5x-n3": ["--nproc", "3", "--steps", "90", "--fault", C.format(r=1, f=1.5, s=30)],
+    "compute2x-n4-ends": ["--nproc", "4", "--steps", "90",
+                          "--fault", "compute:rank=3,factor=2,start=30,end=60"],
+    "compute2x-n3-lossy": ["--nproc", "3", "--steps", "80", "--comm", "lossy",
+                           "--fault", C.format(r=2, f=2, s=30)],
+    "compute2x-n4-mitigate": ["--nproc", "4", "--steps", "100", "--mitigate", "auto",
+                              "--fault", C.format(r=1, f=2, s=30)],
+    "compute3x-n4-mitigate-ends": ["--nproc", "4", "--steps", "110", "--mitigate", "auto",
+                                   "--fault", "compute:rank=2,factor=3,start=25,end=70"],
+    "compute2x-n3-rebalance": ["--nproc", "3", "--steps", "100", "--mitigate", "rebalance",
+                               "--fault", C.format(r=0, f=2, s=30)],
+    "contention-n2": ["--nproc", "2", "--steps", "80",
+                      "--fault", "contention:rank=1,procs=2,start=30"],
+    "contention-n4": ["--nproc", "4", "--steps", "80",
+                      "--fault", "contention:rank=0,procs=2,start=30"],
+    "link-n4-netns": ["--nproc", "4", "--steps", "70", "--testbed", "netns",
+                      "--fault", "link:host=2,rate=10mbit,start=30"],
+    "pairlink-n4-netns-mitigate": ["--nproc", "4", "--steps", "80", "--testbed", "netns",
+                                   "--mitigate", "auto",
+                                   "--fault", "pairlink:hosts=1-2,rate=10mbit,start=30"],
+    "loss-n3-netns-lossy": ["--nproc", "3", "--steps", "60", "--testbed", "netns",
+                            "--comm", "lossy", "--fault", "loss:host=all,p=0.05"],
+    "clean-n4-netns": ["--nproc", "4", "--steps", "60", "--testbed", "netns"],
+}
+
+
+def trim(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    shutil.copy(src / "events.jsonl", dst / "events.jsonl")
+    with open(src / "metrics.jsonl") as f, open(dst / "metrics.jsonl", "w") as out:
+        for line in f:
+            m = json.loads(line)
+            row = {k: (round(v, 6) if isinstance(v, float) else v)
+                   for k, v in m.items() if k in KEEP}
+            out.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    names = argv[1:] or list(RUNS)
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "stalwart.cli", "run", *RUNS[name], "--name", name,
+                   "--out", tmp, "--no-progress"]
+            print(" ".join(cmd[2:]), flush=True)
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"{name}: exit {r.returncode}: {r.stderr[-500:]}", flush=True)
+                continue
+            trim(Path(tmp) / name, out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
