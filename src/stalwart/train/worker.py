@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -267,167 +268,231 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
         events.log("checkpoint", step=done)
 
 
-def train(cfg: RunConfig) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.nproc:
-        cfg.nproc = world  # torchrun decides the world size
-    cfg.validate()
-    torch.set_num_threads(cfg.threads)
-    from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
+@dataclass
+class Rank:
+    """One rank's job, built once by ``Rank.start``: the process group and run directory, and
+    each capability plugged in as an object -- the step (DDP or tensor parallel, on its
+    device), the optimizer (AdamW, or the loss-tolerant one of ``stalwart.comm``), the
+    straggler monitor (``stalwart.detect``) and the work plan (``stalwart.mitigate``)."""
 
-    slot, slots = rank_slot()
-    try:
-        dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
-    except DeviceError as e:
-        raise ConfigError(str(e)) from None
-    device = torch.device(dplan.device_of(slot))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
-    launched = "STALWART_RUN_DIR" in os.environ
-    if not launched and cfg.faults:
-        raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
-    if launched:
-        run_dir = Path(os.environ["STALWART_RUN_DIR"])
-    else:
-        run_dir = prepare_run_dir_for_torchrun(cfg, rank)
-    dist.barrier()
+    cfg: RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    devices: Any  # the device plan (stalwart.devices.DevicePlan)
+    run_dir: Path
+    launched: bool  # started by `stalwart run` (else by torchrun)
+    events: EventLog
+    metrics: JsonlWriter
+    corpus: Corpus
+    monitor: Any = None
+    stepper: Any = None
+    opt: Any = None
+    work: Any = None
+    val: list = field(default_factory=list)
+    data_rank: int = 0
+    data_parts: int = 1
+    lr: float = 0.0  # this step's learning rate
 
-    events = EventLog(run_dir)
-    metrics = JsonlWriter(run_dir / METRICS)
-    corpus: Corpus = load_corpus(cfg.data, cfg.max_data_bytes)
-    mcfg = PRESETS[cfg.preset]["model"]
-    bs = cfg.resolved_batch_size()
-    mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
+    @classmethod
+    def start(cls, cfg: RunConfig) -> Rank:
+        """Devices, the process group, the run directory and logs, then the capabilities."""
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != cfg.nproc:
+            cfg.nproc = world  # torchrun decides the world size
+        cfg.validate()
+        torch.set_num_threads(cfg.threads)
+        from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
 
-    monitor = None
-    if cfg.detect:
-        from stalwart.detect import Monitor
-
-        # no DDP tracking: every step's hint carries its compute and comm times, so the
-        # tracker would record nothing, and its Python comm hook would still take DDP off its
-        # C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
-        monitor = Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=False,
-                          # lossy: the monitor's gloo ops must not pace the job (monitor.py);
-                          # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
-                          check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1, device=device)
-
-    torch.manual_seed(cfg.seed)
-    if cfg.tp > 1:
-        tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
-        stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir, device)
-    else:
-        data_rank, data_parts = rank, world
-        stepper = DataParallelStep(GPT(mcfg).to(device), device)
-    model = stepper.model
-
-    opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
-    if cfg.comm == "lossy":
-        from stalwart.comm import attach
-
-        # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-        opt: Any = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip, **opt_kw)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
-
-    from stalwart.mitigate import RESTART_EXIT, work_plan
-
-    with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
-        n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
-    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
-    host = cfg.hosts[rank] if cfg.hosts else rank
-    start = 0
-    if cfg.resume:
-        state = ckpt.load_rank(run_dir, rank, cfg, device)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        ckpt.restore_rng(state)
-        start = state["step"]
-        if rank == 0:
-            events.log("resumed", step=start, world=world, saved_world=state["world"])
-    if rank == 0 and start == 0:
-        events.log("devices", plan=dplan.describe(), device=dplan.kind, backend=dplan.backend)
-
-    val = [(x.to(device), y.to(device))
-           for x, y in val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)]
-
-    def do_eval(step: int) -> None:
-        t = time.perf_counter()
-        v = evaluate(model, val, data_rank, data_parts)
-        if rank == 0:
-            events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
-
-    def finish(code: int) -> int:
-        for part in (monitor, work, opt):
-            if hasattr(part, "close"):
-                part.close()
+        slot, slots = rank_slot()
+        try:
+            dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        device = torch.device(dplan.device_of(slot))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
+        launched = "STALWART_RUN_DIR" in os.environ
+        if not launched and cfg.faults:
+            raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
+        if launched:
+            run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        else:
+            run_dir = prepare_run_dir_for_torchrun(cfg, rank)
         dist.barrier()
-        if rank == 0 and not launched and code == 0:
-            events.log("run_finished", ok=True)
-            from stalwart.report import build_report
+        r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
+                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+        r._plug_in()
+        return r
 
-            build_report(run_dir)
-        metrics.close()
-        events.close()
-        dist.destroy_process_group()
-        return code
+    @property
+    def model_cfg(self) -> Any:
+        return PRESETS[self.cfg.preset]["model"]
 
-    if start == 0:
-        do_eval(0)
-    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
-    for step in range(start, stop):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        share = work.assign(step)  # which of the step's micro-batches this rank computes
-        if work.restart_due(step) is not None:  # S4: leave for a restart at another size
-            save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
-            return finish(RESTART_EXIT)
-        starts = step_starts(corpus, gb, mcfg.block_size, cfg.seed, step)
-        batches = [micro_batch(corpus, starts, mbs, mcfg.block_size, g) for g in share.indices]
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
-        loss, timing = stepper.forward_backward(batches, share.micro_weight)
+    def _plug_in(self) -> None:
+        cfg, mcfg, device = self.cfg, self.model_cfg, self.device
+        if cfg.detect:
+            from stalwart.detect import Monitor
+
+            d = cfg.detection
+            lossy = cfg.comm == "lossy"
+            # no DDP tracking: every step's hint carries its compute and comm times, so the
+            # tracker would record nothing, and its Python comm hook would still take DDP off
+            # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+            self.monitor = Monitor(
+                run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
+                # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+                check_every=d.lossy_check_every if lossy else None,
+                lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
+                persist=d.persist, history=d.history, compute_reps=d.compute_reps,
+                link_bytes=d.link_bytes, device=device)
+        torch.manual_seed(cfg.seed)
+        if cfg.tp > 1:
+            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
+            self.stepper = TensorParallelStep(cfg, tp_group, dp_group, self.run_dir, device)
+        else:
+            self.data_rank, self.data_parts = self.rank, self.world
+            self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
+        opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
+                  "weight_decay": cfg.weight_decay}
+        if cfg.comm == "lossy":
+            from stalwart.comm import attach
+
+            # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
+            self.opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
+                              **opt_kw)
+        else:
+            self.opt = torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+        from stalwart.mitigate import work_plan
+
+        with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
+            n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir, n_params)
+        self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
+            self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
+            cfg.seed)]
+
+    def resume(self) -> int:
+        """The step to start at: 0, or a checkpoint's (``--resume``, a restart)."""
+        start = 0
+        if self.cfg.resume:
+            state = ckpt.load_rank(self.run_dir, self.rank, self.cfg, self.device)
+            self.stepper.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            ckpt.restore_rng(state)
+            start = state["step"]
+            if self.rank == 0:
+                self.events.log("resumed", step=start, world=self.world,
+                                saved_world=state["world"])
+        if self.rank == 0 and start == 0:
+            self.events.log("devices", plan=self.devices.describe(), device=self.devices.kind,
+                            backend=self.devices.backend)
+        return start
+
+    def train_step(self, step: int, share: Any, t0: float) -> tuple[dict[str, Any], float]:
+        """Forward/backward over this rank's share of the step, the optimizer step; the
+        metrics line and the forward/backward seconds."""
+        cfg, mcfg = self.cfg, self.model_cfg
+        mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
+        starts = step_starts(self.corpus, gb, mcfg.block_size, cfg.seed, step)
+        batches = [micro_batch(self.corpus, starts, mbs, mcfg.block_size, g)
+                   for g in share.indices]
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        loss, timing = self.stepper.forward_backward(batches, share.micro_weight)
         t_opt = time.perf_counter()
         if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
-            stepper.clip_grad_norm_(cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            self.stepper.clip_grad_norm_(cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
-        extra: dict[str, Any] = opt.stats() if hasattr(opt, "stats") else {}
+        extra: dict[str, Any] = self.opt.stats() if hasattr(self.opt, "stats") else {}
         opt_comm = float(extra.pop("comm_time", 0.0))
         tokens = mbs * len(batches) * mcfg.block_size
         step_time = t1 - t0
+        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
         rec = {
-            "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
-            "step_time": step_time,
-            "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
-            # forward/backward alone: the part that scales with the plan (replay rebuilds the
-            # detector's and the policy's per-micro-batch inputs from it)
-            "fb_time": timing["compute_time"],
+            "step": step, "rank": self.rank, "time": time.time(), "loss": loss,
+            "lr": self.lr, "step_time": step_time,
+            "compute_time": fb + (t1 - t_opt) - opt_comm,
+            # replay rebuilds the detector's and the policy's per-micro-batch inputs from it
+            "fb_time": fb,
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
-            "micro_batches": len(batches), "plan_version": share.version, "host": host,
-            "world": world,
+            "micro_batches": len(batches), "plan_version": share.version,
+            "host": cfg.hosts[self.rank] if cfg.hosts else self.rank, "world": self.world,
             **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
             **extra,
         }
-        metrics.write(rec)
-        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
-        if monitor is not None:  # per unit of work: a plan must not look like a recovery
-            monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
-                                + work.normalised(fb)})
-        work.end_step(step, fb, step_time)
+        return rec, fb
+
+    def record(self, step: int, rec: dict[str, Any], fb: float) -> None:
+        """The metrics line; the monitor's hint (per unit of work: a plan must not look like a
+        recovery) and the work plan's measurements."""
+        self.metrics.write(rec)
+        if self.monitor is not None:
+            self.monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
+                                     + self.work.normalised(fb)})
+        self.work.end_step(step, fb, rec["step_time"])
+
+    def set_lr(self, step: int) -> None:
+        self.lr = lr_at(step, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+
+    def evaluate(self, step: int) -> None:
+        t = time.perf_counter()
+        v = evaluate(self.stepper.model, self.val, self.data_rank, self.data_parts)
+        if self.rank == 0:
+            self.events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
+                        self.events)
+
+    def finish(self, code: int) -> int:
+        for part in (self.monitor, self.work, self.opt):
+            if hasattr(part, "close"):
+                part.close()
+        dist.barrier()
+        if self.rank == 0 and not self.launched and code == 0:
+            self.events.log("run_finished", ok=True)
+            from stalwart.report import build_report
+
+            build_report(self.run_dir)
+        self.metrics.close()
+        self.events.close()
+        dist.destroy_process_group()
+        return code
+
+
+def train(cfg: RunConfig) -> int:
+    """The rank loop: each step's share of the work, its forward/backward and optimizer step,
+    its measurements to the metrics, the monitor and the plan; evaluations and checkpoints."""
+    from stalwart.mitigate import RESTART_EXIT
+
+    r = Rank.start(cfg)
+    start = r.resume()
+    if start == 0:
+        r.evaluate(0)
+    for step in range(start, cfg.halt_at if cfg.halt_at is not None else cfg.steps):
+        t0 = time.perf_counter()
+        r.set_lr(step)
+        share = r.work.assign(step)  # which of the step's micro-batches this rank computes
+        if r.work.restart_due(step) is not None:  # S3/S4: leave for a restart elsewhere
+            r.checkpoint(step)
+            return r.finish(RESTART_EXIT)
+        rec, fb = r.train_step(step, share, t0)
+        r.record(step, rec, fb)
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            do_eval(done)
+            r.evaluate(done)
         if done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at:
-            save_checkpoint(run_dir, done, rank, cfg, model, opt, events)
-    if cfg.halt_at is not None and rank == 0:
-        events.log("halted", step=cfg.halt_at)
-    return finish(0)
+            r.checkpoint(done)
+    if cfg.halt_at is not None and r.rank == 0:
+        r.events.log("halted", step=cfg.halt_at)
+    return r.finish(0)
 
 
 def main(argv: list[str] | None = None) -> int:
