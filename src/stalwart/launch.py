@@ -9,7 +9,10 @@ What it guarantees:
   under torchrun for multi-node jobs, and a user's torchrun script (``--script``, script.py)
   runs here unchanged;
 - if one rank dies, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
-  the launcher returns non-zero naming the rank and the last line of its error; nothing hangs;
+  the launcher returns non-zero naming the rank and the last line of its error; nothing hangs.
+  Except in a job that regroups in place (``--mitigate auto``, data parallel, reliable comm:
+  mitigate/membership.py): there the launcher logs ``rank_lost``, announces a new membership
+  generation without the rank, and the survivors carry on (mitigate/regroup.py);
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
 - the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
@@ -158,9 +161,10 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
             tb.on_time(0.0)
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
+                members = _announcer(cfg, run_dir, module)
                 procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation)
                 rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step,
-                                restart_t0, clock0)
+                                restart_t0, clock0, members)
                 if rc != RESTART_EXIT:
                     break
                 # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
@@ -266,18 +270,48 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
     return new, int(req.get("step", 0))
 
 
+def _announcer(cfg: RunConfig, run_dir: Path, module: str) -> Any:
+    """The membership record of a job that regroups in place (mitigate/membership.py)."""
+    from stalwart.mitigate.membership import Announcer, in_place_ok
+
+    if module != "stalwart.train.worker" or cfg.nproc < 2 or not in_place_ok(cfg):
+        return None
+    return Announcer(run_dir, list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc)))
+
+
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
                progress: Progress, events: EventLog, say: Callable[[str], None],
                first_step: int = 0, restart_t0: float | None = None,
-               clock0: float | None = None) -> int:
+               clock0: float | None = None, members: Any = None) -> int:
     tb.on_step(first_step)  # type: ignore[attr-defined]
     probe = _start_probe(cfg, tb, run_dir)
     try:
         return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
-                      probe, time.monotonic() if clock0 is None else clock0)
+                      probe, time.monotonic() if clock0 is None else clock0, members)
     finally:
         if probe is not None:
             probe.close()
+
+
+def _lose(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen], members: Any,
+          run_dir: Path, events: EventLog, say: Callable[[str], None], step: int) -> bool:
+    """Ranks died in a job that regroups in place: log each (``rank_lost``), drop it, and
+    announce the next generation to the survivors. False (the job stops as before) when no
+    rank is left running, or a rank exited 2 (bad input: every rank would hit it)."""
+    alive = [r for r, p in procs.items() if p.poll() is None]
+    if not alive or any(code == 2 for _, code in failed):
+        return False
+    for r, code in failed:
+        # a signal leaves no error of the rank's own (its last line is whatever came before)
+        why = _last_error_line(run_dir / LOGS / f"rank-{r}.log") if code > 0 else ""
+        host = members.current.hosts[members.current.alive.index(r)]
+        events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
+                   world_after=len(alive))
+        say(f"stalwart: rank {r} (host {host}) lost ({_describe_exit(code)}); the other "
+            f"{len(alive)} regroup in place")
+        del procs[r]
+    members.lose([r for r, _ in failed], step)
+    return True
 
 
 def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
@@ -294,7 +328,8 @@ def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
 
 def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
            progress: Progress, events: EventLog, say: Callable[[str], None],
-           first_step: int, restart_t0: float | None, probe: Any, clock0: float) -> int:
+           first_step: int, restart_t0: float | None, probe: Any, clock0: float,
+           members: Any = None) -> int:
     # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
     metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
     events_tail = JsonlTail(run_dir / EVENTS)
@@ -326,6 +361,9 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items()
                   if p.poll() not in (None, 0, RESTART_EXIT)]
+        if failed and members is not None and _lose(failed, procs, members, run_dir, events,
+                                                    say, next_step):
+            continue  # the survivors regroup in place
         if failed:
             # When one rank dies its peers abort soon after (gloo raises, torch calls abort()),
             # and one poll may see several: name the likely cause, not the lowest rank.

@@ -69,9 +69,14 @@ class LocalComputeClock:
         self._seen = -1
         if self.cuda:
             self._ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        for i, p in enumerate(model.parameters()):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._mark(i))
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._mark(i))
+                       for i, p in enumerate(model.parameters()) if p.requires_grad]
+
+    def close(self) -> None:
+        """Remove the hooks (a regroup wraps the same model again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def _mark(self, i: int) -> None:
         self.last = time.perf_counter()
@@ -109,6 +114,11 @@ class DataParallelStep:
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def close(self) -> None:
+        """Let go of the DDP wrapper and the clock's hooks; the model stays as it is."""
+        self.clock.close()
+        del self.ddp
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                          micro_weight: float) -> tuple[float, dict[str, float]]:
@@ -301,16 +311,19 @@ def train(cfg: RunConfig) -> int:
     bs = cfg.resolved_batch_size()
     mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
 
-    monitor = None
-    if cfg.detect:
+    def make_monitor(rank: int, world: int) -> Any:
+        if not cfg.detect:
+            return None
         from stalwart.detect import Monitor
 
-        monitor = Monitor(run_dir=run_dir, rank=rank, world=world,
-                          track_ddp=cfg.comm == "reliable",
-                          # lossy: the monitor's gloo ops must not pace the job (monitor.py);
-                          # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
-                          check_every=8 if cfg.comm == "lossy" else None,
-                          lag=2 if cfg.comm == "lossy" else 1, device=device)
+        return Monitor(run_dir=run_dir, rank=rank, world=world,
+                       track_ddp=cfg.comm == "reliable",
+                       # lossy: the monitor's gloo ops must not pace the job (monitor.py);
+                       # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
+                       check_every=8 if cfg.comm == "lossy" else None,
+                       lag=2 if cfg.comm == "lossy" else 1, device=device)
+
+    monitor = make_monitor(rank, world)
 
     torch.manual_seed(cfg.seed)
     if cfg.tp > 1:
@@ -348,17 +361,33 @@ def train(cfg: RunConfig) -> int:
     if rank == 0 and start == 0:
         events.log("devices", plan=dplan.describe(), device=dplan.kind, backend=dplan.backend)
 
+    # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
+    from stalwart.mitigate.membership import in_place_ok
+
+    regrouper = None
+    if launched and world > 1 and in_place_ok(cfg):
+        from stalwart.mitigate.regroup import Regrouper
+
+        # the first generation's rendezvous store (launch rank 0's TCPStore) is left alone:
+        # a regroup never needs it, and shutting its connections would only add errors
+        regrouper = Regrouper(run_dir, rank, {int(os.environ.get("MASTER_PORT", "0"))})
+
     val = [(x.to(device), y.to(device))
            for x, y in val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)]
+    evals_done: set[int] = set()
+    ckpts_done: set[int] = set()
 
     def do_eval(step: int) -> None:
+        if step in evals_done:
+            return
         t = time.perf_counter()
         v = evaluate(model, val, data_rank, data_parts)
+        evals_done.add(step)
         if rank == 0:
             events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
 
     def finish(code: int) -> int:
-        for part in (monitor, work, opt):
+        for part in (monitor, work, opt, regrouper):
             if hasattr(part, "close"):
                 part.close()
         dist.barrier()
@@ -372,10 +401,12 @@ def train(cfg: RunConfig) -> int:
         dist.destroy_process_group()
         return code
 
-    if start == 0:
-        do_eval(0)
     stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
-    for step in range(start, stop):
+    applied = start  # optimizer steps applied: the next step to run
+
+    def run_step(step: int) -> bool:
+        """One training step; False when the plan says to leave for a restart (S4)."""
+        nonlocal applied
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
@@ -383,7 +414,7 @@ def train(cfg: RunConfig) -> int:
         share = work.assign(step)  # which of the step's micro-batches this rank computes
         if work.restart_due(step) is not None:  # S4: leave for a restart at another size
             save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
-            return finish(RESTART_EXIT)
+            return False
         starts = step_starts(corpus, gb, mcfg.block_size, cfg.seed, step)
         batches = [micro_batch(corpus, starts, mbs, mcfg.block_size, g) for g in share.indices]
         batches = [(x.to(device), y.to(device)) for x, y in batches]
@@ -392,6 +423,7 @@ def train(cfg: RunConfig) -> int:
         if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
             stepper.clip_grad_norm_(cfg.grad_clip)
         opt.step()
+        applied = step + 1
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         extra: dict[str, Any] = opt.stats() if hasattr(opt, "stats") else {}
@@ -418,14 +450,85 @@ def train(cfg: RunConfig) -> int:
             monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
                                 + work.normalised(fb)})
         work.end_step(step, fb, step_time)
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        return True
+
+    def after_step(done: int) -> None:
+        """The evaluation and checkpoint due after ``done`` steps (each once)."""
+        if done == 0 or done % cfg.eval_every == 0 or done == cfg.steps:
             do_eval(done)
-        if done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at:
+        if (done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at) \
+                and done > 0 and done not in ckpts_done:
             save_checkpoint(run_dir, done, rank, cfg, model, opt, events)
+            ckpts_done.add(done)
+
+    if start > 0:  # what the resumed checkpoint already holds is not redone
+        evals_done.add(start)
+        ckpts_done.add(start)
+    while True:
+        try:
+            after_step(applied)
+            if applied >= stop:
+                break
+            if not run_step(applied):
+                return finish(RESTART_EXIT)
+        except Exception as e:  # noqa: BLE001 -- only a failed collective is handled here
+            if regrouper is None or not _comm_failure(e, regrouper):
+                raise
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+            del e  # its traceback holds the failed step's graph, and with it the old DDP
+            rank, world, host, data_rank, data_parts, monitor, work, stepper = _regroup(
+                cfg, regrouper, dplan.backend, model, opt, stepper, monitor, work, make_monitor,
+                run_dir, n_params, device, applied, events, why)
     if cfg.halt_at is not None and rank == 0:
         events.log("halted", step=cfg.halt_at)
     return finish(0)
+
+
+def _comm_failure(e: BaseException, regrouper: Any) -> bool:
+    """A collective that failed because the membership changed (or may have: the launcher's
+    word is awaited in ``regroup``)."""
+    from stalwart.mitigate.regroup import is_comm_error
+
+    return regrouper.changed() or is_comm_error(e)
+
+
+def _regroup(cfg: RunConfig, regrouper: Any, backend: str, model: nn.Module, opt: Any,
+             stepper: Any, monitor: Any, work: Any, make_monitor: Any, run_dir: Path,
+             n_params: int, device: torch.device, applied: int, events: EventLog,
+             why: str) -> tuple[Any, ...]:
+    """Rebuild this rank's distributed state for the next generation, in place: process
+    groups, the model's state agreed, DDP, monitor, work plan (same global batch over fewer
+    ranks). Returns (rank, world, host, data rank, data parts, monitor, work, stepper)."""
+    import gc
+
+    from stalwart.mitigate import work_plan
+    from stalwart.mitigate.regroup import agree_state
+
+    t0 = time.monotonic()
+    opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
+    stepper.close()
+    for part in (monitor, work):  # their pending exchanges failed with the old groups
+        with contextlib.suppress(Exception):
+            if part is not None:
+                part.close()
+    del stepper, monitor, work
+    gc.collect()  # the old DDP's reducer, with its hooks on the parameters
+    try:
+        g = regrouper.regroup(backend)
+    except TimeoutError as t:  # not a lost peer: the original failure is the news
+        raise RuntimeError(f"{why} ({t})") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg.nproc, cfg.hosts = world, list(g.hosts)
+    done, src = agree_state(model, opt, applied)
+    monitor = make_monitor(rank, world)
+    stepper = DataParallelStep(model, device)
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
+    if rank == 0:
+        events.log("regroup", step=done, generation=g.gen, world=world,
+                   members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
+                   state_from=src, regroup_s=round(time.monotonic() - t0, 3),
+                   since_announce_s=round(time.time() - g.time, 3), error=why)
+    return rank, world, cfg.hosts[rank], rank, world, monitor, work, stepper
 
 
 def main(argv: list[str] | None = None) -> int:
