@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
-from stalwart.mitigate import RESTART_EXIT
+from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
@@ -285,12 +285,13 @@ def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
                clock0: float | None = None, members: Any = None) -> int:
     tb.on_step(first_step)  # type: ignore[attr-defined]
     probe = _start_probe(cfg, tb, run_dir)
+    probes = [probe] if probe is not None else []  # and those _watch starts
     try:
         return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
-                      probe, time.monotonic() if clock0 is None else clock0, members)
+                      probe, time.monotonic() if clock0 is None else clock0, members, probes)
     finally:
-        if probe is not None:
-            probe.close()
+        for p in probes:
+            p.close()
 
 
 def _lose(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen], members: Any,
@@ -314,6 +315,28 @@ def _lose(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen], mem
     return True
 
 
+def _left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Path,
+          events: EventLog, say: Callable[[str], None], step: int) -> Any:
+    """Ranks that an in-place regroup left out (S4) exited: log each (``rank_left``) and
+    probe its host for the way back (probe.py); returns the probe (or None)."""
+    from stalwart.mitigate import membership
+    from stalwart.mitigate.probe import HostProbe
+
+    probe = None
+    g = membership.read(run_dir)
+    for r in [r for r, p in procs.items() if p.poll() == LEFT_EXIT]:
+        host = tb.host(r)
+        del procs[r]
+        events.log("rank_left", step=step, rank=r, host=host)
+        say(f"stalwart: rank {r} left; host {host} is out of the job and probed for the way "
+            "back")
+        if g is not None and probe is None and hasattr(tb, "hosts"):
+            probe = HostProbe(tb, host, list(g.hosts), run_dir)
+    if members is not None and g is not None and g.token == members.current.token:
+        members.current = g if g.gen > members.current.gen else members.current
+    return probe
+
+
 def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
     """While a host is excluded (S4), probe it for the way back (mitigate/probe.py)."""
     if cfg.mitigate != "auto" or not cfg.hosts:
@@ -329,7 +352,7 @@ def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
 def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
            progress: Progress, events: EventLog, say: Callable[[str], None],
            first_step: int, restart_t0: float | None, probe: Any, clock0: float,
-           members: Any = None) -> int:
+           members: Any = None, probes: list[Any] | None = None) -> int:
     # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
     metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
     events_tail = JsonlTail(run_dir / EVENTS)
@@ -337,6 +360,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
     restart_s: float | None = None
     recent: list[float] = []
     declined_logged = False
+    watch_t0 = time.monotonic()
+    startup_s: float | None = None  # spawn to the first step: what a restart would cost
     while True:
         tb.on_time(time.monotonic() - clock0)
         for m in metrics_tail.poll():
@@ -344,13 +369,23 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             tb.observe(m)
             if m["step"] >= first_step and m.get("rank") == 0:
                 recent = (recent + [float(m["step_time"])])[-20:]
+                if startup_s is None:
+                    startup_s = time.monotonic() - watch_t0
                 if restart_s is None and restart_t0 is not None:
                     restart_s = time.monotonic() - restart_t0  # exit to first step back
             if m["step"] + 1 > next_step:
                 next_step = m["step"] + 1
                 tb.on_step(next_step)
+        if any(p.poll() == LEFT_EXIT for p in procs.values()):
+            got = _left(procs, members, tb, run_dir, events, say, next_step)
+            if got is not None and probes is not None:
+                probes.append(got)  # closed by _supervise
+            if got is not None and probe is None:
+                probe = got
+                restart_s = restart_s or startup_s  # taking it back is a restart
         if probe is not None and recent and restart_s is not None and probe.request_restore(
-                cfg.steps - next_step, sorted(recent)[len(recent) // 2], cfg.nproc, restart_s):
+                cfg.steps - next_step, sorted(recent)[len(recent) // 2], len(procs),
+                restart_s):
             say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take it back")
         if probe is not None and probe.declined and not declined_logged:
             declined_logged = True
@@ -360,7 +395,7 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             progress.on_event(e)
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items()
-                  if p.poll() not in (None, 0, RESTART_EXIT)]
+                  if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):
             continue  # the survivors regroup in place

@@ -49,6 +49,9 @@ class Generation:
     lost: tuple[int, ...] = ()
     step: int = 0  # the launcher's step count when it changed (informational)
     time: float = field(default=0.0, compare=False)
+    # decided by the job (S3/S4) at a step every rank reaches by itself: nobody is blocked
+    # on a dead peer, so no connection needs shutting (regroup.py)
+    planned: bool = False
 
     def rank_of(self, slot: int) -> int | None:
         """The rank of launch rank ``slot`` in this generation (None: not a member)."""
@@ -61,13 +64,14 @@ class Generation:
     def to_json(self) -> str:
         return json.dumps({"token": self.token, "gen": self.gen, "alive": list(self.alive),
                            "hosts": list(self.hosts), "lost": list(self.lost),
-                           "step": self.step, "time": self.time})
+                           "step": self.step, "time": self.time, "planned": self.planned})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Generation:
         return Generation(str(d["token"]), int(d["gen"]), tuple(int(x) for x in d["alive"]),
                           tuple(int(x) for x in d["hosts"]), tuple(int(x) for x in d["lost"]),
-                          int(d.get("step", 0)), float(d.get("time", 0.0)))
+                          int(d.get("step", 0)), float(d.get("time", 0.0)),
+                          bool(d.get("planned", False)))
 
 
 def in_place_ok(cfg: Any) -> bool:
@@ -94,6 +98,26 @@ def store_path(run_dir: Path, g: Generation) -> Path:
     return run_dir / STORE_DIR / f"{g.token}-gen{g.gen}.store"
 
 
+def with_hosts(g: Generation, hosts: list[int], step: int) -> Generation:
+    """The next generation on ``hosts`` (a rank -> host map over some of ``g``'s hosts, in
+    any order): a planned change, S4 (a host left out) or S3 (the same hosts, ranks in
+    another order). Processes stay on their hosts; their ranks follow the map."""
+    slot_of = dict(zip(g.hosts, g.alive, strict=True))
+    missing = [h for h in hosts if h not in slot_of]
+    if missing or len(set(hosts)) != len(hosts) or not hosts:
+        raise ValueError(f"hosts {hosts} are not distinct hosts of generation {g.gen} "
+                         f"({list(g.hosts)})")
+    alive = tuple(slot_of[h] for h in hosts)
+    return Generation(g.token, g.gen + 1, alive, tuple(hosts),
+                      tuple(s for s in g.alive if s not in alive), step, time.time(), True)
+
+
+def announce(run_dir: Path, g: Generation) -> None:
+    """Make ``g`` the current generation (rank 0 for a planned change; the launcher for a
+    lost rank)."""
+    atomic_write_text(run_dir / MEMBERSHIP_FILE, g.to_json() + "\n")
+
+
 class Announcer:
     """The launcher's side: generation 0 at launch, one more per lost rank."""
 
@@ -106,10 +130,13 @@ class Announcer:
         self._write()
 
     def _write(self) -> None:
-        atomic_write_text(self.run_dir / MEMBERSHIP_FILE, self.current.to_json() + "\n")
+        announce(self.run_dir, self.current)
 
     def lose(self, slots: list[int], step: int) -> Generation:
         """The next generation without launch ranks ``slots``."""
+        now = read(self.run_dir)  # rank 0 may have made planned changes since
+        if now is not None and now.token == self.current.token and now.gen > self.current.gen:
+            self.current = now
         cur = self.current
         keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s not in slots]
         self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),

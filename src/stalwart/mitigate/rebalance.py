@@ -78,7 +78,8 @@ class Rebalancer:
                  world: int | None = None, tp: int = 1, mode: str = "auto", every: int = 2,
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
-                 traffic: dict[tuple[int, int], float] | None = None) -> None:
+                 traffic: dict[tuple[int, int], float] | None = None,
+                 in_place: bool = False) -> None:
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -98,6 +99,9 @@ class Rebalancer:
         self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
         self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every) \
             if self.rank == 0 else None
+        # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
+        # not this process's start-up
+        self.in_place = in_place
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
         if self.policy is not None:
@@ -137,6 +141,16 @@ class Rebalancer:
         """A restart decision whose start step has come (call after ``assign``)."""
         return self._restart
 
+    def planned_hosts(self, dec: Decision) -> list[int] | None:
+        """The rank -> host map an S4 exclusion or an S3 re-map asks for, on every rank
+        (an in-place regroup needs it everywhere, not in rank 0's restart.json); None for a
+        restore (the excluded host's process is gone: that takes a restart)."""
+        if dec.kind == EXCLUDE:
+            return [h for h in self.hosts if h != dec.target]
+        if dec.kind == REMAP and len(dec.counts) == len(self.hosts):
+            return list(dec.counts)  # rank 0 sent the new map in the counts' slots
+        return None
+
     def normalised(self, compute_s: float) -> float:
         """This step's compute time as if the plan were uniform: what a detector should see
         (a rebalanced straggler computes less per step, but is no faster per micro-batch)."""
@@ -149,7 +163,7 @@ class Rebalancer:
         self._win_step += step_s
         self._win_steps += 1
         if self.rank == 0:
-            if not self._step_times and self.policy is not None:
+            if not self._step_times and self.policy is not None and not self.in_place:
                 # a restart's price: what this incarnation took to reach its first step
                 self.policy.restart_s = _process_age()
             self._step_times.append((step, step_s))
@@ -190,6 +204,8 @@ class Rebalancer:
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:
             dec.target = self.hosts[dec.target]  # the rank's host
+        if dec is not None and dec.kind == REMAP and self.in_place and self.tp == 1:
+            dec.counts = list(dec.hosts)  # one host per rank = per group: it fits the message
         return dec
 
     def _control(self, start: int) -> Decision | None:

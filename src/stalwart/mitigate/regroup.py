@@ -2,11 +2,12 @@
 
 Mechanism, per rank:
 1. A background thread polls ``membership.json`` (every 20 ms). When the launcher announces a
-   new generation, the thread *shuts down this process's TCP connections* (gloo's pairs and
-   the monitor's row links; not listening sockets, not the old rendezvous store's). That is
-   what wakes a rank blocked in a collective: in a ring all-reduce only the dead rank's two
-   neighbours get "connection reset"; the others wait on a live neighbour that has given up,
-   until gloo's timeout (measured, torch 2.13: 30 s of a 30 s timeout). gloo's own
+   new generation (a rank lost), the thread *shuts down this process's TCP connections*
+   (gloo's pairs and the monitor's row links; not listening sockets, not the old rendezvous
+   store's). That is what wakes a rank blocked in a collective: in a ring all-reduce only
+   the dead rank's two neighbours get "connection reset"; the others wait on a live
+   neighbour that has given up, until gloo's timeout (measured, torch 2.13: 30 s of a 30 s
+   timeout). gloo's own
    ``ProcessGroup.abort()`` does not wake them, and its pairs close only when the group is
    freed, which the DDP reducer's hooks on the parameters prevent.
 2. The step loop catches the failed collective (``is_comm_error``) and calls ``regroup``:
@@ -16,9 +17,15 @@ Mechanism, per rank:
    with rank ``alive.index(slot)`` in a world of ``len(alive)``.
 3. ``agree_state``: every rank says how many optimizer steps it has applied; the most advanced
    rank's model and optimizer state go to everyone (a live transfer, not a checkpoint). Ranks
-   of a data-parallel job that lost a peer mid-step all stopped before ``opt.step`` of that
-   step, so this is normally a no-op check; the transfer covers a peer lost between two
-   ranks' optimizer steps.
+   of a data-parallel job that lost a peer mid-step usually all stopped before ``opt.step``
+   of that step; but a shutdown can catch a rank still receiving the last chunk of an
+   all-reduce its peers have finished (measured on the testbed), and then it adopts their
+   state.
+A planned change (S3's new rank order, S4 without a host) takes the same path without step 1:
+rank 0 announces it at the agreed step (agreement.py), when every rank has finished the step
+before, and every rank calls ``regroup`` there by itself (``PlannedRegroup``); a rank the new
+generation leaves out gets ``NotAMember`` and exits.
+
 The caller then re-wraps DDP, rebuilds its work plan (the same global batch, more
 micro-batches per survivor) and its monitor, zeroes the gradients of the failed step and
 redoes it: at most the step in flight is lost.
@@ -52,7 +59,12 @@ _TCP_LISTEN = "0A"
 
 
 class NotAMember(RuntimeError):
-    """This rank is not in the new generation (the launcher counted it lost)."""
+    """This rank is not in the new generation (left out by a plan, or counted lost)."""
+
+
+class PlannedRegroup(RuntimeError):
+    """Raised by the step loop at a planned change's step: handled like a failed
+    collective, by ``regroup`` (nothing is redone: the change comes between two steps)."""
 
 
 def is_comm_error(e: BaseException) -> bool:
@@ -140,8 +152,16 @@ class Regrouper:
             if g is None or g.token != self.current.token or g.gen <= self._seen.gen:
                 continue
             self._seen = g
-            shutdown_tcp(self.keep_ports)  # wake whatever collective this rank is in
+            if not g.planned:  # a rank lost: wake whatever collective this rank is in
+                shutdown_tcp(self.keep_ports)
             self._aborted.set()
+
+    def plan(self, hosts: list[int], step: int) -> Generation:
+        """Rank 0, at a planned change's step: announce the generation on ``hosts`` (every
+        rank's watcher then wakes it as for a lost rank, and every rank regroups)."""
+        g = membership.with_hosts(self.current, hosts, step)
+        membership.announce(self.run_dir, g)
+        return g
 
     def changed(self) -> bool:
         """A newer generation has been announced (and this rank's connections shut)."""

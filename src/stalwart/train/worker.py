@@ -41,6 +41,10 @@ from stalwart.train import checkpoint as ckpt
 from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
 
+# S3/S4's price while no in-place regroup has been measured yet in this job: 0.6-0.9 s
+# measured on the netns testbed (4 ranks on 2 cores), rounded up
+REGROUP_PRICE_S = 1.0
+
 
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
@@ -343,11 +347,24 @@ def train(cfg: RunConfig) -> int:
     else:
         opt = torch.optim.AdamW(model.parameters(), **opt_kw)
 
-    from stalwart.mitigate import RESTART_EXIT, work_plan
+    from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT, work_plan
+    from stalwart.mitigate.decisions import KIND_NAMES
+    from stalwart.mitigate.regroup import NotAMember
 
     with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
         n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
-    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
+    # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
+    from stalwart.mitigate.membership import in_place_ok
+
+    regrouper = None
+    if launched and world > 1 and in_place_ok(cfg):
+        from stalwart.mitigate.regroup import Regrouper
+
+        # the first generation's rendezvous store (launch rank 0's TCPStore) is left alone:
+        # a regroup never needs it, and shutting its connections would only add errors
+        regrouper = Regrouper(run_dir, rank, {int(os.environ.get("MASTER_PORT", "0"))})
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params,
+                     REGROUP_PRICE_S if regrouper is not None else None)
     host = cfg.hosts[rank] if cfg.hosts else rank
     start = 0
     if cfg.resume:
@@ -360,17 +377,6 @@ def train(cfg: RunConfig) -> int:
             events.log("resumed", step=start, world=world, saved_world=state["world"])
     if rank == 0 and start == 0:
         events.log("devices", plan=dplan.describe(), device=dplan.kind, backend=dplan.backend)
-
-    # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
-    from stalwart.mitigate.membership import in_place_ok
-
-    regrouper = None
-    if launched and world > 1 and in_place_ok(cfg):
-        from stalwart.mitigate.regroup import Regrouper
-
-        # the first generation's rendezvous store (launch rank 0's TCPStore) is left alone:
-        # a regroup never needs it, and shutting its connections would only add errors
-        regrouper = Regrouper(run_dir, rank, {int(os.environ.get("MASTER_PORT", "0"))})
 
     val = [(x.to(device), y.to(device))
            for x, y in val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)]
@@ -412,7 +418,16 @@ def train(cfg: RunConfig) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         share = work.assign(step)  # which of the step's micro-batches this rank computes
-        if work.restart_due(step) is not None:  # S4: leave for a restart at another size
+        due = work.restart_due(step)
+        if due is not None:  # S3/S4: regroup in place, or leave for a restart
+            hosts = work.planned_hosts(due) if regrouper is not None else None
+            if hosts is not None:
+                from stalwart.mitigate.regroup import PlannedRegroup
+
+                if rank == 0:
+                    regrouper.plan(hosts, step)
+                raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step "
+                                     f"{step}, hosts {hosts}")
             save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
             return False
         starts = step_starts(corpus, gb, mcfg.block_size, cfg.seed, step)
@@ -476,9 +491,16 @@ def train(cfg: RunConfig) -> int:
                 raise
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
             del e  # its traceback holds the failed step's graph, and with it the old DDP
-            rank, world, host, data_rank, data_parts, monitor, work, stepper = _regroup(
-                cfg, regrouper, dplan.backend, model, opt, stepper, monitor, work, make_monitor,
-                run_dir, n_params, device, applied, events, why)
+            try:
+                applied, rank, world, host, monitor, work, stepper = _regroup(
+                    cfg, regrouper, dplan.backend, model, opt, stepper, monitor, work,
+                    make_monitor, run_dir, n_params, device, applied, events, why)
+            except NotAMember:  # left out by the plan (S4): its host is probed from outside
+                regrouper.close()
+                metrics.close()
+                events.close()
+                return LEFT_EXIT
+            data_rank, data_parts = rank, world
     if cfg.halt_at is not None and rank == 0:
         events.log("halted", step=cfg.halt_at)
     return finish(0)
@@ -498,7 +520,8 @@ def _regroup(cfg: RunConfig, regrouper: Any, backend: str, model: nn.Module, opt
              why: str) -> tuple[Any, ...]:
     """Rebuild this rank's distributed state for the next generation, in place: process
     groups, the model's state agreed, DDP, monitor, work plan (same global batch over fewer
-    ranks). Returns (rank, world, host, data rank, data parts, monitor, work, stepper)."""
+    ranks). Returns (steps applied -- the step to run next, agreed by every rank --, rank,
+    world, host, monitor, work, stepper)."""
     import gc
 
     from stalwart.mitigate import work_plan
@@ -522,13 +545,15 @@ def _regroup(cfg: RunConfig, regrouper: Any, backend: str, model: nn.Module, opt
     done, src = agree_state(model, opt, applied)
     monitor = make_monitor(rank, world)
     stepper = DataParallelStep(model, device)
-    work = work_plan(cfg, monitor, rank, world, run_dir, n_params)
+    regroup_s = time.monotonic() - t0
+    work = work_plan(cfg, monitor, rank, world, run_dir, n_params, max(regroup_s, 0.1))
     if rank == 0:
         events.log("regroup", step=done, generation=g.gen, world=world,
                    members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
-                   state_from=src, regroup_s=round(time.monotonic() - t0, 3),
+                   state_from=src, regroup_s=round(regroup_s, 3),
+                   planned=g.planned,
                    since_announce_s=round(time.time() - g.time, 3), error=why)
-    return rank, world, cfg.hosts[rank], rank, world, monitor, work, stepper
+    return done, rank, world, cfg.hosts[rank], monitor, work, stepper
 
 
 def main(argv: list[str] | None = None) -> int:
