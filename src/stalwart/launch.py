@@ -393,6 +393,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
                        reason=probe.declined)
         for e in events_tail.poll():
             progress.on_event(e)
+            if e.get("event") == "regroup" and hasattr(tb, "regrouped"):
+                tb.regrouped(list(e.get("hosts") or []))  # traffic counted per membership
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items()
                   if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]

@@ -52,6 +52,9 @@ class Generation:
     # decided by the job (S3/S4) at a step every rank reaches by itself: nobody is blocked
     # on a dead peer, so no connection needs shutting (regroup.py)
     planned: bool = False
+    # a planned change's basis for measuring its gain afterwards (strategy, predicted_gain,
+    # step_time_before): the new rank 0 may be another process than the one that decided
+    basis: dict[str, Any] | None = field(default=None, compare=False)
 
     def rank_of(self, slot: int) -> int | None:
         """The rank of launch rank ``slot`` in this generation (None: not a member)."""
@@ -64,14 +67,15 @@ class Generation:
     def to_json(self) -> str:
         return json.dumps({"token": self.token, "gen": self.gen, "alive": list(self.alive),
                            "hosts": list(self.hosts), "lost": list(self.lost),
-                           "step": self.step, "time": self.time, "planned": self.planned})
+                           "step": self.step, "time": self.time, "planned": self.planned,
+                           "basis": self.basis})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Generation:
         return Generation(str(d["token"]), int(d["gen"]), tuple(int(x) for x in d["alive"]),
                           tuple(int(x) for x in d["hosts"]), tuple(int(x) for x in d["lost"]),
                           int(d.get("step", 0)), float(d.get("time", 0.0)),
-                          bool(d.get("planned", False)))
+                          bool(d.get("planned", False)), d.get("basis"))
 
 
 def in_place_ok(cfg: Any) -> bool:
@@ -98,7 +102,8 @@ def store_path(run_dir: Path, g: Generation) -> Path:
     return run_dir / STORE_DIR / f"{g.token}-gen{g.gen}.store"
 
 
-def with_hosts(g: Generation, hosts: list[int], step: int) -> Generation:
+def with_hosts(g: Generation, hosts: list[int], step: int,
+               basis: dict[str, Any] | None = None) -> Generation:
     """The next generation on ``hosts`` (a rank -> host map over some of ``g``'s hosts, in
     any order): a planned change, S4 (a host left out) or S3 (the same hosts, ranks in
     another order). Processes stay on their hosts; their ranks follow the map."""
@@ -109,7 +114,8 @@ def with_hosts(g: Generation, hosts: list[int], step: int) -> Generation:
                          f"({list(g.hosts)})")
     alive = tuple(slot_of[h] for h in hosts)
     return Generation(g.token, g.gen + 1, alive, tuple(hosts),
-                      tuple(s for s in g.alive if s not in alive), step, time.time(), True)
+                      tuple(s for s in g.alive if s not in alive), step, time.time(), True,
+                      basis)
 
 
 def announce(run_dir: Path, g: Generation) -> None:

@@ -151,6 +151,18 @@ class Rebalancer:
             return list(dec.counts)  # rank 0 sent the new map in the counts' slots
         return None
 
+    def basis(self, dec: Decision) -> dict[str, Any]:
+        """Rank 0: what a planned regroup's gain is measured against (``measure_from``)."""
+        return {"strategy": dec.name, "predicted_gain": dec.predicted_gain,
+                "step_time_before": self._recent_step_time()}
+
+    def measure_from(self, basis: dict[str, Any] | None, start: int) -> None:
+        """Rank 0 after a planned regroup: measure its gain like a plan switch's (the first
+        steps after it warm up: from ``start``)."""
+        if self.rank == 0 and basis and basis.get("step_time_before"):
+            self._measure = (str(basis["strategy"]), 0, float(basis["predicted_gain"]),
+                             float(basis["step_time_before"]), start)
+
     def normalised(self, compute_s: float) -> float:
         """This step's compute time as if the plan were uniform: what a detector should see
         (a rebalanced straggler computes less per step, but is no faster per micro-batch)."""

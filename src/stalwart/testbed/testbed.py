@@ -327,6 +327,7 @@ class NetnsTestbed(Testbed):
         self._count = shutil.which("nft") is not None
         self._snap: tuple[int, dict[tuple[int, int], int]] | None = None
         self._inc_start = 0
+        self._seg_hosts: list[int] | None = None  # the ranks' hosts after a regroup in place
         if self._count:
             traffic.start(self.hosts)
 
@@ -336,6 +337,13 @@ class NetnsTestbed(Testbed):
         if self._count and self._snap is None and next_step >= self._inc_start + 5 \
                 and not self._closed:
             self._snap = (next_step, traffic.read(self.hosts))
+
+    def regrouped(self, hosts: list[int]) -> None:
+        """The ranks regrouped in place on ``hosts`` (rank -> host): the traffic so far is
+        logged as one segment, and counting starts again (as at a restart)."""
+        self._log_traffic()
+        self._inc_start = self._step
+        self._seg_hosts = list(hosts)
 
     def _log_traffic(self) -> None:
         """Bytes per step between each pair of hosts since the snapshot (ground truth)."""
@@ -349,7 +357,8 @@ class NetnsTestbed(Testbed):
         now = traffic.read(self.hosts)
         pairs = traffic.per_pair({k: n - before.get(k, 0) for k, n in now.items()})
         self.events.log("testbed_traffic", step=self._step, from_step=step0,
-                        to_step=self._step, hosts=list(self._host_of),
+                        to_step=self._step,
+                        hosts=list(self._seg_hosts or self._host_of),
                         bytes_per_step={f"{a}-{b}": round(n / steps)
                                         for (a, b), n in sorted(pairs.items())})
 
@@ -359,6 +368,7 @@ class NetnsTestbed(Testbed):
     def set_hosts(self, hosts: list[int] | None) -> None:
         self._log_traffic()  # the incarnation that ended
         self._inc_start = self._step
+        self._seg_hosts = None
         super().set_hosts(hosts)
         self.master_addr = self.hosts.addr(self.host(0))
 

@@ -122,6 +122,9 @@ class DataParallelStep:
     def close(self) -> None:
         """Let go of the DDP wrapper and the clock's hooks; the model stays as it is."""
         self.clock.close()
+        # the reducer's hooks on the parameters would otherwise fire (on the old process
+        # group) until a garbage collection frees it -- and a full collection costs ~0.5 s
+        self.ddp._remove_autograd_hooks()
         del self.ddp
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -425,7 +428,7 @@ def train(cfg: RunConfig) -> int:
                 from stalwart.mitigate.regroup import PlannedRegroup
 
                 if rank == 0:
-                    regrouper.plan(hosts, step)
+                    regrouper.plan(hosts, step, work.basis(due))
                 raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step "
                                      f"{step}, hosts {hosts}")
             save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
@@ -522,36 +525,44 @@ def _regroup(cfg: RunConfig, regrouper: Any, backend: str, model: nn.Module, opt
     groups, the model's state agreed, DDP, monitor, work plan (same global batch over fewer
     ranks). Returns (steps applied -- the step to run next, agreed by every rank --, rank,
     world, host, monitor, work, stepper)."""
-    import gc
-
     from stalwart.mitigate import work_plan
     from stalwart.mitigate.regroup import agree_state
 
     t0 = time.monotonic()
+    parts: dict[str, float] = {}
     opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
     stepper.close()
-    for part in (monitor, work):  # their pending exchanges failed with the old groups
-        with contextlib.suppress(Exception):
+    for name, part in (("monitor_close", monitor), ("plan_close", work)):
+        with contextlib.suppress(Exception):  # pending exchanges failed with the old groups
             if part is not None:
                 part.close()
+        parts[name] = time.monotonic() - t0
     del stepper, monitor, work
-    gc.collect()  # the old DDP's reducer, with its hooks on the parameters
     try:
         g = regrouper.regroup(backend)
     except TimeoutError as t:  # not a lost peer: the original failure is the news
         raise RuntimeError(f"{why} ({t})") from None
+    parts["groups"] = time.monotonic() - t0
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.nproc, cfg.hosts = world, list(g.hosts)
     done, src = agree_state(model, opt, applied)
+    parts["state"] = time.monotonic() - t0
     monitor = make_monitor(rank, world)
+    parts["monitor"] = time.monotonic() - t0
     stepper = DataParallelStep(model, device)
+    parts["ddp"] = time.monotonic() - t0
     regroup_s = time.monotonic() - t0
     work = work_plan(cfg, monitor, rank, world, run_dir, n_params, max(regroup_s, 0.1))
+    if g.planned and hasattr(work, "measure_from"):
+        work.measure_from(g.basis, done + 2)  # its first steps warm up (gloo buffers)
     if rank == 0:
         events.log("regroup", step=done, generation=g.gen, world=world,
                    members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
                    state_from=src, regroup_s=round(regroup_s, 3),
                    planned=g.planned,
+                   # cumulative seconds at the end of each part
+                   parts={k: round(v, 3) for k, v in parts.items()},
+                   group_parts=regrouper.last_parts,
                    since_announce_s=round(time.time() - g.time, 3), error=why)
     return done, rank, world, cfg.hosts[rank], monitor, work, stepper
 
