@@ -10,7 +10,8 @@ STAMP   := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# (setup.py and the C source: the native data plane is built by the editable install)
+$(STAMP): pyproject.toml setup.py src/stalwart/comm/_native/engine.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)

@@ -2,6 +2,8 @@
 
 Stages (each bounded by a timeout; a failed stage is recorded and the next one runs):
   probe     what the machine has: GPUs, torch, network namespaces / tc, CUDA MPS
+  mps       (only when named) start the CUDA MPS daemon for the later stages, so that ranks
+            sharing the GPU run their kernels at once; stopped again if a CUDA program fails
   tests     the GPU-marked tests (tests/gpu) and the device-plan tests
   runs      a short 2-rank ``stalwart run --device cuda`` per capability (data parallel with the
             detector, lossy transport, tensor parallel with strand interleaving, mitigation,
@@ -12,7 +14,7 @@ Stages (each bounded by a timeout; a failed stage is recorded and the next one r
 
 Writes OUT/gpu_check.json (every figure, updated after each stage), OUT/bench_overlap.json,
 OUT/pytest.log and OUT/runs.tar.gz (the run directories' events, metrics, logs).
-Usage: python scripts/gpu_check.py OUT [stage ...]   (default: every stage)
+Usage: python scripts/gpu_check.py OUT [stage ...]   (default: every stage but mps)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("probe", "tests", "runs", "overhead", "bench")
+STAGES = ("probe", "mps", "tests", "runs", "overhead", "bench")
+DEFAULT_STAGES = ("probe", "tests", "runs", "overhead", "bench")  # mps only when asked
 RUN = [sys.executable, "-m", "stalwart.cli", "run", "--no-progress"]
 SHORT = ["--nproc", "2", "--steps", "40", "--eval-every", "20", "--eval-batches", "4",
          "--ckpt-every", "20", "--seed", "0"]
@@ -82,6 +85,29 @@ def probe() -> dict[str, Any]:
     res["testbed"] = ("netns available (not used: the checks run on loopback)" if ok else
                       "no network namespaces here: loopback without shaping")
     return res
+
+
+def mps() -> dict[str, Any]:
+    """Start CUDA MPS (pipe and log folders under /tmp) and check that a CUDA program runs."""
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return {"started": False, "why": "nvidia-cuda-mps-control not found"}
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe",
+           "CUDA_MPS_LOG_DIRECTORY": "/tmp/mps-log"}
+    for d in ("/tmp/mps-pipe", "/tmp/mps-log"):
+        os.makedirs(d, exist_ok=True)
+    rc, tail = sh(["nvidia-cuda-mps-control", "-d"], 20, env=env)
+    if rc != 0:
+        return {"started": False, "why": tail[-300:]}
+    os.environ.update(CUDA_MPS_PIPE_DIRECTORY="/tmp/mps-pipe",
+                      CUDA_MPS_LOG_DIRECTORY="/tmp/mps-log")
+    rc, tail = sh([sys.executable, "-c", "import torch; print((torch.ones(4, device='cuda')"
+                   " * 2).sum().item())"], 60)
+    if rc != 0 or "8.0" not in tail:
+        sh(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], 20)
+        for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+            os.environ.pop(k, None)
+        return {"started": False, "why": f"a CUDA program failed under MPS: {tail[-300:]}"}
+    return {"started": True}
 
 
 def tests(out: Path) -> dict[str, Any]:
@@ -219,7 +245,7 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    chosen = argv[1:] or list(STAGES)  # "runs:NAME,NAME" reruns some capabilities only
+    chosen = argv[1:] or list(DEFAULT_STAGES)  # "runs:NAME,NAME" reruns some capabilities only
     bad = [s for s in chosen if s.split(":")[0] not in STAGES]
     if bad:
         print(f"gpu_check: unknown stage {bad[0]!r} (choose from {', '.join(STAGES)})",
@@ -237,6 +263,8 @@ def main(argv: list[str]) -> int:
         try:
             if stage == "probe":
                 r = probe()
+            elif stage == "mps":
+                r = mps()
             elif stage == "tests":
                 r = tests(out)
             elif stage.startswith("runs"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared device check (issue 27), one command on a GPU machine, <= 8 minutes:
-#   bash scripts/gpu_check.sh OUT_DIR [stage ...]     (stages: probe tests runs overhead bench)
+#   bash scripts/gpu_check.sh OUT_DIR [stage ...]     (stages: probe [mps] tests runs overhead bench)
 # Installs the wheels carried in .whl/ (packages the GPU image lacks: cryptography, pyeclib
 # and what they need) into /tmp/site, runs stalwart from src/, writes OUT_DIR/gpu_check.json.
 set -uo pipefail

@@ -163,3 +163,44 @@ def test_the_launcher_blames_the_rank_that_died_not_the_peers_that_aborted() -> 
     assert min([(0, -signal.SIGABRT), (1, -signal.SIGKILL)], key=_blame_order)[0] == 1
     assert min([(0, -signal.SIGABRT), (2, 1)], key=_blame_order)[0] == 2
     assert min([(3, 1), (1, 1)], key=_blame_order)[0] == 1
+
+
+def _ranks(*codes_after: tuple[float, str]) -> dict[int, subprocess.Popen]:
+    """Real processes: rank i sleeps, then ends its way ("abort" or an exit code)."""
+    procs = {}
+    for i, (delay, how) in enumerate(codes_after):
+        end = "os.abort()" if how == "abort" else f"sys.exit({how})"
+        procs[i] = subprocess.Popen(
+            [sys.executable, "-c", f"import os, sys, time; time.sleep({delay}); {end}"])
+    return procs
+
+
+def test_the_rank_that_died_is_named_even_when_its_peers_abort_before_it_exits() -> None:
+    # rank 1 aborts at once (a gloo peer of a dead rank); rank 2, the cause, exits 0.6 s later
+    from stalwart.launch import culprit
+
+    procs = _ranks((30, "0"), (0, "abort"), (0.6, "1"))
+    try:
+        while procs[1].poll() is None:
+            time.sleep(0.02)
+        assert procs[2].poll() is None  # only the abort is visible yet
+        assert culprit(procs, dict, settle_s=10) == (2, 1)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_that_recorded_its_raise_is_blamed_while_it_still_exits() -> None:
+    from stalwart.launch import culprit
+
+    procs = _ranks((30, "0"), (0, "abort"), (30, "0"))
+    try:
+        while procs[1].poll() is None:
+            time.sleep(0.02)
+        assert culprit(procs, lambda: {2: {"time": 1.0, "error": "boom"}}, settle_s=10) == (2, 1)
+        assert culprit({0: procs[0]}, dict) is None  # nothing failed
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

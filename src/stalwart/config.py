@@ -21,7 +21,8 @@ from stalwart.presets import PRESETS
 from stalwart.rundir import atomic_write_text
 
 __all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "MITIGATE_MODES", "OVERLAP_MODES",
-           "TESTBEDS", "ConfigError", "RunConfig", "check_script", "check_writable"]
+           "TESTBEDS", "ConfigError", "DetectConfig", "PolicyConfig", "RunConfig",
+           "check_script", "check_writable"]
 
 COMM_MODES = ("reliable", "lossy")
 MITIGATE_MODES = ("off", "auto", "rebalance")
@@ -35,6 +36,51 @@ _WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
     ("overlap", "--overlap", "off"), ("resume", "--resume", False),
     ("halt_at", "--halt-at", None),
 )
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """The straggler monitor's settings in a run (``stalwart.detect.Monitor``'s arguments;
+    the thresholds behind them: docs/calibration.md)."""
+
+    warmup: int = 10  # samples the change detectors ignore at the start
+    persist: int = 20  # samples an unexplained slowdown must last to be logged
+    history: int = 1000  # samples kept per rank
+    max_every: int = 1  # at most this many steps per exchange (reliable comm)
+    # --comm lossy: a fixed exchange period and rows read this many exchanges later (the
+    # monitor's TCP rows stall on retransmission timeouts under loss; training does not)
+    lossy_check_every: int = 8
+    lossy_lag: int = 2
+    compute_reps: int = 64  # matmuls per round of the compute test
+    link_bytes: int = 1 << 18  # bytes per transfer of the link test
+
+    def problems(self) -> list[str]:
+        return [f"detection.{k} must be >= 1, got {v}" for k, v in (
+            ("warmup", self.warmup + 1), ("persist", self.persist), ("history", self.history),
+            ("max_every", self.max_every), ("lossy_check_every", self.lossy_check_every),
+            ("lossy_lag", self.lossy_lag), ("compute_reps", self.compute_reps),
+            ("link_bytes", self.link_bytes)) if v < 1]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The mitigation policy's settings in a run (``stalwart.mitigate.policy.Policy``)."""
+
+    every: int = 2  # steps per exchange of the agreement channel
+    min_gain: float = 0.05  # a first plan must be predicted this much faster
+    replan_gain: float = 0.25  # a plan in force is replaced only for this much more
+    revert_windows: int = 2  # healthy exchanges in a row before a revert
+
+    def problems(self) -> list[str]:
+        out = [f"policy.{k} must be >= 1, got {v}" for k, v in (
+            ("every", self.every), ("revert_windows", self.revert_windows)) if v < 1]
+        out += [f"policy.{k} must be in [0, 1), got {v}" for k, v in (
+            ("min_gain", self.min_gain), ("replan_gain", self.replan_gain))
+            if not 0.0 <= v < 1.0]
+        return out
+
+
+_NESTED = {"detection": DetectConfig, "policy": PolicyConfig}
 
 
 @dataclass
@@ -88,6 +134,8 @@ class RunConfig:
     # auto | cpu | cuda: where each rank computes and which backend it uses (devices.py)
     device: str = "auto"
     max_data_bytes: int = 16 * 1024 * 1024
+    detection: DetectConfig = field(default_factory=DetectConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -187,6 +235,8 @@ class RunConfig:
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
         need(self.device in DEVICE_MODES,
              f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
+        for problem in self.detection.problems() + self.policy.problems():
+            raise ConfigError(problem)
         hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
             parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
@@ -227,6 +277,15 @@ class RunConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        for key, kind in _NESTED.items():
+            if isinstance(d.get(key), dict):
+                sub = d[key]
+                bad = set(sub) - {f.name for f in fields(kind)}
+                if bad:
+                    raise ConfigError(f"unknown config keys: "
+                                      f"{', '.join(f'{key}.{k}' for k in sorted(bad))}")
+                d[key] = kind(**sub)
         return cls(**d)
 
     @classmethod

@@ -43,6 +43,9 @@ from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
 
 GRACE_S = 3.0
+# When only aborted ranks (SIGABRT: how gloo peers of a dead rank end) have failed so far, how
+# long to wait for the rank that caused it: it may still be unwinding its own error
+ABORT_SETTLE_S = 3.0
 POLL_S = 0.1
 
 
@@ -109,6 +112,34 @@ def _blame_order(failure: tuple[int, int],
     rank, code = failure
     return (code == -signal.SIGABRT, code > 0,
             raised_at if raised_at is not None else float("inf"), rank)
+
+
+def culprit(procs: dict[int, subprocess.Popen], raised: Callable[[], dict[int, dict]],
+            settle_s: float = ABORT_SETTLE_S) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank to blame for a failed job, or None while none failed.
+
+    The peers of a rank that dies abort within milliseconds (gloo: "connection closed by
+    peer"), often before the dead rank itself has exited: while every failure seen is such an
+    abort, wait up to ``settle_s`` for another failure; a rank whose script recorded a raise
+    (``raised()``: script runs) counts as failed even while it is still exiting."""
+    def seen() -> list[tuple[int, int]]:
+        return [(r, p.returncode) for r, p in procs.items()
+                if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
+
+    failed = seen()
+    if not failed:
+        return None
+    deadline = time.monotonic() + settle_s
+    errs = raised()
+    while all(code == -signal.SIGABRT for _, code in failed) and time.monotonic() < deadline:
+        if any(r not in dict(failed) for r in errs):
+            break
+        time.sleep(0.05)
+        failed, errs = seen(), raised()
+    codes = dict(failed)
+    for r in errs:  # raised, maybe still exiting: an error exit, by its own account
+        codes.setdefault(r, procs[r].poll() or 1)
+    return min(codes.items(), key=lambda f: _blame_order(f, errs.get(f[0], {}).get("time")))
 
 
 def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
@@ -401,11 +432,11 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):
             continue  # the survivors regroup in place
-        if failed:
-            # When one rank dies its peers abort soon after (gloo raises, torch calls abort()),
-            # and one poll may see several: name the likely cause, not the lowest rank.
+        blamed = culprit(procs, lambda: first_errors(run_dir) if cfg.script else {})
+        if blamed is not None:
+            # name the likely cause, not the first rank seen dead (culprit)
+            r, code = blamed
             raised = first_errors(run_dir) if cfg.script else {}
-            r, code = min(failed, key=lambda f: _blame_order(f, raised.get(f[0], {}).get("time")))
             _stop_all(procs)
             progress.close()
             why = raised.get(r, {}).get("error") or _last_error_line(

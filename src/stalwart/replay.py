@@ -46,7 +46,7 @@ from stalwart.presets import PRESETS, n_params
 from stalwart.rundir import CONFIG, EVENTS, METRICS, read_jsonl
 
 MATCH_STEPS = 12  # a recorded verdict this close to a replayed decision is its outcome
-EVERY = 2  # steps per exchange of the mitigation channel (mitigate.rebalance's default)
+EVERY = 2  # steps per exchange of the mitigation channel, unless the run's config says
 MEASURE_STEPS = 6  # steps after a plan's start over which its gain is measured (rebalance.py)
 RESTART_S = 15.0  # a restart's price (measured restarts: 9-16 s on the testbed)
 VERDICTS = ("straggler_detected", "slowdown_unexplained")
@@ -196,7 +196,10 @@ class PolicyReplay:
         tp = int(cfg.get("tp", 1))
         self.tp, self.groups, self.micro = tp, world // tp, micro_total
         mode = "rebalance" if cfg.get("comm") == "lossy" else str(cfg.get("mitigate"))
-        self.policy = Policy(self.groups, micro_total, tp=tp, mode=mode, every=EVERY)
+        pc = dict(cfg.get("policy") or {})  # the run's policy settings (config.json)
+        self.every = int(pc.pop("every", EVERY))
+        self.policy = Policy(self.groups, micro_total, tp=tp, mode=mode, every=self.every,
+                             **pc)
         self.policy.restart_s = RESTART_S
         self.hosts = list(cfg.get("hosts") or range(world))
         self.policy.hosts = list(self.hosts)
@@ -238,7 +241,7 @@ class PolicyReplay:
             w[1] += int(m.get("micro_batches") or 1)
             w[2] += float(m["step_time"])
             w[3] += 1
-        if (s + 1) % EVERY:
+        if (s + 1) % self.every:
             return
         rows = [[w[0] / max(w[1], 1), w[2] / max(w[3], 1), w[3]]
                 for _, w in sorted(self._win.items())]
@@ -253,7 +256,8 @@ class PolicyReplay:
                  for g in range(self.groups)]
         step_s = statistics.median(r[1] for r in prev)
         self.policy.counts = list(self.counts)
-        dec = self.policy.observe(s, units, step_s, int(prev[0][2]), findings, s + EVERY + 1)
+        dec = self.policy.observe(s, units, step_s, int(prev[0][2]), findings,
+                                  s + self.every + 1)
         if dec is None:
             return
         if dec.kind == EXCLUDE:
@@ -265,7 +269,7 @@ class PolicyReplay:
             "predicted_gain": dec.predicted_gain, "hosts": dec.hosts, "reason": dec.reason}))
 
     def _recent_step_time(self) -> float | None:
-        xs = [t for _, t in self._steps[-2 * EVERY:]]
+        xs = [t for _, t in self._steps[-2 * self.every:]]
         return statistics.median(xs) if xs else None
 
     def _on_read(self, dec: Decision) -> None:

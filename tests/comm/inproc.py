@@ -9,11 +9,53 @@ two-core machine, and a test can reach into one rank while the others run.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from stalwart.comm.collective import LossyCollective
 from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.wire import FLAG_END, HEADER, HEADER_BYTES
+
+# a drop rule: (sender, phase bit mask, end marker 0/1, chunk lo, chunk hi, round); -1 = any
+Rule = tuple[int, int, int, int, int, int]
+
+
+class Dropping(LossyCollective):
+    """A collective that drops received datagrams before any check, with either engine: every
+    ``period``-th run of ``burst`` datagrams (end markers excepted), and those matching a
+    ``Rule``. The native engine does it in its receive thread (``Engine.set_drop``); the Python
+    engine here, with the same arithmetic."""
+
+    period = burst = count = 0
+    rules: Sequence[Rule] = ()
+    _dropped = 0
+
+    def set_drop(self, period: int = 0, burst: int = 0, rules: Sequence[Rule] = ()) -> None:
+        self.period, self.burst, self.rules = period, burst, tuple(rules)
+        if self._eng is not None:
+            self._eng.set_drop(period, burst, list(self.rules))
+
+    @property
+    def dropped(self) -> int:
+        return self._eng.counters()["dropped"] if self._eng is not None else self._dropped
+
+    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
+        n = rows.shape[0]
+        hdr = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER).reshape(n)
+        end = (hdr["flags"] & FLAG_END) != 0
+        drop = np.zeros(n, bool)
+        if self.period:
+            drop = ((self.count + np.arange(n)) % self.period < self.burst) & ~end
+        self.count += n
+        chunk = hdr["offset"].astype(np.int64) // self.chunk
+        for snd, mask, e, lo, hi, rnd in self.rules:
+            drop |= (((snd < 0) | (hdr["sender"] == snd)) & ((mask >> hdr["phase"]) & 1 == 1)
+                     & ((e < 0) | (end == bool(e))) & (end | ((chunk >= lo) & (chunk < hi)))
+                     & ((rnd < 0) | (hdr["round"] == rnd)))
+        self._dropped += int(drop.sum())
+        super()._on_batch(rows[~drop], sizes[~drop], src_ok[~drop])
 
 
 class ThreadExchange:

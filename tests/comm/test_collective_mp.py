@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine")]
 
 
 def free_port() -> int:

@@ -7,12 +7,11 @@ import itertools
 
 import numpy as np
 import pytest
-from inproc import make_group, run_threads
+from inproc import Dropping, make_group, run_threads
 
 from stalwart.comm import fec
-from stalwart.comm.collective import LossyCollective
 from stalwart.comm.layout import Layout
-from stalwart.comm.wire import FLAG_END, FLAG_PARITY, HEADER, HEADER_BYTES, PHASE_GRAD, R, Wire
+from stalwart.comm.wire import FLAG_PARITY, PHASE_GRAD, R, Wire
 
 
 def _blocks(values: np.ndarray, chunk: int, geo: fec.Stripes) -> np.ndarray:
@@ -120,26 +119,17 @@ def test_parity_packets_pass_the_parser_and_bad_geometry_is_rejected() -> None:
     assert par(5, 3, 0, length=7) == R["bad_range"]  # parity is a whole chunk
 
 
-class Bursty(LossyCollective):
-    """Drops data and parity datagrams in bursts of ``BURST`` consecutive arrivals out of every
-    ``PERIOD`` (16% loss, all of it in bursts), before the handler sees them."""
-
-    PERIOD, BURST = 50, 8
-
-    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
-        n = rows.shape[0]
-        hdr = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER).reshape(n)
-        count = getattr(self, "count", 0)
-        drop = ((count + np.arange(n)) % self.PERIOD < self.BURST) & (hdr["flags"] != FLAG_END)
-        self.count = count + n
-        self.dropped = getattr(self, "dropped", 0) + int(drop.sum())
-        super()._on_batch(rows[~drop], sizes[~drop], src_ok[~drop])
+# data and parity dropped in bursts of 8 consecutive arrivals out of every 50 (16% loss, all
+# of it in bursts), before the receiver's checks
+PERIOD, BURST = 50, 8
 
 
 @pytest.mark.parametrize("mode", ["rs", "none"])
-def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str) -> None:
+def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str, engine: str) -> None:
     world, numel = 3, 120_000
-    group = make_group(world, numel, cls=Bursty, fec_mode=mode, cap=2.0)
+    group = make_group(world, numel, cls=Dropping, fec_mode=mode, cap=2.0)
+    for c in group:
+        c.set_drop(PERIOD, BURST)
     try:
         lost = recovered = 0
         for it in range(3):

@@ -10,18 +10,12 @@ import socket
 import time
 
 import numpy as np
-from inproc import make_group, run_threads
+import pytest
+from inproc import Dropping, make_group, run_threads
 
-from stalwart.comm.collective import LossyCollective
-from stalwart.comm.wire import (
-    FLAG_END,
-    HEADER,
-    HEADER_BYTES,
-    PHASE_GRAD,
-    PHASE_NORM,
-    PHASE_VALUE,
-    Wire,
-)
+from stalwart.comm.wire import PHASE_GRAD, PHASE_VALUE, Wire
+
+pytestmark = pytest.mark.usefixtures("engine")
 
 N = 6000
 K = 40  # forged datagrams of each kind
@@ -104,23 +98,6 @@ def test_authenticated_data_of_an_ended_round_marks_its_sender_alive() -> None:
             c.close()
 
 
-class LosesAMarker(LossyCollective):
-    """Rank 1 loses chunks 8-11 of every phase from rank 0 (4 of 85 datagrams) and every copy
-    of rank 0's first end marker (its copies go back to back: one burst takes them all)."""
-
-    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
-        if self.rank == 1:
-            n = rows.shape[0]
-            hdr = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER).reshape(n)
-            mine = hdr["sender"] == 0
-            end = (hdr["flags"] & FLAG_END) != 0
-            chunk = hdr["offset"] // self.chunk
-            drop = mine & (((hdr["phase"] != PHASE_NORM) & ~end & (chunk >= 8) & (chunk < 12))
-                           | (end & (hdr["round"] == 0) & (hdr["phase"] == PHASE_GRAD)))
-            rows, sizes, src_ok = rows[~drop], sizes[~drop], src_ok[~drop]
-        super()._on_batch(rows, sizes, src_ok)
-
-
 def test_a_lost_marker_does_not_hide_later_loss() -> None:
     # the first estimator booked the datagrams counted since the sender's previous marker:
     # with a marker lost, the next one booked two phases of arrivals against one phase of debt
@@ -128,7 +105,11 @@ def test_a_lost_marker_does_not_hide_later_loss() -> None:
     # 1/owed (~0.1%) while it lost 4.7% (on the testbed: 0.05% for a link losing 10% in bursts,
     # 2 parity packets per stripe, 32 chunks lost to a burst). Arrivals are booked per phase now
     numel = 60_000  # 85 chunks per shard
-    group = make_group(2, numel, cls=LosesAMarker, fec_mode="none")
+    group = make_group(2, numel, cls=Dropping, fec_mode="none")
+    # rank 1 loses chunks 8-11 of every data phase from rank 0 (4 of 85 datagrams) and every
+    # copy of rank 0's first end marker (its copies go back to back: one burst takes them all)
+    data = 1 << PHASE_GRAD | 1 << PHASE_VALUE
+    group[1].set_drop(rules=[(0, data, 0, 8, 12, -1), (0, 1 << PHASE_GRAD, 1, 0, 0, 0)])
     try:
         for _ in range(5):
             _round(group, numel)

@@ -25,6 +25,9 @@ def _routable_local_address() -> str:
     return addr
 
 
+pytestmark = pytest.mark.usefixtures("engine")
+
+
 def test_without_host_addr_the_socket_binds_the_interface_that_reaches_master(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # torchrun across machines sets MASTER_ADDR but not STALWART_HOST_ADDR: binding 127.0.0.1

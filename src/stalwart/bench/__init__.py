@@ -57,11 +57,6 @@ class BenchResult:
             rows.append((name, shown, self.targets.get(name, ""), verdict))
         return rows
 
-    def markdown(self) -> str:
-        lines = ["| figure | value | target | |", "|---|---|---|---|"]
-        lines += [f"| `{a}` | {b} | {c} | {d} |" for a, b, c, d in self.table_rows()]
-        return "\n".join(lines)
-
 
 class Steps:
     """A suite's progress on stdout, one line per scenario as it starts:

@@ -2,10 +2,12 @@
 
 What it measures (all with real random loss from nftables on the hosts' input path):
 - all-reduce of 16 MiB, ours vs gloo, interleaved iteration by iteration in the same processes,
-  at 0%, 1% and 5% loss, ours with the protection training uses (Reed-Solomon parity sized for
-  a residual chunk loss of 2e-5, ``attach``'s default); an iteration's time is the slowest
-  rank's. At 10% loss ours alone (gloo takes seconds per all-reduce there): UDP bytes sent per
-  payload byte and the fraction of chunks still lost after decoding. MTU 9000 and 1500.
+  at 0%, 0.1%, 1% and 5% loss, ours with the protection training uses (Reed-Solomon parity
+  sized for a residual chunk loss of 2e-5, ``attach``'s default); an iteration's time is the
+  slowest rank's; CPU seconds per all-reduce (all threads of all ranks, ``process_time``) for
+  both at 0%. At 10% loss ours alone (gloo takes seconds per all-reduce there): UDP bytes sent
+  per payload byte and the fraction of chunks still lost after decoding. MTU 9000 and 1500.
+  The engine (``STALWART_ENGINE``: native data plane or the Python reference) is recorded.
 - full training runs through ``stalwart.launch`` (4 ranks, tiny GPT, same seed and steps):
   reliable (gloo) vs lossy (``--comm lossy``) at 0/1/5/10/20% loss: final validation loss and
   job throughput (tokens/s; in full runs the throughput configurations run twice, interleaved,
@@ -15,12 +17,14 @@ What it measures (all with real random loss from nftables on the hosts' input pa
 - replica drift at 10% UDP loss, exactly (a lossless gloo probe after every step), with the
   parameter broadcast and with the naive gradient broadcast, both unprotected; constant
   learning rate so a decaying schedule cannot make drift look bounded.
-Figure names are those of issues 4 and 12; ``_mtu1500`` variants are the same at MTU 1500.
+Figure names are those of issues 4, 12 and 23; ``_mtu1500`` variants are the same at MTU 1500.
+Progress (stage, MTU, loss level, elapsed) goes to stderr while it runs.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,8 +35,11 @@ from stalwart.bench import BenchResult, Steps
 NUMEL = 4 * 1024 * 1024  # 16 MiB of float32
 TARGETS = {
     "allreduce_median_ratio_loss0": "<= 1.0",
-    "allreduce_p99_ratio_loss1": "<= 0.3",
-    "allreduce_median_ratio_loss5": "<= 0.08",
+    "allreduce_median_ratio_loss0.1": "<= 1.0",
+    "allreduce_p99_ratio_loss0.1": "<= 0.5",
+    "allreduce_p99_ratio_loss1": "<= 0.5",
+    "allreduce_median_ratio_loss5": "<= 0.1",
+    "allreduce_cpu_ratio_loss0": "<= 1.0",
     "wire_bytes_ratio_loss10": "<= 1.5",
     "residual_chunk_loss_loss10": "<= 2e-5",
     "val_loss_rel_change_loss1": "<= 0.002",
@@ -43,7 +50,7 @@ TARGETS = {
     "tokens_per_s_ratio_loss5": ">= 5",
     "tokens_per_s_kept_loss5": ">= 0.95",
 }
-TARGETS_MTU1500 = {"allreduce_median_ratio_loss0": "<= 1.5"}
+TARGETS_MTU1500 = {"allreduce_median_ratio_loss0": "<= 1.2"}
 RESIDUAL_TARGET = 2e-5  # attach's default (ddp.AUTO_TARGET)
 
 
@@ -51,8 +58,19 @@ def _p(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
+class Progress:
+    """One line per stage on stderr: what runs, at which MTU, and the time since the start."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[bench lossy {time.monotonic() - self.t0:6.0f} s] {what}", file=sys.stderr,
+              flush=True)
+
+
 def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
-                    gloo_levels: list[float]) -> dict:
+                    gloo_levels: list[float], progress: Progress | None = None) -> dict:
     """Per loss level: per-iteration times (slowest rank), ours and gloo; chunks lost after
     decoding and wire bytes per payload byte (summed / averaged over ranks)."""
     from stalwart.bench.lossy_net import run_on_hosts
@@ -63,8 +81,11 @@ def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
         args = {"numel": NUMEL, "levels": levels, "iters": [iters[p] for p in levels],
                 "warmup": 3, "netns": [h.ns(i) for i in range(4)], "gloo_levels": gloo_levels,
                 "fec": "rs", "fec_target": RESIDUAL_TARGET}
+        out_dir = workdir / f"allreduce-mtu{mtu}"
         recs = run_on_hosts(h, "stalwart.bench.lossy_worker", ["allreduce", json.dumps(args)],
-                            workdir / f"allreduce-mtu{mtu}", timeout=1800)
+                            out_dir, timeout=1800,
+                            progress=(lambda line: progress(f"all-reduce MTU {mtu}: {line}"))
+                            if progress else None)
     out: dict = {}
     for p in levels:
         k = str(p)
@@ -77,8 +98,13 @@ def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
                   "lost_frac": lost / max(chunks, 1),
                   "recovered": int(sum(sum(v["recovered"]) for v in lv)),
                   "wire": float(np.mean([np.mean(v["wire"]) for v in lv])),
-                  "deadline_hits": int(np.sum([v["deadline_hits"] for v in lv]))}
+                  "deadline_hits": int(np.sum([v["deadline_hits"] for v in lv])),
+                  # CPU seconds per all-reduce, all ranks together (iteration by iteration)
+                  "cpu": np.sum([v["cpu"] for v in lv], axis=0).tolist(),
+                  "gloo_cpu": (np.sum([v["gloo_cpu"] for v in lv], axis=0).tolist()
+                               if lv[0].get("gloo_cpu") else [])}
     out["rejected"] = [r["rejected"] for r in recs]
+    out["engine"] = recs[0].get("engine")
     return out
 
 
@@ -107,7 +133,8 @@ def growth(drift: list[float]) -> float:
     return max(q4) / max(max(q2), 1e-12)
 
 
-def bench_training(mtu: int, steps: int, workdir: Path, repeat: bool) -> dict:
+def bench_training(mtu: int, steps: int, workdir: Path, repeat: bool,
+                   progress: Progress | None = None) -> dict:
     import os
 
     from stalwart.config import RunConfig
@@ -130,6 +157,8 @@ def bench_training(mtu: int, steps: int, workdir: Path, repeat: bool) -> dict:
                         faults=[f"loss:host=all,p={p}"] if p > 0 else [],
                         out=str(workdir / "runs"), name=name, mtu=mtu, detect=False,
                         eval_every=steps, ckpt_every=10**6)
+        if progress:
+            progress(f"training MTU {mtu}: run {i + 1}/{len(runs)} ({name})")
         t = time.time()
         saved = os.environ.get("STALWART_FEC")
         if fec:
@@ -171,31 +200,45 @@ TRAIN_FIGURES = ("val_loss_rel_change_loss1", "val_loss_rel_change_loss10",
 
 
 def run(quick: bool, workdir: Path) -> BenchResult:
+    from stalwart.comm import native
+
     workdir = Path(workdir)
     figures: dict[str, float | None] = {}
-    details: dict = {"quick": quick}
+    engine = native.engine_name()
+    details: dict = {"quick": quick, "engine": engine}
+    progress = Progress()
+    progress(f"engine: {engine}")
     if quick:
-        ar_iters = {0.0: 4, 0.01: 8, 0.05: 3, 0.10: 4}
+        ar_iters = {0.0: 6, 0.001: 10, 0.01: 8, 0.05: 3, 0.10: 4}
         steps, drift_steps, train_mtus = 30, 40, (9000,)
     else:
-        ar_iters = {0.0: 15, 0.01: 40, 0.05: 12, 0.10: 12}
+        ar_iters = {0.0: 15, 0.001: 40, 0.01: 40, 0.05: 12, 0.10: 12}
         steps, drift_steps, train_mtus = 200, 200, (9000, 1500)
     st = Steps("lossy", 2 + len(train_mtus) + 1)
     for mtu in (9000, 1500):
         sfx = "" if mtu == 9000 else "_mtu1500"
         st.start(f"all-reduce at MTU {mtu}, ours and gloo, {len(ar_iters)} loss levels")
-        ar = bench_allreduce(mtu, ar_iters, workdir, gloo_levels=[0.0, 0.01, 0.05])
+        ar = bench_allreduce(mtu, ar_iters, workdir, gloo_levels=[0.0, 0.001, 0.01, 0.05],
+                             progress=progress)
         details[f"allreduce{sfx}"] = {
             k: ({"ours_median": _p(v["ours"], 50), "ours_p99": _p(v["ours"], 99),
                  **({"gloo_median": _p(v["gloo"], 50), "gloo_p99": _p(v["gloo"], 99)}
                     if v["gloo"] else {}),
+                 "ours_cpu_median": _p(v["cpu"], 50),
+                 **({"gloo_cpu_median": _p(v["gloo_cpu"], 50)} if v["gloo_cpu"] else {}),
                  "chunks_lost": v["lost"], "chunks": v["chunks"], "lost_frac": v["lost_frac"],
                  "recovered": v["recovered"], "wire_bytes_ratio": v["wire"],
                  "deadline_hits": v["deadline_hits"], "n": len(v["ours"])}
-                if k != "rejected" else v)
+                if k not in ("rejected", "engine") else v)
             for k, v in ar.items()}
         figures[f"allreduce_median_ratio_loss0{sfx}"] = (
             _p(ar["0.0"]["ours"], 50) / _p(ar["0.0"]["gloo"], 50))
+        figures[f"allreduce_cpu_ratio_loss0{sfx}"] = (
+            _p(ar["0.0"]["cpu"], 50) / _p(ar["0.0"]["gloo_cpu"], 50))
+        figures[f"allreduce_median_ratio_loss0.1{sfx}"] = (
+            _p(ar["0.001"]["ours"], 50) / _p(ar["0.001"]["gloo"], 50))
+        figures[f"allreduce_p99_ratio_loss0.1{sfx}"] = (
+            _p(ar["0.001"]["ours"], 99) / _p(ar["0.001"]["gloo"], 99))
         figures[f"allreduce_p99_ratio_loss1{sfx}"] = (
             _p(ar["0.01"]["ours"], 99) / _p(ar["0.01"]["gloo"], 99))
         figures[f"allreduce_median_ratio_loss5{sfx}"] = (
@@ -209,7 +252,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
                 figures[k + sfx] = None
             continue
         st.start(f"training at MTU {mtu}, reliable and lossy, {steps} steps per run")
-        tr = bench_training(mtu, steps, workdir, repeat=not quick)
+        tr = bench_training(mtu, steps, workdir, repeat=not quick, progress=progress)
         details[f"training{sfx}"] = tr
         ref = tr["reliable0.0"]["val_loss"]
         for key, name in (("lossy0.01", "loss1"), ("lossy0.1", "loss10"), ("lossy0.2", "loss20"),
@@ -238,5 +281,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     for k, v in TARGETS.items():
         if k.startswith(("allreduce_", "val_loss_", "tokens_", "wire_", "residual_")):
             targets[k + "_mtu1500"] = TARGETS_MTU1500.get(k, v)
+    progress("done")
     return BenchResult(suite="lossy", figures=figures, targets=targets, details=details,
-                       command="stalwart bench lossy" + (" --quick" if quick else ""))
+                       command="stalwart bench lossy" + (" --quick" if quick else "")
+                       + f"  (engine: {engine})")

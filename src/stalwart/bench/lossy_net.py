@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stalwart.testbed.loss import SCALE, threshold
@@ -59,9 +60,11 @@ def udp_dropped(netns: str) -> int:
 
 
 def run_on_hosts(hosts, module: str, args: list[str], out: Path, timeout: float,
-                 extra_env: dict[str, str] | None = None) -> list[dict]:
+                 extra_env: dict[str, str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
     """Run ``python -m module *args`` as rank i on host i; returns each rank's JSON result
-    (``out/rank-R.json``, written by the worker)."""
+    (``out/rank-R.json``, written by the worker). ``progress`` gets each new line that rank 0
+    writes to ``out/progress`` (the worker's stage)."""
     out.mkdir(parents=True, exist_ok=True)
     world = hosts.n
     procs: list[subprocess.Popen] = []
@@ -78,7 +81,13 @@ def run_on_hosts(hosts, module: str, args: list[str], out: Path, timeout: float,
                 [*hosts.exec_prefix(i), sys.executable, "-m", module, str(out), *args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         t_end = time.monotonic() + timeout
+        shown = ""
         while any(p.poll() is None for p in procs):
+            if progress is not None and (out / "progress").exists():
+                line = (out / "progress").read_text().strip()
+                if line and line != shown:
+                    shown = line
+                    progress(line)
             if any(p.poll() not in (None, 0) for p in procs):
                 bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
                 raise RuntimeError(f"rank(s) {bad} failed; see {out}/rank-*.log")

@@ -46,35 +46,41 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
     # payload this rank must send per all-reduce: its contributions to every other shard, and
     # its own shard's values to every other rank
     payload_bytes = 4 * ((numel - mine) + (world - 1) * mine)
-    res: dict = {"levels": {}, "fec": fec}
+    res: dict = {"levels": {}, "fec": fec, "engine": coll.engine}
     try:
-        for p, n in zip(levels, iters, strict=True):
+        for i, (p, n) in enumerate(zip(levels, iters, strict=True)):
             with_gloo = gloo_levels is None or p in gloo_levels
+            if rank == 0:  # the parent shows it (a quick run is minutes long)
+                (out / "progress").write_text(
+                    f"loss {p:.1%} ({i + 1}/{len(levels)} levels), engine {coll.engine}\n")
             _barrier()
             set_loss(netns[rank], p)
             _barrier()
             ours, gloo, lost, chunks, rec, wire, hits, cpu = [], [], [], [], [], [], [], []
+            gcpu: list[float] = []
             # warm-up long enough for the loss estimate (a ~10,000-datagram window per link)
             # to settle at this level: the parity is sized from it
             per_link = 2 * max(lay.n_chunks(s) for s in range(world))
             settle = max(warmup, -(-20_000 // per_link))
             for it in range(settle + n):
                 t = torch.from_numpy(x.copy())
+                buf = x.copy()  # ours in place too, like gloo's all_reduce (lost chunks keep x)
                 _barrier()
                 timed = it >= settle
                 if with_gloo and (timed or it < warmup):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     dist.all_reduce(t)
-                    tg = time.perf_counter() - t0
+                    tg, cg = time.perf_counter() - t0, time.process_time() - c0
                     _barrier()
                 b0 = coll.transport.bytes_sent
                 t0, c0 = time.perf_counter(), time.process_time()
-                _, ps = coll.allreduce(x)
+                _, ps = coll.allreduce(buf, out=buf)
                 to = time.perf_counter() - t0
                 cpu.append(time.process_time() - c0)
                 if timed:
                     if with_gloo:
                         gloo.append(tg)
+                        gcpu.append(cg)
                     ours.append(to)
                     lost.append(sum(q.lost for q in ps))
                     chunks.append(sum(q.lost + q.recv for q in ps))
@@ -83,7 +89,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
                     hits.append(sum(int(q.deadline_hit) for q in ps))
             res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost": lost, "chunks": chunks,
                                      "recovered": rec, "wire": wire, "deadline_hits": hits,
-                                     "cpu": cpu[settle:], "settle": settle,
+                                     "cpu": cpu[settle:], "gloo_cpu": gcpu, "settle": settle,
                                      "lost_frac": [a / max(b, 1) for a, b in zip(
                                          lost, chunks, strict=True)]}
         _barrier()

@@ -22,7 +22,7 @@ one after the other in the same invocation:
 - ``val_loss_rel_change``: final validation loss, mitigated vs healthy run (same seed: the
   plans change who computes which micro-batch, not the training);
 - ``planner_ms_10k``: the planner at 10,000 groups and 160,000 micro-batches (median ms).
-- S3 (issue 11): a slow neighbour pair of the data-parallel ring (``pairlink:hosts=2-3``,
+- S3: a slow neighbour pair of the data-parallel ring (``pairlink:hosts=2-3``,
   10 mbit) and a slow tensor-parallel pair in 2 x 2 (``pairlink:hosts=0-1``, 10 mbit), each
   unmitigated and mitigated: ``recovered_pairlink`` / ``_tp`` over the whole run's wall time
   (the restart on the new map included) against the same configuration without the fault;
@@ -287,7 +287,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         "planner_ms_10k": planner.time_plan_ms(10_000, 160_000),
         "planner_ms_4": planner.time_plan_ms(4, 16),
         "achieved_factor": factor,
-        # S3 (issue 11): healthy references are the same configuration without the fault
+        # S3: healthy references are the same configuration without the fault
         "recovered_pairlink": recovered(wall_time(p_un), wall_time(p_mit), wall_time(healthy)),
         "recovered_pairlink_tp": recovered(wall_time(t_un), wall_time(t_mit), wall_time(t_ok)),
         "regroup_s": regroup_s(p_mit),
@@ -295,7 +295,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         "val_loss_rel_change_remap": val_change(p_mit, healthy),
         "val_loss_rel_change_remap_tp": val_change(t_mit, t_ok),
         # a slow host link is unloaded by S4 (the host leaves); the partial unload of
-        # issue 11 item 3 is not built, so this is S4's cut
+        # S3 re-maps by a restart (not in place), so this is S4's cut
         "hostlink_bytes_cut": bytes_cut(h_mit, 1),
         # fail-stop (issue 25): the healthy reference is the same configuration, no fault
         **failstop_figures(f_mit),

@@ -113,6 +113,9 @@ def cauchy(k: int, m: int) -> np.ndarray:
 
 
 # ---- the multiply-add kernel: ISA-L, or numpy --------------------------------------------
+ISAL_PATH: str | None = None  # the library loaded (the native engine dlopens the same one)
+
+
 def _load_isal() -> ctypes.CDLL | None:
     if os.environ.get("STALWART_FEC_NUMPY") == "1":
         return None
@@ -124,6 +127,7 @@ def _load_isal() -> ctypes.CDLL | None:
     if spec is not None and spec.submodule_search_locations:
         site = os.path.dirname(list(spec.submodule_search_locations)[0])
         names += sorted(glob.glob(os.path.join(site, "pyeclib.libs", "libisal*.so*")))
+    global ISAL_PATH
     for name in names:
         try:
             lib = ctypes.CDLL(name)
@@ -132,6 +136,7 @@ def _load_isal() -> ctypes.CDLL | None:
             lib.ec_init_tables.restype = None
             lib.ec_encode_data.argtypes = [I, I, I, P, P, P]
             lib.ec_encode_data.restype = None
+            ISAL_PATH = name
             return lib
         except (OSError, AttributeError):
             continue

@@ -129,8 +129,12 @@ class Wire:
         self.rounds_open = int(rounds_open)  # current round + this many - 1 ahead accepted
         job_key = hashlib.blake2b(self.job.to_bytes(4, "little"), key=key[:64], digest_size=32,
                                   person=b"stalwart-gmac").digest()
+        self.job_key = job_key
         self._aead = AESGCM(job_key)
         self._seq = 0  # the next nonce sequence number this Wire seals with (never reused)
+        # seal_rows' replacement when the native engine seals (it owns the sequence counter:
+        # one counter per key, whoever seals, or a nonce could repeat)
+        self.sealer: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     # ---- sending --------------------------------------------------------------------------
     def tag(self, nonce: memoryview | bytes, data: memoryview | bytes) -> bytes:
@@ -142,15 +146,26 @@ class Wire:
         self._seq += n
         return first
 
-    def seal_rows(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+    def seal_rows(self, rows: np.ndarray, lengths: np.ndarray,
+                  values: np.ndarray | None = None) -> None:
         """Give each row the next sequence numbers and write its tag in place: row = header |
         payload(length) | tag.
 
-        ``rows`` is a C-contiguous (n, slot) uint8 array whose headers and payloads are filled.
+        ``rows`` is a C-contiguous (n, slot) uint8 array whose headers are filled, and its
+        payloads too unless ``values`` (float32, the payloads back to back) is given.
         """
         n_rows = rows.shape[0]
         if n_rows == 0:
             return
+        if self.sealer is not None:
+            self.sealer(rows, np.ascontiguousarray(lengths, np.int64),
+                        *(() if values is None else (np.ascontiguousarray(values, "<f4"),)))
+            return
+        if values is not None:
+            ends = np.cumsum(lengths)
+            for i, (a, b) in enumerate(zip((ends - lengths).tolist(), ends.tolist(),
+                                           strict=True)):
+                rows[i, HEADER_BYTES: HEADER_BYTES + 4 * (b - a)] = values[a:b].view(np.uint8)
         hdr = rows[:, :HEADER_BYTES].view(HEADER).reshape(n_rows)
         hdr["seq"] = self._take_seq(n_rows) + np.arange(n_rows, dtype=np.uint64)
         nonces = _nonces(hdr)
@@ -173,9 +188,13 @@ class Wire:
         hdr[0] = (MAGIC, phase, flags, self.job, rnd & 0xFFFFFFFF,
                   self.me if sender is None else sender, shard, offset,
                   payload.size if length is None else length, hint,
-                  fb, copies, self._take_seq(1))
-        body = hdr.tobytes() + payload.tobytes()
-        return body + self.tag(_nonces(hdr).tobytes(), body)
+                  fb, copies, 0)
+        row = np.zeros((1, OVERHEAD + 4 * payload.size), np.uint8)
+        row[0, :HEADER_BYTES] = hdr.view(np.uint8)
+        row[0, HEADER_BYTES: HEADER_BYTES + 4 * payload.size] = payload.view(np.uint8)
+        # the tag covers header + payload; a marker's ``length`` is not its payload size
+        self.seal_rows(row, np.array([payload.size], np.int64))
+        return row.tobytes()
 
     # ---- receiving ------------------------------------------------------------------------
     def check(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray,

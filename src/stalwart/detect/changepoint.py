@@ -231,7 +231,6 @@ class BOCPDBank:
         self.n[rows] = np.minimum(n + 1, self.max_run)
         return post
 
-
     def _update_one(self, row: int, x: float) -> np.ndarray:
         """``update`` for one row, on 1-d views with scalar reductions: the same arithmetic
         as the general path, about half of its numpy call overhead."""
@@ -539,15 +538,3 @@ class ChangeDetector:
             out[i] = detectors[i]._verify(key, post)
         return out
 
-    def force_change(self, onset: int, decided: int) -> None:
-        """Start a new segment at key ``onset`` (another rank decided; keep in agreement)."""
-        keys, vals = list(self._keys), list(self._vals)
-        keep = [i for i, k in enumerate(keys) if k >= onset]
-        if not keep:
-            return
-        self._keys.clear()
-        self._vals.clear()
-        self._keys.extend(keys[i] for i in keep)
-        self._vals.extend(vals[i] for i in keep)
-        self._last_onset_pos = self._pos - len(keep)
-        self._start_bocpd()

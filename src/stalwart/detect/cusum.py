@@ -24,9 +24,9 @@ Mechanism (Page, 1954), on ``x = log(compute / job median)`` of each rank:
   seeds within 61) with 4 alarms in 80,000 healthy rank-samples; replayed on this
   testbed's recorded clean runs it raised 24 alarms in 5,328 steps -- real drifts of the
   CPU shares of 4 ranks on 2 cores, which the validation tests must reject (``shift`` 12%
-  and ``h`` 8 raised 68). The default ``shift`` is now 15%: replayed on the runs recorded on
-  2026-12-04 (23 clean 4-rank runs, 8 with a 1.3x throttle: ``tests/detect/cusum_replay.py``,
-  a one-off measurement) it raised the same 2 false alarms in 10,880 healthy rank-samples as
+  and ``h`` 8 raised 68). The default ``shift`` is 15%: replayed on 23 recorded clean 4-rank
+  runs and 8 with a 1.3x throttle (``tests/detect/cusum_replay.py``) it raised the same 2
+  false alarms in 10,880 healthy rank-samples as
   20% and fired on the throttled rank 1-26 steps sooner (after 6-48 samples instead of 7-68).
   The onset is the first sample after S was last 0 (the CUSUM estimate of the change
   point: on the testbed's recorded 1.3x runs 0-4 steps late; on synthetic series of a shift

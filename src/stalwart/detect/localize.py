@@ -49,7 +49,7 @@ COMPUTE_RATIO = 1.5
 COMPUTE_MILD = 1.12
 MILD_ROUNDS = 7
 # ...or the slowest in all but one of this many: a 1.3x throttle (1.23x in the test) was
-# the slowest in 6 of 7 rounds and went unconfirmed (bench detect, 2026-12-04); 9 of 10 is
+# the slowest in 6 of 7 rounds and went unconfirmed (bench detect); 9 of 10 is
 # as unlikely for a healthy rank as 7 of 7 (3e-5 vs 6e-5 at 4 ranks) and costs 3 more rounds
 # only when exactly one of the first 7 missed
 MILD_ROUNDS_LONG = 10
@@ -143,11 +143,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def profile_ratios(ev: list[RankEvidence]) -> dict[int, dict[str, float | None]]:
-    return {e.rank: {"compute": _ratio(e.compute_after, e.compute_before),
-                     "comm": _ratio(e.comm_after, e.comm_before)} for e in ev}
-
-
 def _profile_suspect(ev: list[RankEvidence]) -> tuple[int | None, dict[int, float]]:
     """The one rank whose compute grew (with peers waiting longer), if the profile shows it."""
     ratios = {e.rank: r for e in ev
@@ -208,7 +203,7 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     1.3x more than any peer's while they waited longer) -- the same rank ``decide`` then
     confirms. Without the profile's rank, a 1.3x throttle that the iteration channel found
     first was tested 3 rounds, measured 1.486x against the 1.5x the short test needs, and
-    was logged unexplained (issue 13's done-when run, 2026-12-04).
+    was logged unexplained.
 
     Pure on the gathered evidence, so every rank reaches the same answer and runs the same
     extra rounds. Asked for only while the candidate is below ``COMPUTE_RATIO``, at least

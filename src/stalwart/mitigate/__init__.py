@@ -45,9 +45,12 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
     # not yet for the lossy optimizer's sharded state, nor (in the policy) for TP
     mode = "rebalance" if cfg.comm == "lossy" else cfg.mitigate
     traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
+    pc = cfg.policy
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
-                      run_dir=run_dir, hosts=cfg.hosts, traffic=traffic, restart_s=regroup_s,
-                      in_place=regroup_s is not None)
+                      every=pc.every, run_dir=run_dir, hosts=cfg.hosts, traffic=traffic,
+                      policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
+                              "revert_windows": pc.revert_windows},
+                      restart_s=regroup_s, in_place=regroup_s is not None)
 
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:

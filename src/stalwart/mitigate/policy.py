@@ -81,7 +81,7 @@ class Straggler:
 def detector_recovered(s: Straggler, findings: Sequence[Finding]) -> bool:
     """The detector's own verdict: its latest finding on this straggler's rank (since the
     straggler was found) is reported recovered. Only the latest: a rank given one micro-batch
-    can read healthy to the detector for a few steps and be found slow again (netns test: a 3x
+    can read healthy to the detector for a few steps and be found slow again (measured: a 3x
     rank "recovered" at step 32 and was found again at 34; the earlier verdict reverted its
     plan mid-fault and kept the wrong revert from being watched)."""
     own = [f for f in findings if f.step >= s.detected_step and s.rank in f.ranks]
@@ -421,7 +421,7 @@ class Policy:
     def _healthy_before(self, onset: int) -> None:
         """The healthy step time from the exchanges that ended before the straggler's onset.
         The level follows the latest exchanges while no straggler is active, so a verdict that
-        comes many steps after its onset (CI: a slow host link found late) would otherwise
+        comes many steps after its onset (a slow host link can be found late) would otherwise
         find the slow steps in it, read the straggler's steps as healthy and never pay the
         rent that buys the restart."""
         before = [t for st, t in zip(self._exch_steps, self._step_hist, strict=True)

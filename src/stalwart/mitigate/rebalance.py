@@ -79,7 +79,9 @@ class Rebalancer:
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
                  traffic: dict[tuple[int, int], float] | None = None,
-                 in_place: bool = False) -> None:
+                 policy: dict[str, Any] | None = None, in_place: bool = False) -> None:
+        """``policy``: the policy's settings (min_gain, replan_gain, revert_windows).
+        ``in_place``: S3/S4 regroup in place (their price is ``restart_s`` as given)."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -97,8 +99,8 @@ class Rebalancer:
         self.counts = planner.uniform(micro_batches, self.groups)
         self.version = 0
         self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
-        self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every) \
-            if self.rank == 0 else None
+        self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every,
+                             **(policy or {})) if self.rank == 0 else None
         # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
         # not this process's start-up
         self.in_place = in_place
@@ -312,21 +314,10 @@ class Rebalancer:
             self._measure = (str(e.get("strategy")), 0, float(e.get("predicted_gain", 0.0)),
                              float(e["step_time_before"]), int(e.get("step", 0)) + 2)
 
-    @property
-    def plan_in_force(self) -> tuple[int, list[int]]:
-        return self.version, list(self.counts)
-
     def close(self) -> None:
         self.channel.close()
         if self._events is not None:
             self._events.close()
-
-
-def restart_s_estimate(started: float, first_step_done: float, ckpt_s: float) -> float:
-    """A restart's price: this incarnation's measured start-up (interpreter, rendezvous, model,
-    first step) plus one checkpoint save."""
-    return max(first_step_done - started, 0.0) + ckpt_s
-
 
 
 def _process_age() -> float:

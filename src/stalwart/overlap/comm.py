@@ -77,9 +77,6 @@ class Pending:
     t_wait: tuple[float, float] | None = None  # when a waiter blocked on it, and until when
     queued: bool = False  # held back by ``TPComm.serial`` until the link is free
 
-    def is_done(self) -> bool:
-        return self.t_done is not None
-
 
 @dataclass
 class CommLedger:

@@ -323,12 +323,18 @@ def train(cfg: RunConfig) -> int:
             return None
         from stalwart.detect import Monitor
 
-        return Monitor(run_dir=run_dir, rank=rank, world=world,
-                       track_ddp=cfg.comm == "reliable",
-                       # lossy: the monitor's gloo ops must not pace the job (monitor.py);
-                       # reliable: batched exchanges, k <= 2 picked for a 0.2% CPU budget
-                       check_every=8 if cfg.comm == "lossy" else None,
-                       lag=2 if cfg.comm == "lossy" else 1, device=device)
+        d = cfg.detection
+        lossy = cfg.comm == "lossy"
+        # no DDP tracking: every step's hint carries its compute and comm times, so the
+        # tracker would record nothing, and its Python comm hook would still take DDP off its
+        # C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        return Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=False,
+                       # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+                       check_every=d.lossy_check_every if lossy else None,
+                       lag=d.lossy_lag if lossy else 1, max_every=d.max_every,
+                       warmup=d.warmup, persist=d.persist, history=d.history,
+                       compute_reps=d.compute_reps, link_bytes=d.link_bytes,
+                       device=device)
 
     monitor = make_monitor(rank, world)
 

@@ -1,0 +1,51 @@
+"""The end rule of a phase (``phase.PhaseClock``), driven by observations: pure, no sockets."""
+
+from __future__ import annotations
+
+from stalwart.comm.phase import COMPLETE, DEADLINE, ENDED, GRACE, LATE, WAITING, PhaseClock
+
+
+def clock(limit: float = 1.0, cap: float = 5.0) -> PhaseClock:
+    return PhaseClock(t0=0.0, limit=limit, cap=cap, grace=lambda elapsed: 0.05 * elapsed)
+
+
+def test_every_packet_in_ends_the_phase_at_once() -> None:
+    c = clock()
+    assert c.step(0.1, all_done=False, all_ended=False, late=False) == 1.0
+    assert c.state == WAITING
+    assert c.step(0.2, all_done=True, all_ended=True, late=False) is None
+    assert c.state == COMPLETE and not c.deadline_hit
+
+
+def test_all_markers_in_ends_after_a_grace_not_the_deadline() -> None:
+    c = clock()
+    wake = c.step(0.4, all_done=False, all_ended=True, late=False)
+    assert c.state == GRACE and wake == 0.4 + 0.05 * 0.4
+    assert c.step(wake, all_done=False, all_ended=True, late=False) is None
+    assert c.state == ENDED and not c.deadline_hit
+
+
+def test_the_deadline_ends_a_phase_with_packets_missing() -> None:
+    c = clock(limit=1.0)
+    assert c.step(0.5, all_done=False, all_ended=False, late=False) == 1.0
+    assert c.step(1.0, all_done=False, all_ended=False, late=False) is None
+    assert c.state == DEADLINE and c.deadline_hit and not c.waited_late
+
+
+def test_a_late_peer_is_waited_for_up_to_the_cap_then_given_a_whole_deadline() -> None:
+    c = clock(limit=1.0, cap=5.0)
+    assert c.step(0.5, all_done=False, all_ended=False, late=True) == 5.0  # the cap
+    assert c.state == LATE
+    assert c.step(2.0, all_done=False, all_ended=False, late=True) == 5.0
+    assert c.waited_late  # past the deadline for a late peer: not a deadline sample
+    # its first packet at 3.0: from then on its deadline runs
+    assert c.step(3.0, all_done=False, all_ended=False, late=False) == 4.0
+    assert c.step(4.0, all_done=False, all_ended=False, late=False) is None
+    assert c.deadline_hit
+
+
+def test_a_peer_that_never_starts_costs_one_cap() -> None:
+    c = clock(limit=1.0, cap=5.0)
+    assert c.step(0.0, all_done=False, all_ended=False, late=True) == 5.0
+    assert c.step(5.0, all_done=False, all_ended=False, late=True) is None
+    assert c.deadline_hit
