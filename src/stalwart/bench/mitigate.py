@@ -328,10 +328,10 @@ def run(quick: bool, workdir: Path) -> BenchResult:
                                 ("mitigated", c_mit))}
     return BenchResult("mitigate", figures, targets={
         "recovered_compute2x": ">= 0.75", "recovered_compute2x_episode": ">= 0.65",
-        "recovered_hostlink": ">= 0.5", "actions_on_clean": "<= 0", "actions_on_blip": "<= 0",
+        "recovered_hostlink": ">= 0.85", "actions_on_clean": "<= 0", "actions_on_blip": "<= 0",
         "revert_steps": "<= 3", "val_loss_rel_change": "<= 0.001", "planner_ms_10k": "<= 10",
-        "planner_ms_4": "<= 1", "recovered_pairlink": ">= 0.9", "recovered_pairlink_tp": ">= 0.9",
-        "regroup_s": "<= 2", "regroup_s_tp": "<= 2", "val_loss_rel_change_remap": "<= 0.001",
+        "planner_ms_4": "<= 1", "recovered_pairlink": ">= 0.9", "recovered_pairlink_tp": ">= 0.85",
+        "regroup_s": "<= 1", "regroup_s_tp": "<= 1.5", "val_loss_rel_change_remap": "<= 0.001",
         "val_loss_rel_change_remap_tp": "<= 0.001", "hostlink_bytes_cut": ">= 0.3",
         "failstop_resume_s": "<= 3", "failstop_samples_lost": "<= 0",
         "failstop_val_loss_rel_change": "<= 0.001"},

@@ -16,7 +16,7 @@ in launch rank 0, included -- is needed (regroup.py does the rebuilding).
 
 Guarantees: the file is replaced atomically (a reader sees one whole generation); generations
 only grow; ``token`` is new for every launch, so a resumed run in the same directory never
-reads an older launch's store files. Cost: one ``stat`` per poll on the ranks (every 20 ms, in
+reads an older launch's store files. Cost: one ``stat`` per poll on the ranks (every 50 ms, in
 a background thread), nothing per step.
 
 Torch-free: the launcher imports it.

@@ -59,6 +59,9 @@ from stalwart.mitigate.agreement import (
 from stalwart.mitigate.policy import Policy
 
 MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
+# steps the detector is blind after an in-place regroup (its monitor is made again: warm-up
+# and a new baseline, detect/): part of what S3/S4 in place cost, besides the regroup itself
+REWARM_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Rebalancer:
         # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
         # not this process's start-up
         self.in_place = in_place
+        self._regroup_s = restart_s or 0.0
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
         if self.policy is not None:
@@ -180,6 +184,9 @@ class Rebalancer:
             if not self._step_times and self.policy is not None and not self.in_place:
                 # a restart's price: what this incarnation took to reach its first step
                 self.policy.restart_s = _process_age()
+            if self.in_place and self.policy is not None and self.policy.healthy_step_s:
+                self.policy.restart_s = (self._regroup_s
+                                         + REWARM_STEPS * self.policy.healthy_step_s)
             self._step_times.append((step, step_s))
             self._step_times = self._step_times[-64:]
             self._check_measure(step)

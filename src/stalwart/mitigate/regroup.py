@@ -1,7 +1,7 @@
 """Regroup in place: a rank's side of a membership change (membership.py), without a restart.
 
 Mechanism, per rank:
-1. A background thread polls ``membership.json`` (every 20 ms). When the launcher announces a
+1. A background thread polls ``membership.json`` (every 50 ms). When the launcher announces a
    new generation (a rank lost), the thread *shuts down this process's TCP connections*
    (gloo's pairs and the monitor's row links; not listening sockets, not the old rendezvous
    store's). That is what wakes a rank blocked in a collective: in a ring all-reduce only
@@ -31,9 +31,9 @@ micro-batches per survivor) and its monitor, zeroes the gradients of the failed 
 redoes it: at most the step in flight is lost.
 
 Guarantees: no rank waits on a dead peer longer than the launcher's poll plus this thread's
-(~0.1 s) when the process died; when it did not (a host cut off), gloo's timeout bounds the
+(~0.15 s) when the process died; when it did not (a host cut off), gloo's timeout bounds the
 wait. A rank that is not a member of the new generation gets ``NotAMember``. Cost in
-steady state: the polling thread (one ``stat`` per 20 ms).
+steady state: the polling thread (one ``stat`` per 50 ms).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from stalwart.mitigate import membership
 from stalwart.mitigate.membership import Generation
 
-POLL_S = 0.02
+POLL_S = 0.05
 WAIT_S = 60.0  # longest wait for the launcher's word after a failed collective
 _TCP_LISTEN = "0A"
 
@@ -148,7 +148,16 @@ class Regrouper:
         self._thread.start()
 
     def _watch(self) -> None:
+        path = self.run_dir / membership.MEMBERSHIP_FILE
+        last: tuple[int, int] | None = None
         while not self._stop.wait(POLL_S):
+            try:  # a stat per poll; the file is read only when it was replaced
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_ino, st.st_mtime_ns) == last:
+                continue
+            last = (st.st_ino, st.st_mtime_ns)
             g = membership.read(self.run_dir)
             if g is None or g.token != self.current.token or g.gen <= self._seen.gen:
                 continue
