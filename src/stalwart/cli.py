@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     tb = sub.add_parser("testbed", help="emulated hosts: check what works, clean up")
     tb.add_argument("action", choices=("check", "cleanup"))
+
+    from stalwart.simulate import command as sim_command
+
+    sim = sub.add_parser("simulate", help="trace-driven simulation at 1k-10k+ ranks that "
+                                          "runs the real detector, planner and policy")
+    sim_command.add_args(sim)
     return p
 
 
@@ -127,6 +133,15 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from stalwart.simulate import command as sim_command
+
+    try:
+        return sim_command.main(args)
+    except ValueError as e:  # bad input: one line naming the value
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a launcher
     # that does not stop is waiting
@@ -142,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, script_args = split_script_args(argv)
     args = build_parser().parse_args(argv)
     handler = {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-               "replay": _cmd_replay, "testbed": _cmd_testbed}[args.cmd]
+               "replay": _cmd_replay, "testbed": _cmd_testbed,
+               "simulate": _cmd_simulate}[args.cmd]
     try:
         if args.cmd == "run":
             return _cmd_run(args, script_args)

@@ -201,10 +201,14 @@ TRAIN_FIGURES = ("val_loss_rel_change_loss1", "val_loss_rel_change_loss10",
 
 def run(quick: bool, workdir: Path) -> BenchResult:
     from stalwart.comm import native
+    from stalwart.errors import ConfigError
 
     workdir = Path(workdir)
     figures: dict[str, float | None] = {}
-    engine = native.engine_name()
+    try:
+        engine = native.engine_name()
+    except ValueError as e:  # a bad STALWART_ENGINE: one line and exit 2, not a traceback
+        raise ConfigError(str(e)) from None
     details: dict = {"quick": quick, "engine": engine}
     progress = Progress()
     progress(f"engine: {engine}")

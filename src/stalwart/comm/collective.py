@@ -111,7 +111,6 @@ class LossyCollective(Receiving, Sending, Phases):
                  fec_initial_loss: float = FEC_INITIAL_LOSS, engine: str | None = None) -> None:
         import torch.distributed as dist
 
-        self.engine = native.engine_name(engine)
 
         if fec_mode not in FEC_MODES:
             raise ValueError(f"unknown fec mode {fec_mode!r} ({', '.join(FEC_MODES)})")
@@ -137,6 +136,8 @@ class LossyCollective(Receiving, Sending, Phases):
         if world is None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank = int(world), int(rank)
+        # (without the extension rank 0 says so in one line; the others stay quiet)
+        self.engine = native.engine_name(engine, warn=self.rank == 0)
         self._vpol = CopyPolicy(self.world, self.value_copies, copies_target, max_copies,
                                 min_copies)
         self._gpol = CopyPolicy(self.world, self.grad_copies, copies_target, max_copies,

@@ -46,8 +46,9 @@ AVAILABLE = _stwnative is not None
 _warned = False
 
 
-def engine_name(requested: str | None = None) -> str:
-    """The engine to use: ``requested``, else ``STALWART_ENGINE``, else native when built."""
+def engine_name(requested: str | None = None, warn: bool = True) -> str:
+    """The engine to use: ``requested``, else ``STALWART_ENGINE``, else native when built
+    (else Python, saying so once per process when ``warn``)."""
     global _warned
     name = requested or os.environ.get("STALWART_ENGINE") or ""
     if name and name not in ENGINES:
@@ -58,7 +59,7 @@ def engine_name(requested: str | None = None) -> str:
         return name
     if AVAILABLE:
         return "native"
-    if not _warned:
+    if warn and not _warned:
         _warned = True
         print(f"stalwart.comm: native data plane not built ({_WHY}); using the Python engine",
               file=sys.stderr)

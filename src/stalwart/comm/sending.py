@@ -97,7 +97,7 @@ class Sending:
         if self.fec_mode != "rs":
             return plan, counts
         n = self.layout.n_chunks(shard)
-        run = self.transport.gso_segments
+        run = self._run(n)
         made: dict[fec.Stripes, tuple[np.ndarray, np.ndarray]] = {}
         for d in dests:
             geo = fec.plan(n, self._link_loss(d), self.fec_target, run)
@@ -126,6 +126,14 @@ class Sending:
         self.wire.seal_rows(rows, lengths)
         return rows, lengths
 
+    def _run(self, n: int) -> int:
+        """Datagrams per sent run (one message, segmented by the kernel) in a phase of ``n``
+        packets per peer: ``gso_segments`` (8), or longer runs -- up to ``gso_long`` -- when
+        the phase has at least 64 runs per peer, so that its stripes can still interleave at
+        least as many ways as a run is long (a run dropped whole then costs a stripe one
+        packet; ``fec.plan`` is given the same run length and counts in runs otherwise)."""
+        return max(self.transport.gso_segments, min(self.transport.gso_long, n // 64))
+
     def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
               fill: dict[int, np.ndarray] | None = None) -> int:
         """Send each (rows, lengths, dest), destinations interleaved so that no receiver gets a
@@ -139,11 +147,12 @@ class Sending:
         plan = [p for p in plan if len(p[1])]
         if not plan:
             return 0
+        g = self._run(max(len(p[1]) for p in plan))
         if self._eng is not None and not self.transport.pace:
             fill = dict(fill or {})
             entries = [(rows, np.ascontiguousarray(lengths, np.int64),
                         fill.pop(id(rows), None), d) for rows, lengths, d in plan]
-            sent, nbytes, errors = self._eng.send(entries, self.transport.gso_segments)
+            sent, nbytes, errors = self._eng.send(entries, g)
             self.transport.bytes_sent += nbytes
             self.transport.send_errors += errors
             return sent
@@ -151,7 +160,6 @@ class Sending:
             for rows, lengths, _ in plan:
                 if id(rows) in fill:
                     self.wire.seal_rows(rows, lengths, fill.pop(id(rows)))
-        g = self.transport.gso_segments
         pos, which, ptrs, sizes, dests, counts = [], [], [], [], [], []
         for j, (rows, lengths, d) in enumerate(plan):
             nc = len(lengths)

@@ -167,20 +167,37 @@ class BOCPDBank:
         self._log_1mh = math.log1p(-hazard)
         self._c, self._e, self._f, self._g = _tables(max_run, kappa0, alpha0)
         self._em = self._e - 0.5
-        # parameters per row, column n = samples absorbed; column 0 is the row's prior
-        self.mu = np.zeros((0, max_run + 2))
-        self.beta = np.ones((0, max_run + 2))
-        self.log_beta = np.zeros((0, max_run + 2))
-        self.logpost = np.full((0, max_run), -np.inf)  # column r-1: run length r
-        self.n = np.zeros(0, dtype=np.int64)
+        # parameters per row, column n = samples absorbed; column 0 is the row's prior. The
+        # arrays are views of the first rows of buffers that grow by doubling: a bank of one
+        # row per rank is built one row at a time, and growing by one row per call copied the
+        # whole bank each time -- O(N^2), 59 s of rank 0's CPU in one step at 10,000 ranks
+        # (docs/simulate.md)
+        self._cap = 0
+        self._bufs: tuple[np.ndarray, ...] = ()
+        self._grow(0)
+
+    def _grow(self, rows: int) -> None:
+        """Views of ``rows`` rows; the buffers double (copying once) when full."""
+        if rows > self._cap or not self._bufs:
+            cap = max(8, 2 * self._cap, rows)
+            w = self.max_run + 2
+            bufs = (np.zeros((cap, w)), np.ones((cap, w)), np.zeros((cap, w)),
+                    np.full((cap, self.max_run), -np.inf), np.zeros(cap, dtype=np.int64))
+            for new, old in zip(bufs, self._bufs, strict=False):  # none at first
+                new[:self._cap] = old[:self._cap]
+            self._bufs, self._cap = bufs, cap
+        self.mu, self.beta, self.log_beta, self.logpost, self.n = (b[:rows] for b in self._bufs)
 
     def add_row(self) -> int:
-        self.mu = np.vstack([self.mu, np.zeros((1, self.max_run + 2))])
-        self.beta = np.vstack([self.beta, np.ones((1, self.max_run + 2))])
-        self.log_beta = np.vstack([self.log_beta, np.zeros((1, self.max_run + 2))])
-        self.logpost = np.vstack([self.logpost, np.full((1, self.max_run), -np.inf)])
-        self.n = np.append(self.n, 0)
-        return len(self.n) - 1
+        """A new row (a fresh prior: mu 0, beta 1, no mass); amortised O(1)."""
+        row = len(self.n)
+        self._grow(row + 1)
+        self.mu[row] = 0.0
+        self.beta[row] = 1.0
+        self.log_beta[row] = 0.0
+        self.logpost[row] = -np.inf
+        self.n[row] = 0
+        return row
 
     def reset(self, row: int, mu0: float, beta0: float) -> None:
         """Forget row's data: only the prior (mu0, beta0) remains."""

@@ -36,13 +36,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
-from stalwart.detect.cusum import CusumBank
+from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.localize import BEFORE, ONSET_SLACK, Finding, RankEvidence
 from stalwart.events import Event, SlowdownUnexplained, StragglerDetected, StragglerRecovered
 
 NONE, DETECT, RECOVER = 0, 1, 2
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
+POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
+#                      the scale pooled over ranks (DecisionCore._pool_noise)
 
 
 class IterSample(NamedTuple):
@@ -90,6 +92,11 @@ class DecisionCore:
         self.detector = ChangeDetector(warmup=warmup)
         self.rel_detectors: dict[int, ChangeDetector] = {}
         self.cusum: CusumBank | None = None
+        # above REF_RANKS ranks: recent cross-rank spreads of log relative compute, the noise
+        # floor set from them, and the floors the channels were built with (_pool_noise)
+        self._spreads: deque[float] = deque(maxlen=32)
+        self._floor: float | None = None
+        self._own_floors = (0.0, 0.0)
         self.samples: deque[IterSample] = deque(maxlen=history)
         self.findings: list[Finding] = []
         self.pending: Alarm = QUIET
@@ -124,11 +131,14 @@ class DecisionCore:
         if not self.rel_detectors:
             # one bank: every rank's channel advances in one vector update per step
             bank = BOCPDBank(hazard=self.detector.hazard)
+            z = per_rank_z(len(comps))  # as strict per rank as the job size needs
             self.rel_detectors = {r: ChangeDetector(
-                warmup=self.detector.warmup, min_shift=REL_MIN_SHIFT, bank=bank)
+                warmup=self.detector.warmup, min_shift=REL_MIN_SHIFT, z_sig=z, bank=bank)
                 for r in range(len(comps))}
         dets = [self.rel_detectors[r] for r in range(len(comps))]
         rel = [c / med for c in comps]
+        if len(comps) > REF_RANKS:
+            self._pool_noise(dets, rel)
         for r, ch in enumerate(ChangeDetector.add_many(dets, key, rel)):
             if ch is not None:
                 self.classify(ch, f"rank{r}")
@@ -139,6 +149,30 @@ class DecisionCore:
         for r, ch in enumerate(self.cusum.add(key, np.asarray(rel))):
             if ch is not None:
                 self.classify(ch, f"rank{r}")
+
+    def _pool_noise(self, dets: list[ChangeDetector], rel: list[float]) -> None:
+        """A floor under every per-rank channel's noise scale: ``POOLED_FLOOR`` x the median
+        of recent cross-rank spreads (1.4826 MAD of log relative compute over all ranks).
+
+        Why: each channel learns its noise from its own first 8 samples (BOCD+V) or 18
+        (CUSUM), an estimate that is often far too small; among thousands of ranks the
+        smallest ones are, and those channels alarm on noise. In one step every rank gives a
+        sample of the same noise, so at scale the pooled spread is known well after a few
+        steps. Up to REF_RANKS ranks (the size the thresholds were tuned on) nothing changes.
+        Cost: one vector median per step, an O(N) loop when the floor moves by > 20%."""
+        x = np.log(np.asarray(rel))
+        self._spreads.append(float(1.4826 * np.median(np.abs(x - np.median(x)))))
+        if len(self._spreads) < 4 or self.cusum is None:
+            return
+        floor = POOLED_FLOOR * statistics.median(self._spreads)
+        if self._floor is not None and abs(floor / self._floor - 1.0) <= 0.2:
+            return
+        if self._floor is None:  # the floors the channels were built with
+            self._own_floors = (dets[0].min_scale, self.cusum.min_sigma)
+        self._floor = floor
+        for d in dets:
+            d.min_scale = max(self._own_floors[0], floor)
+        self.cusum.min_sigma = max(self._own_floors[1], floor)
 
     # ---- the alarm's journey ----------------------------------------------------------------
     def take_pending(self, travels: bool = True) -> Alarm:

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -284,41 +285,74 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
         events.log("checkpoint", step=done)
 
 
-def train(cfg: RunConfig) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.nproc:
-        cfg.nproc = world  # torchrun decides the world size
-    cfg.validate()
-    torch.set_num_threads(cfg.threads)
-    from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
+@dataclass
+class Rank:
+    """One rank's job, built once by ``Rank.start``: the process group and run directory, and
+    each capability plugged in as an object -- the step (DDP or tensor parallel, on its
+    device), the optimizer (AdamW, or the loss-tolerant one of ``stalwart.comm``), the
+    straggler monitor (``stalwart.detect``) and the work plan (``stalwart.mitigate``)."""
 
-    slot, slots = rank_slot()
-    try:
-        dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
-    except DeviceError as e:
-        raise ConfigError(str(e)) from None
-    device = torch.device(dplan.device_of(slot))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
-    launched = "STALWART_RUN_DIR" in os.environ
-    if not launched and cfg.faults:
-        raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
-    if launched:
-        run_dir = Path(os.environ["STALWART_RUN_DIR"])
-    else:
-        run_dir = prepare_run_dir_for_torchrun(cfg, rank)
-    dist.barrier()
+    cfg: RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    devices: Any  # the device plan (stalwart.devices.DevicePlan)
+    run_dir: Path
+    launched: bool  # started by `stalwart run` (else by torchrun)
+    events: EventLog
+    metrics: JsonlWriter
+    corpus: Corpus
+    monitor: Any = None
+    stepper: Any = None
+    opt: Any = None
+    work: Any = None
+    val: list = field(default_factory=list)
+    data_rank: int = 0
+    data_parts: int = 1
+    lr: float = 0.0  # this step's learning rate
+    regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
+    n_params: int = 0
+    done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
 
-    events = EventLog(run_dir)
-    metrics = JsonlWriter(run_dir / METRICS)
-    corpus: Corpus = load_corpus(cfg.data, cfg.max_data_bytes)
-    mcfg = PRESETS[cfg.preset]["model"]
-    bs = cfg.resolved_batch_size()
-    mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
+    @classmethod
+    def start(cls, cfg: RunConfig) -> Rank:
+        """Devices, the process group, the run directory and logs, then the capabilities."""
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != cfg.nproc:
+            cfg.nproc = world  # torchrun decides the world size
+        cfg.validate()
+        torch.set_num_threads(cfg.threads)
+        from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
 
-    def make_monitor(rank: int, world: int) -> Any:
+        slot, slots = rank_slot()
+        try:
+            dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        device = torch.device(dplan.device_of(slot))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
+        launched = "STALWART_RUN_DIR" in os.environ
+        if not launched and cfg.faults:
+            raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
+        if launched:
+            run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        else:
+            run_dir = prepare_run_dir_for_torchrun(cfg, rank)
+        dist.barrier()
+        r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
+                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+        r._plug_in()
+        return r
+
+    @property
+    def model_cfg(self) -> Any:
+        return PRESETS[self.cfg.preset]["model"]
+
+    def _make_monitor(self) -> Any:
+        cfg = self.cfg
         if not cfg.detect:
             return None
         from stalwart.detect import Monitor
@@ -326,251 +360,278 @@ def train(cfg: RunConfig) -> int:
         d = cfg.detection
         lossy = cfg.comm == "lossy"
         # no DDP tracking: every step's hint carries its compute and comm times, so the
-        # tracker would record nothing, and its Python comm hook would still take DDP off its
-        # C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
-        return Monitor(run_dir=run_dir, rank=rank, world=world, track_ddp=False,
-                       # lossy: the monitor's gloo ops must not pace the job (monitor.py)
-                       check_every=d.lossy_check_every if lossy else None,
-                       lag=d.lossy_lag if lossy else 1, max_every=d.max_every,
-                       warmup=d.warmup, persist=d.persist, history=d.history,
-                       compute_reps=d.compute_reps, link_bytes=d.link_bytes,
-                       device=device)
+        # tracker would record nothing, and its Python comm hook would still take DDP off
+        # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        return Monitor(
+            run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
+            # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+            check_every=d.lossy_check_every if lossy else None,
+            lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
+            persist=d.persist, history=d.history, compute_reps=d.compute_reps,
+            link_bytes=d.link_bytes, device=self.device)
 
-    monitor = make_monitor(rank, world)
+    def _plug_in(self) -> None:
+        cfg, mcfg, device = self.cfg, self.model_cfg, self.device
+        self.monitor = self._make_monitor()
+        torch.manual_seed(cfg.seed)
+        if cfg.tp > 1:
+            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
+            self.stepper = TensorParallelStep(cfg, tp_group, dp_group, self.run_dir, device)
+        else:
+            self.data_rank, self.data_parts = self.rank, self.world
+            self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
+        opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
+                  "weight_decay": cfg.weight_decay}
+        if cfg.comm == "lossy":
+            from stalwart.comm import attach
 
-    torch.manual_seed(cfg.seed)
-    if cfg.tp > 1:
-        tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
-        stepper: Any = TensorParallelStep(cfg, tp_group, dp_group, run_dir, device)
-    else:
-        data_rank, data_parts = rank, world
-        stepper = DataParallelStep(GPT(mcfg).to(device), device)
-    model = stepper.model
+            # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
+            self.opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
+                              **opt_kw)
+        else:
+            self.opt = torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+        from stalwart.mitigate import work_plan
 
-    opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
-    if cfg.comm == "lossy":
-        from stalwart.comm import attach
+        with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
+            self.n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+        # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
+        from stalwart.mitigate.membership import in_place_ok
 
-        # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-        opt: Any = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip, **opt_kw)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+        if self.launched and self.world > 1 and in_place_ok(cfg):
+            from stalwart.mitigate.regroup import Regrouper
 
-    from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT, work_plan
-    from stalwart.mitigate.decisions import KIND_NAMES
-    from stalwart.mitigate.regroup import NotAMember
+            # the first generation's rendezvous store (launch rank 0's TCPStore) is left
+            # alone: a regroup never needs it, and shutting its connections would add errors
+            self.regrouper = Regrouper(self.run_dir, self.rank,
+                                       {int(os.environ.get("MASTER_PORT", "0"))})
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
+                              self.n_params,
+                              REGROUP_PRICE_S if self.regrouper is not None else None)
+        self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
+            self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
+            cfg.seed)]
 
-    with torch.device("meta"):  # shapes only, no memory: the full model's size, over TP shards
-        n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
-    # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
-    from stalwart.mitigate.membership import in_place_ok
+    def resume(self) -> int:
+        """The step to start at: 0, or a checkpoint's (``--resume``, a restart)."""
+        start = 0
+        if self.cfg.resume:
+            state = ckpt.load_rank(self.run_dir, self.rank, self.cfg, self.device)
+            self.stepper.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            ckpt.restore_rng(state)
+            start = state["step"]
+            if self.rank == 0:
+                self.events.log("resumed", step=start, world=self.world,
+                                saved_world=state["world"])
+        if self.rank == 0 and start == 0:
+            self.events.log("devices", plan=self.devices.describe(), device=self.devices.kind,
+                            backend=self.devices.backend)
+        return start
 
-    regrouper = None
-    if launched and world > 1 and in_place_ok(cfg):
-        from stalwart.mitigate.regroup import Regrouper
-
-        # the first generation's rendezvous store (launch rank 0's TCPStore) is left alone:
-        # a regroup never needs it, and shutting its connections would only add errors
-        regrouper = Regrouper(run_dir, rank, {int(os.environ.get("MASTER_PORT", "0"))})
-    work = work_plan(cfg, monitor, rank, world, run_dir, n_params,
-                     REGROUP_PRICE_S if regrouper is not None else None)
-    host = cfg.hosts[rank] if cfg.hosts else rank
-    start = 0
-    if cfg.resume:
-        state = ckpt.load_rank(run_dir, rank, cfg, device)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        ckpt.restore_rng(state)
-        start = state["step"]
-        if rank == 0:
-            events.log("resumed", step=start, world=world, saved_world=state["world"])
-    if rank == 0 and start == 0:
-        events.log("devices", plan=dplan.describe(), device=dplan.kind, backend=dplan.backend)
-
-    val = [(x.to(device), y.to(device))
-           for x, y in val_batches(corpus, cfg.eval_batches, bs, mcfg.block_size, cfg.seed)]
-    evals_done: set[int] = set()
-    ckpts_done: set[int] = set()
-
-    def do_eval(step: int) -> None:
-        if step in evals_done:
-            return
-        t = time.perf_counter()
-        v = evaluate(model, val, data_rank, data_parts)
-        evals_done.add(step)
-        if rank == 0:
-            events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
-
-    def finish(code: int) -> int:
-        for part in (monitor, work, opt, regrouper):
-            if hasattr(part, "close"):
-                part.close()
-        dist.barrier()
-        if rank == 0 and not launched and code == 0:
-            events.log("run_finished", ok=True)
-            from stalwart.report import build_report
-
-            build_report(run_dir)
-        metrics.close()
-        events.close()
-        dist.destroy_process_group()
-        return code
-
-    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
-    applied = start  # optimizer steps applied: the next step to run
-
-    def run_step(step: int) -> bool:
-        """One training step; False when the plan says to leave for a restart (S4)."""
-        nonlocal applied
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        share = work.assign(step)  # which of the step's micro-batches this rank computes
-        due = work.restart_due(step)
-        if due is not None:  # S3/S4: regroup in place, or leave for a restart
-            hosts = work.planned_hosts(due) if regrouper is not None else None
-            if hosts is not None:
-                from stalwart.mitigate.regroup import PlannedRegroup
-
-                if rank == 0:
-                    regrouper.plan(hosts, step, work.basis(due))
-                raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step "
-                                     f"{step}, hosts {hosts}")
-            save_checkpoint(run_dir, step, rank, cfg, model, opt, events)
-            return False
-        starts = step_starts(corpus, gb, mcfg.block_size, cfg.seed, step)
-        batches = [micro_batch(corpus, starts, mbs, mcfg.block_size, g) for g in share.indices]
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
-        loss, timing = stepper.forward_backward(batches, share.micro_weight)
+    def train_step(self, step: int, share: Any, t0: float) -> tuple[dict[str, Any], float]:
+        """Forward/backward over this rank's share of the step, the optimizer step; the
+        metrics line and the forward/backward seconds."""
+        cfg, mcfg = self.cfg, self.model_cfg
+        mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
+        starts = step_starts(self.corpus, gb, mcfg.block_size, cfg.seed, step)
+        batches = [micro_batch(self.corpus, starts, mbs, mcfg.block_size, g)
+                   for g in share.indices]
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        loss, timing = self.stepper.forward_backward(batches, share.micro_weight)
         t_opt = time.perf_counter()
         if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
-            stepper.clip_grad_norm_(cfg.grad_clip)
-        opt.step()
-        applied = step + 1
-        opt.zero_grad(set_to_none=True)
+            self.stepper.clip_grad_norm_(cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
-        extra: dict[str, Any] = opt.stats() if hasattr(opt, "stats") else {}
+        extra: dict[str, Any] = self.opt.stats() if hasattr(self.opt, "stats") else {}
         opt_comm = float(extra.pop("comm_time", 0.0))
         tokens = mbs * len(batches) * mcfg.block_size
         step_time = t1 - t0
+        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
         rec = {
-            "step": step, "rank": rank, "time": time.time(), "loss": loss, "lr": lr,
-            "step_time": step_time,
-            "compute_time": timing["compute_time"] + (t1 - t_opt) - opt_comm,
-            # forward/backward alone: the part that scales with the plan (replay rebuilds the
-            # detector's and the policy's per-micro-batch inputs from it)
-            "fb_time": timing["compute_time"],
+            "step": step, "rank": self.rank, "time": time.time(), "loss": loss,
+            "lr": self.lr, "step_time": step_time,
+            "compute_time": fb + (t1 - t_opt) - opt_comm,
+            # replay rebuilds the detector's and the policy's per-micro-batch inputs from it
+            "fb_time": fb,
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
-            "micro_batches": len(batches), "plan_version": share.version, "host": host,
-            "world": world,
+            "micro_batches": len(batches), "plan_version": share.version,
+            "host": cfg.hosts[self.rank] if cfg.hosts else self.rank, "world": self.world,
             **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
             **extra,
         }
-        metrics.write(rec)
-        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
-        if monitor is not None:  # per unit of work: a plan must not look like a recovery
-            monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
-                                + work.normalised(fb)})
-        work.end_step(step, fb, step_time)
-        return True
+        return rec, fb
 
-    def after_step(done: int) -> None:
-        """The evaluation and checkpoint due after ``done`` steps (each once)."""
-        if done == 0 or done % cfg.eval_every == 0 or done == cfg.steps:
-            do_eval(done)
+    def record(self, step: int, rec: dict[str, Any], fb: float) -> None:
+        """The metrics line; the monitor's hint (per unit of work: a plan must not look like a
+        recovery) and the work plan's measurements."""
+        self.metrics.write(rec)
+        if self.monitor is not None:
+            self.monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
+                                     + self.work.normalised(fb)})
+        self.work.end_step(step, fb, rec["step_time"])
+
+    def set_lr(self, step: int) -> None:
+        self.lr = lr_at(step, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+
+    def evaluate(self, step: int) -> None:
+        t = time.perf_counter()
+        v = evaluate(self.stepper.model, self.val, self.data_rank, self.data_parts)
+        if self.rank == 0:
+            self.events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
+                        self.events)
+
+    def regroup(self, applied: int, why: str) -> int:
+        """Rebuild this rank's distributed state for the next generation, in place: process
+        groups, the model's state agreed, DDP, monitor, work plan (the same global batch over
+        the ranks now in the job). Returns the step to run next, agreed by every rank.
+        Raises NotAMember when the new generation leaves this rank out."""
+        from stalwart.mitigate import work_plan
+        from stalwart.mitigate.regroup import agree_state
+
+        t0 = time.monotonic()
+        cfg, model = self.cfg, self.stepper.model
+        self.opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        self.stepper.close()
+        for part in (self.monitor, self.work):  # their exchanges failed with the old groups
+            with contextlib.suppress(Exception):
+                if part is not None:
+                    part.close()
+        self.monitor = self.work = None
+        try:
+            g = self.regrouper.regroup(self.devices.backend)
+        except TimeoutError as t:  # not a lost peer: the original failure is the news
+            raise RuntimeError(f"{why} ({t})") from None
+        parts = {"groups": time.monotonic() - t0}
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.data_rank, self.data_parts = self.rank, self.world
+        cfg.nproc, cfg.hosts = self.world, list(g.hosts)
+        done, src = agree_state(model, self.opt, applied)
+        parts["state"] = time.monotonic() - t0
+        self.monitor = self._make_monitor()
+        parts["monitor"] = time.monotonic() - t0
+        self.stepper = DataParallelStep(model, self.device)
+        parts["ddp"] = time.monotonic() - t0
+        regroup_s = time.monotonic() - t0
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
+                              self.n_params, max(regroup_s, 0.1))
+        if g.planned and hasattr(self.work, "measure_from"):
+            self.work.measure_from(g.basis, done + 2)  # its first steps warm up
+        if self.rank == 0:
+            self.events.log("regroup", step=done, generation=g.gen, world=self.world,
+                            members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
+                            state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
+                            # cumulative seconds at the end of each part
+                            parts={k: round(v, 3) for k, v in parts.items()},
+                            group_parts=self.regrouper.last_parts,
+                            since_announce_s=round(time.time() - g.time, 3), error=why)
+        return done
+
+    def after(self, done: int) -> None:
+        """The evaluation and checkpoint due after ``done`` steps, each once (a regroup can
+        bring the loop back to a step boundary it has passed)."""
+        cfg = self.cfg
+        if (done == 0 or done % cfg.eval_every == 0 or done == cfg.steps) \
+                and ("eval", done) not in self.done_at:
+            self.evaluate(done)
+            self.done_at.add(("eval", done))
         if (done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at) \
-                and done > 0 and done not in ckpts_done:
-            save_checkpoint(run_dir, done, rank, cfg, model, opt, events)
-            ckpts_done.add(done)
+                and done > 0 and ("ckpt", done) not in self.done_at:
+            self.checkpoint(done)
+            self.done_at.add(("ckpt", done))
 
+    def restart_due(self, step: int) -> bool:
+        """Whether an S3/S4 decision starts at ``step`` and takes a restart. In a job that
+        regroups in place it is announced here instead (rank 0) and PlannedRegroup raised on
+        every rank, so that the loop regroups."""
+        due = self.work.restart_due(step)
+        if due is None:
+            return False
+        hosts = self.work.planned_hosts(due) if self.regrouper is not None else None
+        if hosts is None:
+            return True
+        from stalwart.mitigate.decisions import KIND_NAMES
+        from stalwart.mitigate.regroup import PlannedRegroup
+
+        if self.rank == 0:
+            self.regrouper.plan(hosts, step, self.work.basis(due))
+        raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step {step}, "
+                             f"hosts {hosts}")
+
+    def leave(self) -> int:
+        """Left out by a planned regroup (S4): exit without the job's collectives."""
+        from stalwart.mitigate import LEFT_EXIT
+
+        self.regrouper.close()
+        self.metrics.close()
+        self.events.close()
+        return LEFT_EXIT
+
+    def finish(self, code: int) -> int:
+        for part in (self.monitor, self.work, self.opt, self.regrouper):
+            if hasattr(part, "close"):
+                part.close()
+        dist.barrier()
+        if self.rank == 0 and not self.launched and code == 0:
+            self.events.log("run_finished", ok=True)
+            from stalwart.report import build_report
+
+            build_report(self.run_dir)
+        self.metrics.close()
+        self.events.close()
+        dist.destroy_process_group()
+        return code
+
+
+def train(cfg: RunConfig) -> int:
+    """The rank loop: each step's share of the work, its forward/backward and optimizer step,
+    its measurements to the metrics, the monitor and the plan; evaluations and checkpoints.
+    In a job that regroups in place a failed collective (a rank lost) or a planned change
+    (S3/S4) rebuilds the rank's groups and the loop goes on at the agreed step: at most the
+    step in flight is redone (``Rank.regroup``)."""
+    from stalwart.mitigate import RESTART_EXIT
+    from stalwart.mitigate.regroup import NotAMember, is_comm_error
+
+    r = Rank.start(cfg)
+    start = r.resume()
+    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
+    applied = start  # optimizer steps applied: the next step to run
     if start > 0:  # what the resumed checkpoint already holds is not redone
-        evals_done.add(start)
-        ckpts_done.add(start)
+        r.done_at.update({("eval", start), ("ckpt", start)})
     while True:
         try:
-            after_step(applied)
+            r.after(applied)
             if applied >= stop:
                 break
-            if not run_step(applied):
-                return finish(RESTART_EXIT)
+            step = applied
+            t0 = time.perf_counter()
+            r.set_lr(step)
+            share = r.work.assign(step)  # which of the step's micro-batches this rank computes
+            if r.restart_due(step):  # S3/S4 (in place, they raise PlannedRegroup)
+                r.checkpoint(step)
+                return r.finish(RESTART_EXIT)
+            rec, fb = r.train_step(step, share, t0)
+            applied = step + 1
+            r.record(step, rec, fb)
         except Exception as e:  # noqa: BLE001 -- only a failed collective is handled here
-            if regrouper is None or not _comm_failure(e, regrouper):
+            if r.regrouper is None or not (r.regrouper.changed() or is_comm_error(e)):
                 raise
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
             del e  # its traceback holds the failed step's graph, and with it the old DDP
             try:
-                applied, rank, world, host, monitor, work, stepper = _regroup(
-                    cfg, regrouper, dplan.backend, model, opt, stepper, monitor, work,
-                    make_monitor, run_dir, n_params, device, applied, events, why)
+                applied = r.regroup(applied, why)
             except NotAMember:  # left out by the plan (S4): its host is probed from outside
-                regrouper.close()
-                metrics.close()
-                events.close()
-                return LEFT_EXIT
-            data_rank, data_parts = rank, world
-    if cfg.halt_at is not None and rank == 0:
-        events.log("halted", step=cfg.halt_at)
-    return finish(0)
-
-
-def _comm_failure(e: BaseException, regrouper: Any) -> bool:
-    """A collective that failed because the membership changed (or may have: the launcher's
-    word is awaited in ``regroup``)."""
-    from stalwart.mitigate.regroup import is_comm_error
-
-    return regrouper.changed() or is_comm_error(e)
-
-
-def _regroup(cfg: RunConfig, regrouper: Any, backend: str, model: nn.Module, opt: Any,
-             stepper: Any, monitor: Any, work: Any, make_monitor: Any, run_dir: Path,
-             n_params: int, device: torch.device, applied: int, events: EventLog,
-             why: str) -> tuple[Any, ...]:
-    """Rebuild this rank's distributed state for the next generation, in place: process
-    groups, the model's state agreed, DDP, monitor, work plan (same global batch over fewer
-    ranks). Returns (steps applied -- the step to run next, agreed by every rank --, rank,
-    world, host, monitor, work, stepper)."""
-    from stalwart.mitigate import work_plan
-    from stalwart.mitigate.regroup import agree_state
-
-    t0 = time.monotonic()
-    parts: dict[str, float] = {}
-    opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
-    stepper.close()
-    for name, part in (("monitor_close", monitor), ("plan_close", work)):
-        with contextlib.suppress(Exception):  # pending exchanges failed with the old groups
-            if part is not None:
-                part.close()
-        parts[name] = time.monotonic() - t0
-    del stepper, monitor, work
-    try:
-        g = regrouper.regroup(backend)
-    except TimeoutError as t:  # not a lost peer: the original failure is the news
-        raise RuntimeError(f"{why} ({t})") from None
-    parts["groups"] = time.monotonic() - t0
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg.nproc, cfg.hosts = world, list(g.hosts)
-    done, src = agree_state(model, opt, applied)
-    parts["state"] = time.monotonic() - t0
-    monitor = make_monitor(rank, world)
-    parts["monitor"] = time.monotonic() - t0
-    stepper = DataParallelStep(model, device)
-    parts["ddp"] = time.monotonic() - t0
-    regroup_s = time.monotonic() - t0
-    work = work_plan(cfg, monitor, rank, world, run_dir, n_params, max(regroup_s, 0.1))
-    if g.planned and hasattr(work, "measure_from"):
-        work.measure_from(g.basis, done + 2)  # its first steps warm up (gloo buffers)
-    if rank == 0:
-        events.log("regroup", step=done, generation=g.gen, world=world,
-                   members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
-                   state_from=src, regroup_s=round(regroup_s, 3),
-                   planned=g.planned,
-                   # cumulative seconds at the end of each part
-                   parts={k: round(v, 3) for k, v in parts.items()},
-                   group_parts=regrouper.last_parts,
-                   since_announce_s=round(time.time() - g.time, 3), error=why)
-    return done, rank, world, cfg.hosts[rank], monitor, work, stepper
+                return r.leave()
+    if cfg.halt_at is not None and r.rank == 0:
+        r.events.log("halted", step=cfg.halt_at)
+    return r.finish(0)
 
 
 def main(argv: list[str] | None = None) -> int:
