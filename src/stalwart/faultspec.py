@@ -7,11 +7,14 @@ Kinds (each realised by a kernel mechanism, see docs/testbed.md)::
     link:host=H,rate=RATE           host H's link shaped to RATE     (tc tbf, both directions)
     pairlink:hosts=A-B,rate=RATE    only A<->B traffic shaped        (tc htb + u32 filters)
     loss:host=H|all,p=P             incoming packets dropped w.p. P  (nftables numgen, input hook)
+    kill:rank=R,at=STEP|SECONDSs    rank R's process is killed       (SIGKILL to its process group)
 
-Every kind takes ``start`` and ``end`` (end exclusive; default: the whole run), each either a
-step (``start=20``) or seconds since the ranks were started (``start=10s``, ``end=42.5s``): a
-user's own script has no step counter stalwart can read unless the monitor counts its
-iterations (``--detect``), but the launcher always knows the time.
+A kill is one event, not a window: ``at`` is the step (or ``at=12.5s``) it happens at, and the
+rank stays dead. Every other kind takes ``start`` and ``end`` (end exclusive; default: the
+whole run), each either a step (``start=20``) or seconds since the ranks were started
+(``start=10s``, ``end=42.5s``): a user's own script has no step counter stalwart can read
+unless the monitor counts its iterations (``--detect``), but the launcher always knows the
+time.
 
 ``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` hosts
 of the given kind; anything else raises ``ConfigError`` with one line naming the bad value.
@@ -27,7 +30,7 @@ from typing import Any
 from stalwart.errors import ConfigError
 
 TESTBEDS = ("local", "netns")
-FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss")
+FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss", "kill")
 
 NETNS_ONLY = ("link", "pairlink", "loss")
 MAX_FACTOR = 100.0  # cgroup v1 refuses quotas below 1 ms of a 100 ms period
@@ -39,6 +42,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional)
     "link": ({"host", "rate"}, set()),
     "pairlink": ({"hosts", "rate"}, set()),
     "loss": ({"host", "p"}, set()),
+    "kill": ({"rank", "at"}, set()),
 }
 _WINDOW = {"start", "end"}
 _SECONDS_RE = re.compile(r"^(\d+(?:\.\d+)?)s$")
@@ -58,7 +62,7 @@ class Fault:
     # given in steps or in seconds, and a bound not given is open (start 0, no end)
     start_s: float | None = None
     end_s: float | None = None
-    rank: int | None = None  # compute, contention
+    rank: int | None = None  # compute, contention, kill
     hosts: tuple[int, ...] = ()  # link (1), pairlink (2), loss (1 or all)
     factor: float = 1.0  # compute
     procs: int = 0  # contention
@@ -84,11 +88,11 @@ class Fault:
     def magnitude(self) -> float:
         return {"compute": self.factor, "contention": float(self.procs),
                 "link": float(self.rate_bps), "pairlink": float(self.rate_bps),
-                "loss": self.p}[self.kind]
+                "loss": self.p, "kill": 1.0}[self.kind]
 
     @property
     def target(self) -> str:
-        if self.kind in ("compute", "contention"):
+        if self.kind in ("compute", "contention", "kill"):
             return f"rank{self.rank}"
         if self.kind == "pairlink":
             return f"hosts{self.hosts[0]}-{self.hosts[1]}"
@@ -192,7 +196,7 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
             raise ConfigError(f"parameter {key!r} given twice in fault {spec!r}")
         kv[key] = value
     required, optional = _KEYS[kind]
-    allowed = required | optional | _WINDOW
+    allowed = required | optional | (set() if kind == "kill" else _WINDOW)
     for key in kv:
         if key not in allowed:
             raise ConfigError(f"unknown parameter {key!r} for fault kind {kind!r} in {spec!r} "
@@ -201,6 +205,12 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
         if key not in kv:
             raise ConfigError(f"fault {spec!r} is missing {key}=...")
 
+    if kind == "kill":  # one moment: the window's start, never an end
+        at, at_s = _bound("at", kv["at"], spec)
+        if at is not None and at < 0:
+            raise ConfigError(f"at={at} must be >= 0 in fault {spec!r}")
+        return Fault(kind=kind, spec=spec.strip(), start=at or 0, start_s=at_s,
+                     rank=_index("rank", kv["rank"], nproc, spec))
     start, start_s = _bound("start", kv.get("start"), spec)
     end, end_s = _bound("end", kv.get("end"), spec)
     start = start or 0

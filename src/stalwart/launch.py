@@ -9,7 +9,10 @@ What it guarantees:
   under torchrun for multi-node jobs, and a user's torchrun script (``--script``, script.py)
   runs here unchanged;
 - if one rank dies, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
-  the launcher returns non-zero naming the rank and the last line of its error; nothing hangs;
+  the launcher returns non-zero naming the rank and the last line of its error; nothing hangs.
+  Except in a job that regroups in place (``--mitigate auto``, data parallel, reliable comm:
+  mitigate/membership.py): there the launcher logs ``rank_lost``, announces a new membership
+  generation without the rank, and the survivors carry on (mitigate/regroup.py);
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
 - the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
-from stalwart.mitigate import RESTART_EXIT
+from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
@@ -121,7 +124,7 @@ def culprit(procs: dict[int, subprocess.Popen], raised: Callable[[], dict[int, d
     (``raised()``: script runs) counts as failed even while it is still exiting."""
     def seen() -> list[tuple[int, int]]:
         return [(r, p.returncode) for r, p in procs.items()
-                if p.poll() not in (None, 0, RESTART_EXIT)]
+                if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
 
     failed = seen()
     if not failed:
@@ -189,9 +192,10 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
             tb.on_time(0.0)
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
+                members = _announcer(cfg, run_dir, module)
                 procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation)
                 rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step,
-                                restart_t0, clock0)
+                                restart_t0, clock0, members)
                 if rc != RESTART_EXIT:
                     break
                 # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
@@ -297,18 +301,71 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
     return new, int(req.get("step", 0))
 
 
+def _announcer(cfg: RunConfig, run_dir: Path, module: str) -> Any:
+    """The membership record of a job that regroups in place (mitigate/membership.py)."""
+    from stalwart.mitigate.membership import Announcer, in_place_ok
+
+    if module != "stalwart.train.worker" or cfg.nproc < 2 or not in_place_ok(cfg):
+        return None
+    return Announcer(run_dir, list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc)))
+
+
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
                progress: Progress, events: EventLog, say: Callable[[str], None],
                first_step: int = 0, restart_t0: float | None = None,
-               clock0: float | None = None) -> int:
+               clock0: float | None = None, members: Any = None) -> int:
     tb.on_step(first_step)  # type: ignore[attr-defined]
     probe = _start_probe(cfg, tb, run_dir)
+    probes = [probe] if probe is not None else []  # and those _watch starts
     try:
         return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
-                      probe, time.monotonic() if clock0 is None else clock0)
+                      probe, time.monotonic() if clock0 is None else clock0, members, probes)
     finally:
-        if probe is not None:
-            probe.close()
+        for p in probes:
+            p.close()
+
+
+def _lose(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen], members: Any,
+          run_dir: Path, events: EventLog, say: Callable[[str], None], step: int) -> bool:
+    """Ranks died in a job that regroups in place: log each (``rank_lost``), drop it, and
+    announce the next generation to the survivors. False (the job stops as before) when no
+    rank is left running, or a rank exited 2 (bad input: every rank would hit it)."""
+    alive = [r for r, p in procs.items() if p.poll() is None]
+    if not alive or any(code == 2 for _, code in failed):
+        return False
+    for r, code in failed:
+        # a signal leaves no error of the rank's own (its last line is whatever came before)
+        why = _last_error_line(run_dir / LOGS / f"rank-{r}.log") if code > 0 else ""
+        host = members.current.hosts[members.current.alive.index(r)]
+        events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
+                   world_after=len(alive))
+        say(f"stalwart: rank {r} (host {host}) lost ({_describe_exit(code)}); the other "
+            f"{len(alive)} regroup in place")
+        del procs[r]
+    members.lose([r for r, _ in failed], step)
+    return True
+
+
+def _left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Path,
+          events: EventLog, say: Callable[[str], None], step: int) -> Any:
+    """Ranks that an in-place regroup left out (S4) exited: log each (``rank_left``) and
+    probe its host for the way back (probe.py); returns the probe (or None)."""
+    from stalwart.mitigate import membership
+    from stalwart.mitigate.probe import HostProbe
+
+    probe = None
+    g = membership.read(run_dir)
+    for r in [r for r, p in procs.items() if p.poll() == LEFT_EXIT]:
+        host = tb.host(r)
+        del procs[r]
+        events.log("rank_left", step=step, rank=r, host=host)
+        say(f"stalwart: rank {r} left; host {host} is out of the job and probed for the way "
+            "back")
+        if g is not None and probe is None and hasattr(tb, "hosts"):
+            probe = HostProbe(tb, host, list(g.hosts), run_dir)
+    if members is not None and g is not None and g.token == members.current.token:
+        members.current = g if g.gen > members.current.gen else members.current
+    return probe
 
 
 def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
@@ -325,7 +382,8 @@ def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
 
 def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
            progress: Progress, events: EventLog, say: Callable[[str], None],
-           first_step: int, restart_t0: float | None, probe: Any, clock0: float) -> int:
+           first_step: int, restart_t0: float | None, probe: Any, clock0: float,
+           members: Any = None, probes: list[Any] | None = None) -> int:
     # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
     metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
     events_tail = JsonlTail(run_dir / EVENTS)
@@ -333,6 +391,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
     restart_s: float | None = None
     recent: list[float] = []
     declined_logged = False
+    watch_t0 = time.monotonic()
+    startup_s: float | None = None  # spawn to the first step: what a restart would cost
     while True:
         tb.on_time(time.monotonic() - clock0)
         for m in metrics_tail.poll():
@@ -340,13 +400,23 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             tb.observe(m)
             if m["step"] >= first_step and m.get("rank") == 0:
                 recent = (recent + [float(m["step_time"])])[-20:]
+                if startup_s is None:
+                    startup_s = time.monotonic() - watch_t0
                 if restart_s is None and restart_t0 is not None:
                     restart_s = time.monotonic() - restart_t0  # exit to first step back
             if m["step"] + 1 > next_step:
                 next_step = m["step"] + 1
                 tb.on_step(next_step)
+        if any(p.poll() == LEFT_EXIT for p in procs.values()):
+            got = _left(procs, members, tb, run_dir, events, say, next_step)
+            if got is not None and probes is not None:
+                probes.append(got)  # closed by _supervise
+            if got is not None and probe is None:
+                probe = got
+                restart_s = restart_s or startup_s  # taking it back is a restart
         if probe is not None and recent and restart_s is not None and probe.request_restore(
-                cfg.steps - next_step, sorted(recent)[len(recent) // 2], cfg.nproc, restart_s):
+                cfg.steps - next_step, sorted(recent)[len(recent) // 2], len(procs),
+                restart_s):
             say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take it back")
         if probe is not None and probe.declined and not declined_logged:
             declined_logged = True
@@ -354,7 +424,14 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
                        reason=probe.declined)
         for e in events_tail.poll():
             progress.on_event(e)
+            if e.get("event") == "regroup" and hasattr(tb, "regrouped"):
+                tb.regrouped(list(e.get("hosts") or []))  # traffic counted per membership
         progress.refresh()
+        failed = [(r, p.returncode) for r, p in procs.items()
+                  if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
+        if failed and members is not None and _lose(failed, procs, members, run_dir, events,
+                                                    say, next_step):
+            continue  # the survivors regroup in place
         blamed = culprit(procs, lambda: first_errors(run_dir) if cfg.script else {})
         if blamed is not None:
             # name the likely cause, not the first rank seen dead (culprit)

@@ -21,17 +21,20 @@ if TYPE_CHECKING:
 
 # files of the run directory the launcher and rank 0 exchange (rebalance.py)
 RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
+LEFT_EXIT = 76  # a rank an in-place regroup left out (S4 without its host): not a failure
 RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
 CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
 
-__all__ = ["CONTROL_FILE", "RESTART_EXIT", "RESTART_FILE", "Assignment", "Rebalancer",
+__all__ = ["CONTROL_FILE", "LEFT_EXIT", "RESTART_EXIT", "RESTART_FILE", "Assignment", "Rebalancer",
            "StaticPlan", "work_plan"]
 
 
 def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
-              n_params: int = 0) -> Rebalancer | StaticPlan:
+              n_params: int = 0, regroup_s: float | None = None) -> Rebalancer | StaticPlan:
     """The worker's seam: which micro-batches each rank computes, per the run's --mitigate.
-    ``n_params``: the model's parameters per rank (sizes the traffic that S3 re-maps)."""
+    ``n_params``: the model's parameters per rank (sizes the traffic that S3 re-maps).
+    ``regroup_s``: S3/S4's price when they regroup in place (mitigate/regroup.py) instead of
+    restarting; None: a restart's, measured."""
     from stalwart.mitigate.rebalance import Rebalancer, StaticPlan  # torch: only in a rank
 
     micro = cfg.global_micro_batches()
@@ -46,7 +49,8 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
                       every=pc.every, run_dir=run_dir, hosts=cfg.hosts, traffic=traffic,
                       policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
-                              "revert_windows": pc.revert_windows})
+                              "revert_windows": pc.revert_windows},
+                      restart_s=regroup_s, in_place=regroup_s is not None)
 
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:

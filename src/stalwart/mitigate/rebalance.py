@@ -59,6 +59,9 @@ from stalwart.mitigate.agreement import (
 from stalwart.mitigate.policy import Policy
 
 MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
+# steps the detector is blind after an in-place regroup (its monitor is made again: warm-up
+# and a new baseline, detect/): part of what S3/S4 in place cost, besides the regroup itself
+REWARM_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,9 @@ class Rebalancer:
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
                  traffic: dict[tuple[int, int], float] | None = None,
-                 policy: dict[str, Any] | None = None) -> None:
-        """``policy``: the policy's settings (min_gain, replan_gain, revert_windows)."""
+                 policy: dict[str, Any] | None = None, in_place: bool = False) -> None:
+        """``policy``: the policy's settings (min_gain, replan_gain, revert_windows).
+        ``in_place``: S3/S4 regroup in place (their price is ``restart_s`` as given)."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -100,6 +104,10 @@ class Rebalancer:
         self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
         self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every,
                              **(policy or {})) if self.rank == 0 else None
+        # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
+        # not this process's start-up
+        self.in_place = in_place
+        self._regroup_s = restart_s or 0.0
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
         if self.policy is not None:
@@ -139,6 +147,28 @@ class Rebalancer:
         """A restart decision whose start step has come (call after ``assign``)."""
         return self._restart
 
+    def planned_hosts(self, dec: Decision) -> list[int] | None:
+        """The rank -> host map an S4 exclusion or an S3 re-map asks for, on every rank
+        (an in-place regroup needs it everywhere, not in rank 0's restart.json); None for a
+        restore (the excluded host's process is gone: that takes a restart)."""
+        if dec.kind == EXCLUDE:
+            return [h for h in self.hosts if h != dec.target]
+        if dec.kind == REMAP and len(dec.counts) == len(self.hosts):
+            return list(dec.counts)  # rank 0 sent the new map in the counts' slots
+        return None
+
+    def basis(self, dec: Decision) -> dict[str, Any]:
+        """Rank 0: what a planned regroup's gain is measured against (``measure_from``)."""
+        return {"strategy": dec.name, "predicted_gain": dec.predicted_gain,
+                "step_time_before": self._recent_step_time()}
+
+    def measure_from(self, basis: dict[str, Any] | None, start: int) -> None:
+        """Rank 0 after a planned regroup: measure its gain like a plan switch's (the first
+        steps after it warm up: from ``start``)."""
+        if self.rank == 0 and basis and basis.get("step_time_before"):
+            self._measure = (str(basis["strategy"]), 0, float(basis["predicted_gain"]),
+                             float(basis["step_time_before"]), start)
+
     def normalised(self, compute_s: float) -> float:
         """This step's compute time as if the plan were uniform: what a detector should see
         (a rebalanced straggler computes less per step, but is no faster per micro-batch)."""
@@ -151,9 +181,12 @@ class Rebalancer:
         self._win_step += step_s
         self._win_steps += 1
         if self.rank == 0:
-            if not self._step_times and self.policy is not None:
+            if not self._step_times and self.policy is not None and not self.in_place:
                 # a restart's price: what this incarnation took to reach its first step
                 self.policy.restart_s = _process_age()
+            if self.in_place and self.policy is not None and self.policy.healthy_step_s:
+                self.policy.restart_s = (self._regroup_s
+                                         + REWARM_STEPS * self.policy.healthy_step_s)
             self._step_times.append((step, step_s))
             self._step_times = self._step_times[-64:]
             self._check_measure(step)
@@ -192,6 +225,8 @@ class Rebalancer:
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:
             dec.target = self.hosts[dec.target]  # the rank's host
+        if dec is not None and dec.kind == REMAP and self.in_place and self.tp == 1:
+            dec.counts = list(dec.hosts)  # one host per rank = per group: it fits the message
         return dec
 
     def _control(self, start: int) -> Decision | None:

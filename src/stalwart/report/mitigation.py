@@ -9,7 +9,9 @@ Records (written by stalwart.mitigate and the launcher; see docs/mitigate.md):
   "restore_host", plan, version, predicted_gain, reason, target, decided_step),
   ``mitigation_reverted`` (step, strategy, version, reason), ``mitigation_measured`` (step,
   version, strategy, predicted_gain, measured_gain, step_time_before, step_time_after) and
-  ``restart`` (step, nproc, hosts, reason).
+  ``restart`` (step, nproc, hosts, reason); ``rank_lost`` (launcher: step, rank, host,
+  exit_code, error) and ``regroup`` (the new rank 0: step, generation, world, members, hosts,
+  lost, regroup_s) for a rank that died in a job that regroups in place.
 
 A run without any of these has no mitigation: every function here then returns an empty result
 and the report looks as it did before mitigation existed.
@@ -25,8 +27,9 @@ from typing import Any
 from stalwart.rundir import RunData
 
 MITIGATION_EVENTS = ("mitigation_applied", "mitigation_reverted", "mitigation_measured",
-                     "restart", "host_probe")
-ACTIONS = ("mitigation_applied", "mitigation_reverted", "restart")
+                     "restart", "host_probe", "rank_lost", "regroup")
+ACTIONS = ("mitigation_applied", "mitigation_reverted", "restart", "regroup")
+AROUND = 10  # steps before a lost rank and after its regroup whose step time the table shows
 
 
 def has_mitigation(run: RunData) -> bool:
@@ -79,6 +82,8 @@ def actions(run: RunData) -> list[Action]:
             host_steps.add(step)
         elif ev == "mitigation_reverted":
             out.append(Action(step, "revert", f"v{version} uniform"))
+        elif ev == "regroup":
+            out.append(Action(step, "host", f"regroup on {e.get('world', '?')} ranks"))
     for e in run.events_of("restart"):
         step = e.get("step")
         if isinstance(step, int) and step not in host_steps:
@@ -147,9 +152,12 @@ def summary_row(run: RunData) -> str | None:
                     (strategies.count("exclude_host"), "host exclusion"),
                     (strategies.count("restore_host"), "host restore"),
                     (len(run.events_of("mitigation_reverted")), "revert"),
-                    (len(run.events_of("restart")), "restart")):
+                    (len(run.events_of("restart")), "restart"),
+                    (len(run.events_of("rank_lost")), "rank lost"),
+                    (len(run.events_of("regroup")), "in-place regroup")):
         if n:
-            parts.append(f"{n} {what}{'s' if n > 1 else ''}")
+            plural = ("ranks lost" if what == "rank lost" else f"{what}s") if n > 1 else what
+            parts.append(f"{n} {plural}")
     gains = [float(e["measured_gain"]) for e in run.events_of("mitigation_measured")
              if e.get("strategy") != "revert" and isinstance(e.get("measured_gain"), int | float)]
     text = ", ".join(parts) or "no action"
@@ -173,6 +181,38 @@ def _plan(e: dict[str, Any]) -> str:
     return f"hosts {text}" if host_list else text
 
 
+def step_time_around(run: RunData, lost_step: int, back_step: int) -> tuple[float | None,
+                                                                            float | None]:
+    """Median step time (the slowest rank's, per step) over the ``AROUND`` steps before a
+    rank was lost and the ``AROUND`` steps after the regroup's first one (which warms up)."""
+    per: dict[int, float] = {}
+    for m in run.metrics:
+        s, t = m.get("step"), m.get("step_time")
+        if isinstance(s, int) and isinstance(t, int | float):
+            per[s] = max(per.get(s, 0.0), float(t))
+
+    def med(steps: range) -> float | None:
+        xs = sorted(per[s] for s in steps if s in per)
+        return xs[len(xs) // 2] if xs else None
+
+    return (med(range(lost_step - AROUND, lost_step)),
+            med(range(back_step + 1, back_step + 1 + AROUND)))
+
+
+def _regroup_cells(run: RunData, e: dict[str, Any]) -> tuple[str, str, str]:
+    """(plan, target, measured) cells of a rank_lost / regroup row."""
+    if e["event"] == "rank_lost":
+        return "", f"rank {e.get('rank')} (host {e.get('host')})", ""
+    lost = [x.get("step") for x in run.events_of("rank_lost")
+            if isinstance(x.get("step"), int) and x["step"] <= e.get("step", 0) + 1]
+    before, after = step_time_around(run, max(lost) if lost else e["step"], e["step"])
+    measured = f"regroup {e.get('regroup_s', '?')} s"
+    if before is not None and after is not None:
+        measured += f" ({before * 1000:.0f} &rarr; {after * 1000:.0f} ms/step)"
+    hosts = e.get("hosts") or []
+    return ("hosts [" + " ".join(map(str, hosts)) + "]", f"without {e.get('lost')}", measured)
+
+
 def table_html(run: RunData) -> str:
     """The mitigation events as an HTML table ("" when the run has none)."""
     events = run.events_of(*MITIGATION_EVENTS)
@@ -189,6 +229,15 @@ def table_html(run: RunData) -> str:
             if isinstance(before, int | float) and isinstance(after, int | float):
                 measured += f" ({before * 1000:.0f} &rarr; {after * 1000:.0f} ms/step)"
         version = f" v{e['version']}" if e.get("version") is not None else ""
+        if e["event"] in ("rank_lost", "regroup"):
+            plan, target, measured = _regroup_cells(run, e)
+            reason = e.get("error", "") if e["event"] == "rank_lost" else (
+                f"generation {e.get('generation')}: {e.get('world')} ranks, same global batch")
+            rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in (
+                html.escape(str(e.get("step", ""))), "", html.escape(e["event"]),
+                "in place" if e["event"] == "regroup" else "", html.escape(plan),
+                html.escape(target), "", measured, html.escape(str(reason or "")))) + "</tr>")
+            continue
         cells = [
             html.escape(str(e.get("step", ""))), html.escape(str(e.get("decided_step", ""))),
             html.escape(e["event"].removeprefix("mitigation_")),

@@ -18,6 +18,10 @@ the explicit rank (compute, contention) or hosts (link, pairlink, loss). Faults 
 ``close()`` are removed and logged with ``at_close: true``. A CPU fault whose rank has no pid
 yet is applied (and logged) by ``attach_ranks``.
 
+A kill fault (``kill:rank=R,at=...``) is one moment, not a window: when it comes due and the
+rank's process is known, its process group gets SIGKILL and ``fault_applied`` is logged with
+the pid; it is never removed (the process stays dead), and never applied twice.
+
 CPU budget: when CPU faults are scheduled (or ``--cpu-cap fair``) every host is held at its
 fair share of the cores from ``attach_ranks`` on (logged once as ``testbed_cpu_cap``), so a
 compute fault of F slows its rank by about F; ``fault_removed`` of a CPU fault carries the
@@ -26,8 +30,10 @@ compute fault of F slows its rank by about F; ``fault_removed`` of a CPU fault c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import statistics
 from collections.abc import Mapping
 from typing import Any
@@ -84,6 +90,7 @@ class Testbed:
         # passes to observe()): the achieved slowdown of a CPU fault, logged at its removal
         self._unit: dict[int, dict[int, float]] = {}
         self._applied_at: dict[Fault, int] = {}
+        self._killed: set[Fault] = set()
 
     # -- placement (contract) --------------------------------------------------------------
     def command_prefix(self, rank: int) -> list[str]:
@@ -124,8 +131,10 @@ class Testbed:
         rank = int(metric["rank"])
         if rank >= len(self._host_of):
             return
+        # after an in-place regroup ranks are renumbered; the line's own host is the truth
+        host = int(metric["host"]) if "host" in metric else self.host(rank)
         per = float(metric["compute_time"]) / max(int(metric.get("micro_batches", 1)), 1)
-        self._unit.setdefault(self.host(rank), {})[int(metric["step"])] = per
+        self._unit.setdefault(host, {})[int(metric["step"])] = per
 
     def achieved_factor(self, host: int, lo: int, hi: int) -> float | None:
         """Median over steps lo+2 .. hi-1 of the host's compute per micro-batch over its
@@ -144,8 +153,10 @@ class Testbed:
         if self._closed:
             return
         self._step = next_step
-        self._active = {f for f in self.faults if f.active_at(next_step, self._elapsed)}
+        self._active = {f for f in self.faults
+                        if f.kind != "kill" and f.active_at(next_step, self._elapsed)}
         self._reconcile(next_step)
+        self._kill_due()
 
     def on_time(self, elapsed: float) -> None:
         """Seconds since the ranks were first started (launcher, every poll): faults whose
@@ -153,10 +164,27 @@ class Testbed:
         if self._closed:
             return
         self._elapsed = elapsed
-        active = {f for f in self.faults if f.active_at(self._step, elapsed)}
+        active = {f for f in self.faults
+                  if f.kind != "kill" and f.active_at(self._step, elapsed)}
         if active != self._active:
             self._active = active
             self._reconcile(self._step)
+        self._kill_due()
+
+    def _kill_due(self) -> None:
+        """SIGKILL the process group of each rank whose kill fault is due (once)."""
+        for f in self.faults:
+            if f.kind != "kill" or f in self._killed or not f.active_at(self._step,
+                                                                        self._elapsed):
+                continue
+            pid = self._pids.get(f.rank)  # type: ignore[arg-type]
+            if pid is None:
+                continue
+            self._killed.add(f)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # the rank is its session's leader (launch)
+            self._log("fault_applied", f, self._step, f"SIGKILL to process group {pid}",
+                      False, pid=pid)
 
     def _reconcile(self, step: int, at_close: bool = False) -> None:
         desired = {f for f in self._active if f.kind not in CPU_KINDS or f.rank in self._pids}
@@ -299,6 +327,7 @@ class NetnsTestbed(Testbed):
         self._count = shutil.which("nft") is not None
         self._snap: tuple[int, dict[tuple[int, int], int]] | None = None
         self._inc_start = 0
+        self._seg_hosts: list[int] | None = None  # the ranks' hosts after a regroup in place
         if self._count:
             traffic.start(self.hosts)
 
@@ -308,6 +337,13 @@ class NetnsTestbed(Testbed):
         if self._count and self._snap is None and next_step >= self._inc_start + 5 \
                 and not self._closed:
             self._snap = (next_step, traffic.read(self.hosts))
+
+    def regrouped(self, hosts: list[int]) -> None:
+        """The ranks regrouped in place on ``hosts`` (rank -> host): the traffic so far is
+        logged as one segment, and counting starts again (as at a restart)."""
+        self._log_traffic()
+        self._inc_start = self._step
+        self._seg_hosts = list(hosts)
 
     def _log_traffic(self) -> None:
         """Bytes per step between each pair of hosts since the snapshot (ground truth)."""
@@ -321,7 +357,8 @@ class NetnsTestbed(Testbed):
         now = traffic.read(self.hosts)
         pairs = traffic.per_pair({k: n - before.get(k, 0) for k, n in now.items()})
         self.events.log("testbed_traffic", step=self._step, from_step=step0,
-                        to_step=self._step, hosts=list(self._host_of),
+                        to_step=self._step,
+                        hosts=list(self._seg_hosts or self._host_of),
                         bytes_per_step={f"{a}-{b}": round(n / steps)
                                         for (a, b), n in sorted(pairs.items())})
 
@@ -331,6 +368,7 @@ class NetnsTestbed(Testbed):
     def set_hosts(self, hosts: list[int] | None) -> None:
         self._log_traffic()  # the incarnation that ended
         self._inc_start = self._step
+        self._seg_hosts = None
         super().set_hosts(hosts)
         self.master_addr = self.hosts.addr(self.host(0))
 

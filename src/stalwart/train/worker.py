@@ -42,6 +42,10 @@ from stalwart.train import checkpoint as ckpt
 from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
 
+# S3/S4's price while no in-place regroup has been measured yet in this job: 0.6-0.9 s
+# measured on the netns testbed (4 ranks on 2 cores), rounded up
+REGROUP_PRICE_S = 1.0
+
 
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
@@ -70,9 +74,14 @@ class LocalComputeClock:
         self._seen = -1
         if self.cuda:
             self._ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        for i, p in enumerate(model.parameters()):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._mark(i))
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._mark(i))
+                       for i, p in enumerate(model.parameters()) if p.requires_grad]
+
+    def close(self) -> None:
+        """Remove the hooks (a regroup wraps the same model again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def _mark(self, i: int) -> None:
         self.last = time.perf_counter()
@@ -110,6 +119,14 @@ class DataParallelStep:
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def close(self) -> None:
+        """Let go of the DDP wrapper and the clock's hooks; the model stays as it is."""
+        self.clock.close()
+        # the reducer's hooks on the parameters would otherwise fire (on the old process
+        # group) until a garbage collection frees it -- and a full collection costs ~0.5 s
+        self.ddp._remove_autograd_hooks()
+        del self.ddp
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                          micro_weight: float) -> tuple[float, dict[str, float]]:
@@ -293,6 +310,9 @@ class Rank:
     data_rank: int = 0
     data_parts: int = 1
     lr: float = 0.0  # this step's learning rate
+    regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
+    n_params: int = 0
+    done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Rank:
@@ -331,23 +351,28 @@ class Rank:
     def model_cfg(self) -> Any:
         return PRESETS[self.cfg.preset]["model"]
 
+    def _make_monitor(self) -> Any:
+        cfg = self.cfg
+        if not cfg.detect:
+            return None
+        from stalwart.detect import Monitor
+
+        d = cfg.detection
+        lossy = cfg.comm == "lossy"
+        # no DDP tracking: every step's hint carries its compute and comm times, so the
+        # tracker would record nothing, and its Python comm hook would still take DDP off
+        # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        return Monitor(
+            run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
+            # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+            check_every=d.lossy_check_every if lossy else None,
+            lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
+            persist=d.persist, history=d.history, compute_reps=d.compute_reps,
+            link_bytes=d.link_bytes, device=self.device)
+
     def _plug_in(self) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
-        if cfg.detect:
-            from stalwart.detect import Monitor
-
-            d = cfg.detection
-            lossy = cfg.comm == "lossy"
-            # no DDP tracking: every step's hint carries its compute and comm times, so the
-            # tracker would record nothing, and its Python comm hook would still take DDP off
-            # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
-            self.monitor = Monitor(
-                run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
-                # lossy: the monitor's gloo ops must not pace the job (monitor.py)
-                check_every=d.lossy_check_every if lossy else None,
-                lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
-                persist=d.persist, history=d.history, compute_reps=d.compute_reps,
-                link_bytes=d.link_bytes, device=device)
+        self.monitor = self._make_monitor()
         torch.manual_seed(cfg.seed)
         if cfg.tp > 1:
             tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
@@ -368,8 +393,20 @@ class Rank:
         from stalwart.mitigate import work_plan
 
         with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
-            n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
-        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir, n_params)
+            self.n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+        # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
+        from stalwart.mitigate.membership import in_place_ok
+
+        if self.launched and self.world > 1 and in_place_ok(cfg):
+            from stalwart.mitigate.regroup import Regrouper
+
+            # the first generation's rendezvous store (launch rank 0's TCPStore) is left
+            # alone: a regroup never needs it, and shutting its connections would add errors
+            self.regrouper = Regrouper(self.run_dir, self.rank,
+                                       {int(os.environ.get("MASTER_PORT", "0"))})
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
+                              self.n_params,
+                              REGROUP_PRICE_S if self.regrouper is not None else None)
         self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
             self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
             cfg.seed)]
@@ -451,8 +488,94 @@ class Rank:
         save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
                         self.events)
 
+    def regroup(self, applied: int, why: str) -> int:
+        """Rebuild this rank's distributed state for the next generation, in place: process
+        groups, the model's state agreed, DDP, monitor, work plan (the same global batch over
+        the ranks now in the job). Returns the step to run next, agreed by every rank.
+        Raises NotAMember when the new generation leaves this rank out."""
+        from stalwart.mitigate import work_plan
+        from stalwart.mitigate.regroup import agree_state
+
+        t0 = time.monotonic()
+        cfg, model = self.cfg, self.stepper.model
+        self.opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        self.stepper.close()
+        for part in (self.monitor, self.work):  # their exchanges failed with the old groups
+            with contextlib.suppress(Exception):
+                if part is not None:
+                    part.close()
+        self.monitor = self.work = None
+        try:
+            g = self.regrouper.regroup(self.devices.backend)
+        except TimeoutError as t:  # not a lost peer: the original failure is the news
+            raise RuntimeError(f"{why} ({t})") from None
+        parts = {"groups": time.monotonic() - t0}
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.data_rank, self.data_parts = self.rank, self.world
+        cfg.nproc, cfg.hosts = self.world, list(g.hosts)
+        done, src = agree_state(model, self.opt, applied)
+        parts["state"] = time.monotonic() - t0
+        self.monitor = self._make_monitor()
+        parts["monitor"] = time.monotonic() - t0
+        self.stepper = DataParallelStep(model, self.device)
+        parts["ddp"] = time.monotonic() - t0
+        regroup_s = time.monotonic() - t0
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
+                              self.n_params, max(regroup_s, 0.1))
+        if g.planned and hasattr(self.work, "measure_from"):
+            self.work.measure_from(g.basis, done + 2)  # its first steps warm up
+        if self.rank == 0:
+            self.events.log("regroup", step=done, generation=g.gen, world=self.world,
+                            members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
+                            state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
+                            # cumulative seconds at the end of each part
+                            parts={k: round(v, 3) for k, v in parts.items()},
+                            group_parts=self.regrouper.last_parts,
+                            since_announce_s=round(time.time() - g.time, 3), error=why)
+        return done
+
+    def after(self, done: int) -> None:
+        """The evaluation and checkpoint due after ``done`` steps, each once (a regroup can
+        bring the loop back to a step boundary it has passed)."""
+        cfg = self.cfg
+        if (done == 0 or done % cfg.eval_every == 0 or done == cfg.steps) \
+                and ("eval", done) not in self.done_at:
+            self.evaluate(done)
+            self.done_at.add(("eval", done))
+        if (done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at) \
+                and done > 0 and ("ckpt", done) not in self.done_at:
+            self.checkpoint(done)
+            self.done_at.add(("ckpt", done))
+
+    def restart_due(self, step: int) -> bool:
+        """Whether an S3/S4 decision starts at ``step`` and takes a restart. In a job that
+        regroups in place it is announced here instead (rank 0) and PlannedRegroup raised on
+        every rank, so that the loop regroups."""
+        due = self.work.restart_due(step)
+        if due is None:
+            return False
+        hosts = self.work.planned_hosts(due) if self.regrouper is not None else None
+        if hosts is None:
+            return True
+        from stalwart.mitigate.decisions import KIND_NAMES
+        from stalwart.mitigate.regroup import PlannedRegroup
+
+        if self.rank == 0:
+            self.regrouper.plan(hosts, step, self.work.basis(due))
+        raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step {step}, "
+                             f"hosts {hosts}")
+
+    def leave(self) -> int:
+        """Left out by a planned regroup (S4): exit without the job's collectives."""
+        from stalwart.mitigate import LEFT_EXIT
+
+        self.regrouper.close()
+        self.metrics.close()
+        self.events.close()
+        return LEFT_EXIT
+
     def finish(self, code: int) -> int:
-        for part in (self.monitor, self.work, self.opt):
+        for part in (self.monitor, self.work, self.opt, self.regrouper):
             if hasattr(part, "close"):
                 part.close()
         dist.barrier()
@@ -469,27 +592,43 @@ class Rank:
 
 def train(cfg: RunConfig) -> int:
     """The rank loop: each step's share of the work, its forward/backward and optimizer step,
-    its measurements to the metrics, the monitor and the plan; evaluations and checkpoints."""
+    its measurements to the metrics, the monitor and the plan; evaluations and checkpoints.
+    In a job that regroups in place a failed collective (a rank lost) or a planned change
+    (S3/S4) rebuilds the rank's groups and the loop goes on at the agreed step: at most the
+    step in flight is redone (``Rank.regroup``)."""
     from stalwart.mitigate import RESTART_EXIT
+    from stalwart.mitigate.regroup import NotAMember, is_comm_error
 
     r = Rank.start(cfg)
     start = r.resume()
-    if start == 0:
-        r.evaluate(0)
-    for step in range(start, cfg.halt_at if cfg.halt_at is not None else cfg.steps):
-        t0 = time.perf_counter()
-        r.set_lr(step)
-        share = r.work.assign(step)  # which of the step's micro-batches this rank computes
-        if r.work.restart_due(step) is not None:  # S3/S4: leave for a restart elsewhere
-            r.checkpoint(step)
-            return r.finish(RESTART_EXIT)
-        rec, fb = r.train_step(step, share, t0)
-        r.record(step, rec, fb)
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            r.evaluate(done)
-        if done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at:
-            r.checkpoint(done)
+    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
+    applied = start  # optimizer steps applied: the next step to run
+    if start > 0:  # what the resumed checkpoint already holds is not redone
+        r.done_at.update({("eval", start), ("ckpt", start)})
+    while True:
+        try:
+            r.after(applied)
+            if applied >= stop:
+                break
+            step = applied
+            t0 = time.perf_counter()
+            r.set_lr(step)
+            share = r.work.assign(step)  # which of the step's micro-batches this rank computes
+            if r.restart_due(step):  # S3/S4 (in place, they raise PlannedRegroup)
+                r.checkpoint(step)
+                return r.finish(RESTART_EXIT)
+            rec, fb = r.train_step(step, share, t0)
+            applied = step + 1
+            r.record(step, rec, fb)
+        except Exception as e:  # noqa: BLE001 -- only a failed collective is handled here
+            if r.regrouper is None or not (r.regrouper.changed() or is_comm_error(e)):
+                raise
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+            del e  # its traceback holds the failed step's graph, and with it the old DDP
+            try:
+                applied = r.regroup(applied, why)
+            except NotAMember:  # left out by the plan (S4): its host is probed from outside
+                return r.leave()
     if cfg.halt_at is not None and r.rank == 0:
         r.events.log("halted", step=cfg.halt_at)
     return r.finish(0)

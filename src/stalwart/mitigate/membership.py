@@ -1,0 +1,152 @@
+"""Who is in the job now: the launcher's membership record, read by every rank.
+
+The launcher is the one witness of a rank's death that cannot be wrong or late: it holds the
+rank's process and sees its exit within one poll (0.1 s). When a rank dies in a job that
+regroups in place (``in_place_ok``), the launcher does not stop the others; it writes a new
+*generation* to ``run_dir/membership.json``:
+
+    {"token": "...", "gen": 1, "alive": [0, 1, 2], "hosts": [0, 1, 2], "lost": [3],
+     "step": 60, "time": 1712345678.9}
+
+``alive`` are launch ranks (a rank's number when the job started: its *slot*), ``hosts`` the
+host under each of them. A rank of generation g has the new rank ``alive.index(slot)`` and
+the world ``len(alive)``. The survivors rebuild their process groups on the generation's own
+store file (``store_path``), so nothing from the dead generation -- its TCPStore, which lived
+in launch rank 0, included -- is needed (regroup.py does the rebuilding).
+
+Guarantees: the file is replaced atomically (a reader sees one whole generation); generations
+only grow; ``token`` is new for every launch, so a resumed run in the same directory never
+reads an older launch's store files. Cost: one ``stat`` per poll on the ranks (every 50 ms, in
+a background thread), nothing per step.
+
+Torch-free: the launcher imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.rundir import atomic_write_text
+
+MEMBERSHIP_FILE = "membership.json"
+STORE_DIR = "membership"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership: the launch ranks alive, their hosts, why it changed."""
+
+    token: str
+    gen: int
+    alive: tuple[int, ...]
+    hosts: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    step: int = 0  # the launcher's step count when it changed (informational)
+    time: float = field(default=0.0, compare=False)
+    # decided by the job (S3/S4) at a step every rank reaches by itself: nobody is blocked
+    # on a dead peer, so no connection needs shutting (regroup.py)
+    planned: bool = False
+    # a planned change's basis for measuring its gain afterwards (strategy, predicted_gain,
+    # step_time_before): the new rank 0 may be another process than the one that decided
+    basis: dict[str, Any] | None = field(default=None, compare=False)
+
+    def rank_of(self, slot: int) -> int | None:
+        """The rank of launch rank ``slot`` in this generation (None: not a member)."""
+        return self.alive.index(slot) if slot in self.alive else None
+
+    @property
+    def world(self) -> int:
+        return len(self.alive)
+
+    def to_json(self) -> str:
+        return json.dumps({"token": self.token, "gen": self.gen, "alive": list(self.alive),
+                           "hosts": list(self.hosts), "lost": list(self.lost),
+                           "step": self.step, "time": self.time, "planned": self.planned,
+                           "basis": self.basis})
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Generation:
+        return Generation(str(d["token"]), int(d["gen"]), tuple(int(x) for x in d["alive"]),
+                          tuple(int(x) for x in d["hosts"]), tuple(int(x) for x in d["lost"]),
+                          int(d.get("step", 0)), float(d.get("time", 0.0)),
+                          bool(d.get("planned", False)), d.get("basis"))
+
+
+def in_place_ok(cfg: Any) -> bool:
+    """Whether a job survives a dead rank by regrouping in place: ``--mitigate auto``,
+    data parallel (a tensor-parallel shard dies with its rank), the reliable transport (the
+    lossy owners' sharded state is not re-sharded yet) and stalwart's own worker (a user's
+    script owns its process groups)."""
+    return (cfg.mitigate == "auto" and cfg.tp == 1 and cfg.comm == "reliable"
+            and cfg.script is None)
+
+
+def read(run_dir: Path) -> Generation | None:
+    """The current generation, or None when there is none (the launch's first)."""
+    try:
+        return Generation.from_dict(json.loads((run_dir / MEMBERSHIP_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # never half-written (atomic), so only a foreign file lands here
+
+
+def store_path(run_dir: Path, g: Generation) -> Path:
+    """The file store generation ``g`` rebuilds its process groups on (FileStore)."""
+    return run_dir / STORE_DIR / f"{g.token}-gen{g.gen}.store"
+
+
+def with_hosts(g: Generation, hosts: list[int], step: int,
+               basis: dict[str, Any] | None = None) -> Generation:
+    """The next generation on ``hosts`` (a rank -> host map over some of ``g``'s hosts, in
+    any order): a planned change, S4 (a host left out) or S3 (the same hosts, ranks in
+    another order). Processes stay on their hosts; their ranks follow the map."""
+    slot_of = dict(zip(g.hosts, g.alive, strict=True))
+    missing = [h for h in hosts if h not in slot_of]
+    if missing or len(set(hosts)) != len(hosts) or not hosts:
+        raise ValueError(f"hosts {hosts} are not distinct hosts of generation {g.gen} "
+                         f"({list(g.hosts)})")
+    alive = tuple(slot_of[h] for h in hosts)
+    return Generation(g.token, g.gen + 1, alive, tuple(hosts),
+                      tuple(s for s in g.alive if s not in alive), step, time.time(), True,
+                      basis)
+
+
+def announce(run_dir: Path, g: Generation) -> None:
+    """Make ``g`` the current generation (rank 0 for a planned change; the launcher for a
+    lost rank)."""
+    atomic_write_text(run_dir / MEMBERSHIP_FILE, g.to_json() + "\n")
+
+
+class Announcer:
+    """The launcher's side: generation 0 at launch, one more per lost rank."""
+
+    def __init__(self, run_dir: Path, hosts: list[int]) -> None:
+        self.run_dir = run_dir
+        self.current = Generation(f"{os.getpid()}-{time.time_ns()}", 0,
+                                  tuple(range(len(hosts))), tuple(hosts), (), 0, time.time())
+        shutil.rmtree(run_dir / STORE_DIR, ignore_errors=True)  # an older launch's stores
+        (run_dir / STORE_DIR).mkdir(parents=True, exist_ok=True)
+        self._write()
+
+    def _write(self) -> None:
+        announce(self.run_dir, self.current)
+
+    def lose(self, slots: list[int], step: int) -> Generation:
+        """The next generation without launch ranks ``slots``."""
+        now = read(self.run_dir)  # rank 0 may have made planned changes since
+        if now is not None and now.token == self.current.token and now.gen > self.current.gen:
+            self.current = now
+        cur = self.current
+        keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s not in slots]
+        self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
+                                  tuple(h for _, h in keep), tuple(sorted(slots)), step,
+                                  time.time())
+        self._write()
+        return self.current

@@ -1,0 +1,83 @@
+"""The membership record, the kill fault's grammar and the socket shutdown that wakes a rank
+blocked in a collective (no processes of stalwart's: quick)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from stalwart.config import ConfigError, RunConfig
+from stalwart.mitigate import membership
+from stalwart.mitigate.membership import Announcer, in_place_ok
+from stalwart.testbed import parse_fault
+
+
+def test_kill_fault_parses_a_step_or_seconds_and_stays_on() -> None:
+    f = parse_fault("kill:rank=3,at=60", 4, "netns")
+    assert (f.kind, f.rank, f.start, f.end, f.target) == ("kill", 3, 60, None, "rank3")
+    assert not f.active_at(59) and f.active_at(60) and f.active_at(10**6)
+    g = parse_fault("kill:rank=0,at=2.5s", 2, "local")
+    assert g.start_s == 2.5 and not g.active_at(100, 2.4) and g.active_at(0, 2.5)
+    assert g.event_fields()["rank"] == 0
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("kill:rank=4,at=3", "rank=4 out of range"),
+    ("kill:rank=1", "missing at="),
+    ("kill:rank=1,at=-2", "at=-2"),
+    ("kill:rank=1,at=x", "at='x'"),
+    ("kill:rank=1,at=5,end=9", "unknown parameter 'end'"),
+])
+def test_kill_fault_errors_name_the_bad_value(spec: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_fault(spec, 4, "local")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_generations_drop_the_lost_and_renumber_the_rest(tmp_path: Path) -> None:
+    ann = Announcer(tmp_path, [0, 2, 3, 5])
+    g0 = membership.read(tmp_path)
+    assert g0 is not None and g0.gen == 0 and g0.world == 4
+    g1 = ann.lose([2], step=7)
+    assert membership.read(tmp_path) == g1
+    assert (g1.gen, g1.alive, g1.hosts, g1.lost) == (1, (0, 1, 3), (0, 2, 5), (2,))
+    assert [g1.rank_of(s) for s in range(4)] == [0, 1, None, 2]
+    g2 = ann.lose([0], step=9)
+    assert (g2.alive, g2.rank_of(3)) == ((1, 3), 1)
+    # every generation rebuilds on a store of its own, and a new launch never reuses one
+    assert membership.store_path(tmp_path, g1) != membership.store_path(tmp_path, g2)
+    again = Announcer(tmp_path, [0, 1])
+    assert again.current.token != g0.token and membership.read(tmp_path).gen == 0
+
+
+def test_only_data_parallel_reliable_auto_jobs_regroup_in_place() -> None:
+    assert in_place_ok(RunConfig(nproc=4, mitigate="auto"))
+    assert not in_place_ok(RunConfig(nproc=4, mitigate="off"))
+    assert not in_place_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
+    assert not in_place_ok(RunConfig(nproc=4, mitigate="auto", comm="lossy"))
+
+
+def test_shutdown_wakes_a_blocked_reader_and_spares_kept_ports() -> None:
+    from stalwart.mitigate.regroup import shutdown_tcp
+
+    server = socket.create_server(("127.0.0.1", 0))
+    kept_server = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    kept = socket.create_connection(kept_server.getsockname())
+    kept_peer, _ = kept_server.accept()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(a.recv(10)))
+    reader.start()  # blocked: nothing is ever sent on a-b
+    n = shutdown_tcp({kept_server.getsockname()[1]})
+    reader.join(timeout=10)
+    assert not reader.is_alive() and got == [b""]  # woken with end-of-stream
+    assert n >= 2  # both ends of a-b live in this process
+    kept.sendall(b"x")  # the kept connection still works, and so does the listener
+    assert kept_peer.recv(1) == b"x"
+    extra = socket.create_connection(kept_server.getsockname())
+    for s in (a, b, kept, kept_peer, extra, server, kept_server):
+        s.close()
