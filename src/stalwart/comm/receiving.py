@@ -261,7 +261,9 @@ class Receiving:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
                                       len_l[i], hint_l[i], C, bounds)
                 elif why == _OLD and rnd_l[i] == self.round - 1:
-                    why = _LATE  # the round that just ended: a late packet or a spare copy
+                    # the round that just ended: a late packet or a spare copy -- except its
+                    # end markers, deliberate copies counted in no loss (as in a closed phase)
+                    why = 0 if fl_l[i] & FLAG_END else _LATE
                 if why:
                     self.rejected[why] += 1
             self._cond.notify_all()
