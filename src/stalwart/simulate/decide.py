@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect import validate as _validate
 from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
 from stalwart.detect.localize import (
     BEFORE,
@@ -166,7 +165,9 @@ class SimDetector:
                             list(zip(rec_keys, rec[r], strict=True))) for r in range(n)]
         # the ring's pairs, in the passes the product tests; a pair is as slow as the slower
         # of its hosts' links when it crosses hosts
-        pairs = [p for ps in _validate.ring_pair_passes(n) for p in ps]
+        from stalwart.detect.validate import ring_pair_passes  # (validate imports torch)
+
+        pairs = [p for ps in ring_pair_passes(n) for p in ps]
         a = np.fromiter((p[0] for p in pairs), int, len(pairs))
         b = np.fromiter((p[1] for p in pairs), int, len(pairs))
         ha, hb = src.host_of[a], src.host_of[b]
