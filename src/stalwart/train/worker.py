@@ -144,7 +144,9 @@ class DataParallelStep:
             # CPU: read at once (as always); CUDA: no host sync per micro-batch
             losses.append(loss.item() if not self.clock.cuda else loss.detach())
         self.clock.backward_done()
-        total = sum(v if isinstance(v, float) else v.item() for v in losses)  # CUDA: one sync
+        if self.clock.cuda:  # one transfer for the step; the same float64 sum as on CPU
+            losses = torch.stack(losses).double().cpu().tolist()
+        total = sum(losses)
         t1 = time.perf_counter()
         local_done = min(max(self.clock.last, t0), t1)
         timing = {"compute_time": local_done - t0, "comm_time": t1 - local_done}
