@@ -260,7 +260,9 @@ class Receiving:
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
                                       len_l[i], hint_l[i], C, bounds)
-                elif why == _OLD and rnd_l[i] == self.round - 1:
+                # (also after _place: wire.check ran outside the lock, and the round may have
+                # ended between it and here -- the packet is then as late as one it tagged old)
+                if why == _OLD and rnd_l[i] == self.round - 1:
                     # the round that just ended: a late packet or a spare copy -- except its
                     # end markers, deliberate copies counted in no loss (as in a closed phase)
                     why = 0 if fl_l[i] & FLAG_END else _LATE

@@ -609,7 +609,8 @@ static void settle(Engine *e, const uint8_t *p, const Hdr *h, int why, double no
         }
     }
     if (why == RJ_OK) why = place(e, p, h);
-    else if (why == RJ_OLD_ROUND && (int64_t)h->rnd == e->round - 1)
+    /* also after place(): the round may have ended since the packet was checked */
+    if (why == RJ_OLD_ROUND && (int64_t)h->rnd == e->round - 1)
         why = (h->flags & FLAG_END) ? RJ_OK : RJ_LATE; /* end-marker copies count as nothing */
     if (why) e->rejected[why]++;
 }
