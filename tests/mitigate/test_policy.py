@@ -258,6 +258,23 @@ def test_a_slow_pair_is_remapped_once_it_has_cost_a_restart() -> None:
     assert (step - 23) * lost_per_step >= 0.5 > (step - 25) * lost_per_step
 
 
+def test_a_slow_pair_found_late_still_pays_its_rent() -> None:
+    """The pair's verdict comes 16 exchanges after its onset (the link test retried): the
+    healthy level is the steps before the onset, so the rent accrues and buys the remap."""
+    from stalwart.mitigate.decisions import REMAP
+    from stalwart.mitigate.remap import pair_traffic
+
+    p = Policy(G, M, restart_s=0.5, traffic=pair_traffic(4, 1, 100, 0), hosts=[0, 1, 2, 3])
+    healthy(p, range(1, 21, 2))
+    slow = 3 * (4 * UNIT + 0.005)
+    for s in range(21, 53, 2):  # slow steps, nobody has named the pair yet
+        assert p.observe(s, [UNIT] * G, slow, 2, [], s + 3) is None
+    fs = [ev(kind="link", ranks=[], link=[2, 3], onset_step=21, step=53)]
+    out = [d for s in range(53, 153, 2)
+           if (d := p.observe(s, [UNIT] * G, slow, 2, fs, s + 3)) is not None]
+    assert out and out[0].kind == REMAP
+
+
 def test_no_remap_without_restarts_or_a_traffic_model() -> None:
     from stalwart.mitigate.remap import pair_traffic
 

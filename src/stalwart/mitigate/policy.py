@@ -403,6 +403,7 @@ class Policy:
             if self.active is None or self.active.pair != pair:
                 self.active = Straggler("pairlink", -1, -1, f.onset_step, f.step, pair=pair,
                                         since=len(self._unit_hist) - 1)
+                self._healthy_before(f.onset_step)  # a pair is often found late, as a link
             return
         if f.kind not in ("compute", "link") or len(f.ranks) != 1:
             return  # unexplained slowdowns are not stragglers
