@@ -6,8 +6,9 @@ format: ``{"event": NAME, "time": ..., **fields}``), ``parse`` reads a line back
 for a person -- the live progress line, a script run's display and the report use it.
 
 Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``,
-``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``, ``MitigationReverted``,
-``MitigationMeasured``). Torch-free; no I/O (``rundir.EventLog.emit`` writes one).
+``RecoveryRejected``, ``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``,
+``MitigationReverted``, ``MitigationMeasured``). Torch-free; no I/O
+(``rundir.EventLog.emit`` writes one).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class StragglerRecovered(Event):
     """The followed straggler's channel is back to within ``min_shift`` of its healthy level."""
 
     name: ClassVar[str] = "straggler_recovered"
-    optional: ClassVar[tuple[str, ...]] = ("link",)
+    optional: ClassVar[tuple[str, ...]] = ("link", "compute_test_ratio")
     step: int
     onset_step: int  # of the recovery
     kind: str
@@ -68,6 +69,24 @@ class StragglerRecovered(Event):
     detected_onset_step: int
     severity: float  # level after / healthy level
     link: list[int] | None = None
+    # a compute straggler's recovery is confirmed by the compute test at equal load: its time
+    # over the peers' median (below ``threshold`` of RecoveryRejected)
+    compute_test_ratio: float | None = None
+
+
+@dataclass
+class RecoveryRejected(Event):
+    """A compute straggler's channel read healthy, but the compute test at equal load (the
+    same work on every rank, whatever share a plan left it) still finds it slow: it stays
+    a straggler, and is tested again at ``next_check_step``."""
+
+    name: ClassVar[str] = "recovery_rejected"
+    step: int
+    kind: str
+    ranks: list[int]
+    compute_test_ratio: float
+    threshold: float
+    next_check_step: int
 
 
 @dataclass
@@ -111,7 +130,8 @@ class MitigationMeasured(Event):
 
 
 TYPES: dict[str, type[Event]] = {t.name: t for t in (
-    StragglerDetected, SlowdownUnexplained, StragglerRecovered, MitigationApplied,
+    StragglerDetected, SlowdownUnexplained, StragglerRecovered, RecoveryRejected,
+    MitigationApplied,
     MitigationReverted, MitigationMeasured)}
 
 
@@ -146,4 +166,8 @@ def describe(rec: dict[str, Any], unit: str = "step") -> str | None:
                 f"x{rec.get('severity', 0):.2f} since {unit} {rec.get('onset_step')}")
     if ev == StragglerRecovered.name:
         return f"straggler recovered at {unit} {rec.get('step')}"
+    if ev == RecoveryRejected.name:
+        return (f"rank {','.join(map(str, rec.get('ranks') or []))} reads healthy at {unit} "
+                f"{rec.get('step')} but is still x{rec.get('compute_test_ratio', 0):.2f} "
+                "in the compute test")
     return None

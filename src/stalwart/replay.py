@@ -14,7 +14,10 @@ What replay decides and what it takes from the recording:
 - validation (the compute and link tests every rank runs when a change is found) cannot be
   replayed: its outcome is the recorded verdict (``straggler_detected`` /
   ``slowdown_unexplained``) decided within ``MATCH_STEPS`` steps of the replayed decision, about
-  a slowdown begun by then, and "nothing confirmed" (kind unknown) when there is none;
+  a slowdown begun by then, and "nothing confirmed" (kind unknown) when there is none; a
+  compute straggler's recovery test likewise: the recorded ``straggler_recovered`` /
+  ``recovery_rejected`` near it gives the measured ratio (recordings made before recoveries
+  were tested: the testbed's ground truth, the fault's factor while it is on);
 - the policy (runs with ``--mitigate``) gets each group's time per micro-batch and the mean
   step time per exchange (every ``EVERY`` steps, one exchange late, as the agreement channel
   delivers them), the replayed findings, and the measured gain of its own plans
@@ -50,6 +53,7 @@ EVERY = 2  # steps per exchange of the mitigation channel, unless the run's conf
 MEASURE_STEPS = 6  # steps after a plan's start over which its gain is measured (rebalance.py)
 RESTART_S = 15.0  # a restart's price (measured restarts: 9-16 s on the testbed)
 VERDICTS = ("straggler_detected", "slowdown_unexplained")
+RECOVERIES = ("straggler_recovered", "recovery_rejected")
 
 
 @dataclass
@@ -108,6 +112,16 @@ class Verdicts:
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.left = [e for e in events if e.get("event") in VERDICTS]
+        self.recoveries = [e for e in events if e.get("event") in RECOVERIES]
+        # the testbed's ground truth: (rank, factor, applied step, removed step or None)
+        self.faults: list[tuple[int, float, int, int | None]] = []
+        removed = {e.get("spec"): int(e.get("step", 0)) for e in events
+                   if e.get("event") == "fault_removed" and not e.get("at_close")}
+        for e in events:
+            if e.get("event") == "fault_applied" and e.get("kind") in ("compute", "contention") \
+                    and e.get("rank") is not None:
+                self.faults.append((int(e["rank"]), float(e.get("magnitude") or 1.0),
+                                    int(e.get("step", 0)), removed.get(e.get("spec"))))
 
     def take(self, decided: int) -> dict[str, Any] | None:
         # about a slowdown that had begun by the decision, decided near it
@@ -118,6 +132,26 @@ class Verdicts:
         e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
         self.left.remove(e)
         return e
+
+    def recovery(self, decided: int, rank: int) -> float | None:
+        """What the compute test measured on a recovery alarm about ``rank``: the recorded
+        recovery or rejection nearest the decision (its ``compute_test_ratio``). A recording
+        made before recoveries were tested has none: then the testbed's ground truth stands in
+        (the compute fault's factor on that rank if it was on at ``decided``, else 1.0); None
+        (believed) without either."""
+        near = [e for e in self.recoveries
+                if abs(int(e.get("step", -10**9)) - decided) <= MATCH_STEPS]
+        if near:
+            e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
+            self.recoveries.remove(e)
+            r = e.get("compute_test_ratio")
+            if r is not None:
+                return float(r)
+        if not self.faults:
+            return None
+        on = [f for r, f, a, b in self.faults if r == rank and a <= decided and (
+            b is None or decided < b)]
+        return max(on, default=1.0)
 
     def verdict(self, onset: int, decided: int, severity: float) -> Finding:
         """What validation decided on an alarm (onset, decision step, severity): the recorded
@@ -153,11 +187,12 @@ class EventSink:
 
 # ---- the detector ---------------------------------------------------------------------------
 def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, groups: int,
-                     on_step: Callable[[int, list[Finding]], None]) -> dict[str, Any]:
+                     on_step: Callable[[int, list[Finding]], bool]) -> dict[str, Any]:
     """Drive rank 0's decision state machine over one incarnation (see the module docstring):
     each step's sample, then the rows sent one step earlier (every rank's compute), then the
     alarm they carry, validated by the recording. ``on_step(step, findings)`` runs after each
-    step's detection, as the policy would."""
+    step's detection, as the policy would; True asks for a recovery test (the policy's
+    ``wants_recovery_test``)."""
     sink = EventSink()
     core = DecisionCore(True, emit=sink.emit)
     inflight: tuple[Alarm, int, list[float]] | None = None
@@ -182,8 +217,13 @@ def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, gro
                 suspect = got.suspect if got.suspect >= 0 else None
                 core.apply_verdict(verdicts.verdict(got.onset, k, got.severity), suspect)
             else:
-                core.apply_recovery(got.onset, k, got.severity)
-        on_step(k, core.findings)
+                ratio = None
+                if core.needs_recovery_test() and core.active is not None:
+                    ratio = verdicts.recovery(k, core.active.ranks[0])
+                if core.recovery_test(ratio, k):
+                    core.apply_recovery(got.onset, k, got.severity, ratio)
+        if on_step(k, core.findings):
+            core.request_recovery_test(k)
     core.close()
     return {"events": sink.events, "hiccups": core.hiccups, "alarms": alarms}
 
@@ -220,9 +260,10 @@ class PolicyReplay:
         self._measure: tuple[str, int, float, int] | None = None
         self.stopped = False
 
-    def step(self, srow: StepRows, findings: list[Finding]) -> None:
+    def step(self, srow: StepRows, findings: list[Finding]) -> bool:
+        """One recorded step; True when the policy asks the detector for a recovery test."""
         if self.stopped:
-            return
+            return False
         s = srow.step
         d = self._pending
         if d is not None and s >= d.start_step:
@@ -231,7 +272,7 @@ class PolicyReplay:
                 self.counts, self.version = list(d.counts), d.version
             else:
                 self.stopped = True  # a restart: the next incarnation is replayed afresh
-                return
+                return False
         self._steps.append((s, float(srow.ranks[0]["step_time"])))
         self._check_measure()
         for r, m in srow.ranks.items():
@@ -242,7 +283,7 @@ class PolicyReplay:
             w[2] += float(m["step_time"])
             w[3] += 1
         if (s + 1) % self.every:
-            return
+            return False
         rows = [[w[0] / max(w[1], 1), w[2] / max(w[3], 1), w[3]]
                 for _, w in sorted(self._win.items())]
         self._win = {}
@@ -251,7 +292,7 @@ class PolicyReplay:
             self._pending, self._sent = self._sent, None
             self._on_read(self._pending)
         if prev is None or self._pending is not None:
-            return
+            return False
         units = [max(prev[r][0] for r in range(g * self.tp, (g + 1) * self.tp))
                  for g in range(self.groups)]
         step_s = statistics.median(r[1] for r in prev)
@@ -259,7 +300,7 @@ class PolicyReplay:
         dec = self.policy.observe(s, units, step_s, int(prev[0][2]), findings,
                                   s + self.every + 1)
         if dec is None:
-            return
+            return self.policy.wants_recovery_test
         if dec.kind == EXCLUDE:
             dec.target = self.hosts[dec.target]
         self._sent = dec
@@ -267,6 +308,7 @@ class PolicyReplay:
             "step": s, "decision": dec.name, "version": dec.version,
             "start_step": dec.start_step, "counts": dec.counts, "target": dec.target,
             "predicted_gain": dec.predicted_gain, "hosts": dec.hosts, "reason": dec.reason}))
+        return self.policy.wants_recovery_test
 
     def _recent_step_time(self) -> float | None:
         xs = [t for _, t in self._steps[-2 * self.every:]]
@@ -313,9 +355,10 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
         by_step = {s.step: s for s in inc.steps}
 
         def on_step(step: int, findings: list[Finding],
-                    pol: PolicyReplay | None = pol, by_step: dict = by_step) -> None:
+                    pol: PolicyReplay | None = pol, by_step: dict = by_step) -> bool:
             if pol is not None:
-                pol.step(by_step[step], findings)
+                return pol.step(by_step[step], findings)
+            return False
 
         det = _replay_detector(inc, verdicts, micro_total, groups, on_step)
         out["incarnations"].append(_round({

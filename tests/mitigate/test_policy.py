@@ -49,7 +49,7 @@ def test_no_action_without_a_verdict() -> None:
 
 
 def test_rebalances_a_confirmed_compute_straggler_then_reverts() -> None:
-    p = Policy(G, M)
+    p = Policy(G, M, verified_recovery=False)
     healthy(p, range(1, 21, 2))
     slow = [UNIT, UNIT, 2 * UNIT, UNIT]
     fs = [finding(2, 25)]
@@ -59,7 +59,8 @@ def test_rebalances_a_confirmed_compute_straggler_then_reverts() -> None:
     assert sum(counts) == M and counts[2] < 4 and min(counts) >= 1
     assert decisions[0].predicted_gain > 0.2
     assert all(d.kind == REBALANCE for d in decisions[:1]) and len(decisions) == 1  # no flapping
-    # healed, without the detector's verdict: four healthy exchanges, then back to uniform
+    # healed, without the detector's verdict (the fallback without its compute test): four
+    # healthy exchanges, then back to uniform
     out = [feed(p, s, [UNIT] * G, fs) for s in range(41, 51, 2)]
     reverts = [d for d in out if d is not None]
     assert len(reverts) == 1 and reverts[0].kind == REVERT and reverts[0].counts == [4] * 4
@@ -85,6 +86,17 @@ def test_the_detectors_recovery_verdict_reverts_at_the_next_exchange() -> None:
     # and a reverted straggler the detector calls recovered is not followed again on noise
     assert all(feed(p, s, [UNIT, UNIT, 1.5 * UNIT, UNIT], healed) is None
                for s in range(43, 63, 2))
+
+
+def test_a_rank_reading_healthy_on_a_reduced_share_is_not_reverted_without_the_detector() -> None:
+    """A CPU-quota'd rank on 1-2 micro-batches runs its burst at nearly full speed: healthy
+    per micro-batch for as long as it lasts, the plan stays until the detector's recovery
+    verdict (confirmed by its compute test at equal load), then reverts at once."""
+    p, fs = rebalanced_2x()
+    assert all(feed(p, s, [UNIT] * G, fs) is None for s in range(41, 81, 2))
+    assert not p.uniform and p.wants_recovery_test  # it asks the detector for its test
+    d = feed(p, 81, [UNIT] * G, [replace(fs[0], recovered_step=80)])
+    assert d is not None and d.kind == REVERT
 
 
 def test_a_recovery_the_detector_took_back_does_not_revert() -> None:
@@ -185,7 +197,7 @@ def test_a_wrong_revert_is_undone_and_the_next_one_backs_off() -> None:
     """The straggler looked healthy on its reduced plan (a CPU quota's burst), the plan was
     reverted, and under the uniform plan it is slow again: the policy follows it again without
     a new finding, rebalances at once and needs twice the healthy exchanges to revert again."""
-    p = Policy(G, M)
+    p = Policy(G, M, verified_recovery=False)
     healthy(p, range(1, 21, 2))
     slow = [UNIT, UNIT, 2 * UNIT, UNIT]
     fs = [finding(2, 25)]
@@ -207,7 +219,7 @@ def test_a_straggler_left_a_quarter_of_its_share_needs_longer_to_revert() -> Non
     fits its quota's burst, so without the detector's verdict it needs 8 healthy exchanges;
     the detector's recovery verdict still reverts at the next exchange."""
     def rebalanced_3x() -> tuple[Policy, list[dict]]:
-        p = Policy(G, M)
+        p = Policy(G, M, verified_recovery=False)
         healthy(p, range(1, 21, 2))
         fs = [finding(2, 25)]
         first = [d for s in range(25, 41, 2)
@@ -227,6 +239,7 @@ def test_a_straggler_left_a_quarter_of_its_share_needs_longer_to_revert() -> Non
 def test_a_right_revert_stays_reverted() -> None:
     p, fs = rebalanced_2x()
     assert not p.uniform
+    fs = [replace(fs[0], recovered_step=40)]  # the detector's verdict
     decisions = [d for s in range(41, 101, 2) if (d := feed(p, s, [UNIT] * G, fs)) is not None]
     assert [d.kind for d in decisions] == [REVERT] and p.uniform
 
@@ -293,7 +306,7 @@ def test_recovery_is_judged_against_the_level_the_plan_was_made_for() -> None:
     once healed (the step's fixed cost over fewer micro-batches) and kept its plan 24 steps;
     then under the uniform plan a 1.37x reading brought it back. The line between slow and
     healed is the midpoint to the plan's level (sqrt(2.3) = 1.52), not 1.15."""
-    p = Policy(G, M)
+    p = Policy(G, M, verified_recovery=False)
     healthy(p, range(1, 21, 2))
     fs = [finding(2, 25)]
     first = [d for s in range(25, 41, 2)
@@ -313,7 +326,7 @@ def _units(counts: list[int], slow: dict[int, float], fixed: float) -> list[floa
 def test_a_fixed_cost_per_step_does_not_keep_a_healed_rank_slow() -> None:
     """compute = a + b n with a = 1.2 b: healed on 2 micro-batches a rank reads 1.6 b per
     micro-batch against its peers' 1.2-1.3 b; fitted on the peers' counts it reads 1.0."""
-    p = Policy(G, M)
+    p = Policy(G, M, verified_recovery=False)
     fixed = 1.2 * UNIT
     healthy(p, range(1, 21, 2))
     fs = [finding(2, 25)]

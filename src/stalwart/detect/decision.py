@@ -18,6 +18,14 @@ rank or link is an unexplained slowdown, logged only if it lasts ``persist`` sam
 chance (``LASTING_Z``), otherwise counted as a hiccup. While an alarm is pending or deciding,
 new changes are not classified (one fault, one finding).
 
+Recovery at equal load: a compute straggler's channel measures its compute per step, which
+falls when a plan gives it less work -- and a rank under a CPU quota runs a short burst at
+nearly full speed. So its recovery alarm is confirmed by the compute test (the same matmuls on
+every rank, ``recovery_test``): below ``recovery_threshold`` it is recovered; otherwise the
+recovery is rejected (``RecoveryRejected``), the straggler stays active, and the leader tests
+again ``RECHECK`` steps later (doubling to ``RECHECK_MAX``) -- a fault that ends while the plan
+is in force is found there even if the channel moves no further.
+
 Guarantees: bounded memory (``history`` samples); the same inputs give the same alarms and
 verdict bookkeeping on every call order the monitor and replay use.
 Cost per sample: a few scalar operations while the channels are quiet (changepoint.py's
@@ -37,12 +45,20 @@ import numpy as np
 
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
-from stalwart.detect.localize import BEFORE, ONSET_SLACK, Finding, RankEvidence
-from stalwart.events import Event, SlowdownUnexplained, StragglerDetected, StragglerRecovered
+from stalwart.detect.localize import BEFORE, COMPUTE_MILD, ONSET_SLACK, Finding, RankEvidence
+from stalwart.events import (
+    Event,
+    RecoveryRejected,
+    SlowdownUnexplained,
+    StragglerDetected,
+    StragglerRecovered,
+)
 
 NONE, DETECT, RECOVER = 0, 1, 2
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
+RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
+RECHECK_MAX = 64  # ...doubling per rejection up to this (one validation pause each)
 POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
 #                      the scale pooled over ranks (DecisionCore._pool_noise)
 
@@ -110,6 +126,9 @@ class DecisionCore:
         self.hiccups = 0
         self.hiccup_log: deque[dict[str, Any]] = deque(maxlen=16)
         self.unexplained_logged = 0
+        self.rejections = 0  # recoveries the compute test rejected (this straggler)
+        self._recheck_at: int | None = None  # leader: when to test the straggler again
+        self._recover_level = 1.0  # the last recovery alarm's level (a recheck reuses it)
 
     # ---- inputs ---------------------------------------------------------------------------
     def sample(self, s: IterSample) -> None:
@@ -117,6 +136,10 @@ class DecisionCore:
         self.samples.append(s)
         if not self.leader:
             return
+        if (self._recheck_at is not None and s.key >= self._recheck_at
+                and self.pending.action == NONE and not self.deciding):
+            self._recheck_at = None
+            self.pending = Alarm(RECOVER, s.key, self._recover_level, -1)
         ch = self.detector.add(s.key, s.seconds)
         if ch is not None:
             self.classify(ch)
@@ -220,7 +243,8 @@ class DecisionCore:
                                  suspect_of(channel))
         elif self._healthy is not None and ch.after <= self._healthy * (
                 1.0 + self.detector.min_shift):
-            self.pending = Alarm(RECOVER, ch.onset, ch.after / self._healthy, -1)
+            self._recover_level = ch.after / self._healthy
+            self.pending = Alarm(RECOVER, ch.onset, self._recover_level, -1)
 
     # ---- verdicts ---------------------------------------------------------------------------
     def evidence(self, rank: int, onset: int, decided: int) -> RankEvidence:
@@ -258,6 +282,7 @@ class DecisionCore:
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self.active = finding if finding.kind != "unknown" else None
+        self.rejections, self._recheck_at = 0, None
         if not self.leader:
             return
         fields = finding.event_fields()
@@ -293,18 +318,72 @@ class DecisionCore:
             self._unexplained = None
         self._emit(StragglerDetected(**fields))
 
-    def apply_recovery(self, onset: int, decided: int, level: float) -> None:
-        """Every rank: the followed straggler's channel is back to its healthy level."""
+    # ---- recovery -----------------------------------------------------------------------------
+    def needs_recovery_test(self) -> bool:
+        """Whether a recovery alarm must be confirmed by the compute test (every rank asks
+        the same state: the verdicts are applied everywhere)."""
+        f = self.active
+        return f is not None and f.kind == "compute" and len(f.ranks) == 1
+
+    def request_recovery_test(self, key: int) -> bool:
+        """Leader: the mitigation policy sees the followed compute straggler healthy on the
+        reduced share its plan gave it, and asks for the compute test (a recovery alarm now).
+        Ignored while a decision is under way or a rejected recovery's wait
+        (``RECHECK``..``RECHECK_MAX``) runs: the tests' pauses stay bounded."""
+        if (not self.leader or not self.needs_recovery_test() or self._recheck_at is not None
+                or self.pending.action != NONE or self.deciding):
+            return False
+        self.pending = Alarm(RECOVER, key, self._recover_level, -1)
+        return True
+
+    def recovery_threshold(self) -> float:
+        """The compute-test ratio below which the straggler counts as recovered: the
+        geometric midpoint between its ratio when it was found and healthy (1.0), at least
+        ``COMPUTE_MILD`` (below which the compute test calls no rank slow)."""
+        f = self.active
+        found = None
+        if f is not None and f.ranks:
+            found = (f.evidence.get("compute_test_ratio") or {}).get(str(f.ranks[0]))
+        if not found or found <= 1.0:
+            return COMPUTE_MILD
+        return max(COMPUTE_MILD, math.sqrt(float(found)))
+
+    def recovery_test(self, ratio: float | None, decided: int) -> bool:
+        """Every rank: the compute test's verdict on a recovery alarm (``ratio``: the
+        straggler's test time over its peers' median; None = no test ran, believed). On a
+        rejection the straggler stays active and the leader schedules the next test."""
+        if ratio is None or ratio < self.recovery_threshold():
+            return True
+        f = self.active
+        assert f is not None
+        self.rejections += 1
+        wait = min(RECHECK << (self.rejections - 1), RECHECK_MAX)
+        if self.leader:
+            self._recheck_at = decided + wait
+            self._emit(RecoveryRejected(step=decided, kind=f.kind, ranks=list(f.ranks),
+                                        compute_test_ratio=round(ratio, 3),
+                                        threshold=round(self.recovery_threshold(), 3),
+                                        next_check_step=decided + wait))
+        return False
+
+    def apply_recovery(self, onset: int, decided: int, level: float,
+                       test_ratio: float | None = None) -> None:
+        """Every rank: the followed straggler's channel is back to its healthy level (and,
+        for a compute straggler, the compute test agreed: ``test_ratio``)."""
         f, self.active = self.active, None
+        self.rejections, self._recheck_at = 0, None
         if f is None:
             return
         f.recovered_step = onset
         if f.kind != "unknown":
-            fields = {"step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
-                      "detected_step": f.step, "detected_onset_step": f.onset_step,
-                      "severity": round(level, 3)}
+            fields: dict[str, Any] = {
+                "step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
+                "detected_step": f.step, "detected_onset_step": f.onset_step,
+                "severity": round(level, 3)}
             if f.link is not None:
                 fields["link"] = f.link
+            if test_ratio is not None:
+                fields["compute_test_ratio"] = round(test_ratio, 3)
             self._emit(StragglerRecovered(**fields))
 
     def close(self) -> None:

@@ -117,6 +117,7 @@ class Monitor:
         self._checks = 0
         self._next_check = self.check_every  # without an exchange (one process)
         self._skip_next = False
+        self._paused = False  # this step held a validation pause (not step time)
         self._enabled = True
         self._closed = False
         self._step_cpu_us: deque[float] = deque(maxlen=4096)  # CPU inside step() (rank 0)
@@ -165,9 +166,10 @@ class Monitor:
         if s is None:
             return
         found = len(self.core.findings)
+        self._paused = False
         self._sample(s)
         self._check()
-        if len(self.core.findings) != found:
+        if len(self.core.findings) != found or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
         else:
             self._step_cpu_us.append(1e6 * (time.thread_time() - c0))
@@ -225,7 +227,23 @@ class Monitor:
             self._skip_next = not self._hinted  # this iteration holds the pause
             self.core.apply_verdict(finding, suspect, round(time.perf_counter() - t0, 3))
         else:
-            self.core.apply_recovery(alarm.onset, decided, alarm.severity)
+            self._on_recovery(alarm, decided)
+
+    def _on_recovery(self, alarm: Alarm, decided: int) -> None:
+        """A recovery alarm: a compute straggler's is confirmed by the compute test at equal
+        load first (every rank runs it: the active finding is the same everywhere)."""
+        ratio = None
+        f = self.core.active
+        if (self.core.needs_recovery_test() and f is not None and self.exchange is not None
+                and self.validate_on_detect):
+            with self.tracker.internal():
+                ratio = verify.recovery_ratio(self.group(), self.world, f.ranks[0],
+                                              compute_reps=self.compute_reps,
+                                              device=self.device)
+            self._skip_next = not self._hinted  # this iteration holds the pause
+            self._paused = True
+        if self.core.recovery_test(ratio, decided):
+            self.core.apply_recovery(alarm.onset, decided, alarm.severity, ratio)
 
     def group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""

@@ -55,6 +55,19 @@ def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: i
     return finding
 
 
+def recovery_ratio(group: Any, world: int, suspect: int, *, compute_reps: int,
+                   device: Any = None) -> float:
+    """Collective on ``group``: the compute test on every rank (the same work everywhere,
+    whatever share of the batch a plan gave each), gathered; the suspect's median round
+    time over the median of its peers'. What ``DecisionCore.recovery_test`` judges."""
+    dev, _, _ = where_to_test(group, device)
+    mine = statistics.median(validate.compute_test(reps=compute_reps, group=group, device=dev))
+    times: list[Any] = [None] * world
+    dist.all_gather_object(times, mine, group=group)
+    peers = [float(t) for r, t in enumerate(times) if r != suspect]
+    return float(times[suspect]) / statistics.median(peers) if peers else 1.0
+
+
 def where_to_test(group: Any, device: Any = None) -> tuple[Any, Any, Any]:
     """Where the validation tests run: (compute device, link buffers' device, link group).
 

@@ -31,7 +31,10 @@ by a CPU quota and given one micro-batch runs that short burst at nearly full sp
 recovered. So a reverted straggler is watched for ``WATCH`` exchanges: slow again under the
 uniform plan twice in a row, it is followed again (its rent carries over, so the plan comes
 back at once) and its next revert needs twice the healthy exchanges -- one wrong revert costs
-a few steps, and repeated ones back off instead of oscillating.
+a few steps, and repeated ones back off instead of oscillating. With ``verified_recovery``
+(the default) a compute straggler on a reduced share is not reverted on the policy's own
+evidence at all: only the detector's recovery verdict, which its compute test at equal load
+confirms (detect/decision.py), reverts the plan.
 
 Pure logic on rank 0 (no torch.distributed): unit-tested with synthetic measurements.
 """
@@ -110,6 +113,10 @@ class Policy:
     min_gain: float = 0.05
     replan_gain: float = 0.25  # a plan in force is replaced only for this much more
     revert_windows: int = 2
+    # a compute straggler on less than its share that reads healthy is reverted only on the
+    # detector's recovery verdict (its compute test at equal load), not on the policy's own
+    # per-micro-batch times (``_awaits_verdict``)
+    verified_recovery: bool = True
     every: int = 2  # steps per exchange (the agreement channel's period)
     window: int = 4  # exchanges of per-micro-batch times behind each plan's estimate
     counts: list[int] = field(default_factory=list)
@@ -137,6 +144,9 @@ class Policy:
     _prev_counts: list[int] = field(default_factory=list)  # the plan before the one in force
     _muted: dict[int, int] = field(default_factory=dict)
     _need: int = 0  # healthy exchanges the straggler followed now needs before a revert
+    # set by ``observe`` when a compute straggler reads healthy on a reduced share and only the
+    # detector's verdict may revert it: the caller asks the detector for its compute test
+    wants_recovery_test: bool = False
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -198,6 +208,7 @@ class Policy:
         following on a finding; watching -> following when the reverted straggler is slow
         again, -> healthy after ``WATCH`` exchanges; following -> watching on recovery (the
         plan reverted); while following, the rent buys S2, S3 or S4 (``_escalate``)."""
+        self.wants_recovery_test = False
         if any(not u > 0 for u in units):
             return None  # a group that computed nothing this window (excluded or idle)
         self._unit_hist.append(units)
@@ -217,6 +228,8 @@ class Policy:
                 self.healthy_step_s = statistics.median(self._step_hist[-8:])
             return None
         if not self._still_slow(s, units, step_s, steps, findings):
+            if self._awaits_verdict(s, findings):
+                return None
             return self._on_healthy_window(s, start_step)
         if s.kind == "pairlink":
             return self._remap(s, step_s, start_step)
@@ -274,6 +287,20 @@ class Policy:
             if self.healthy_step_s is not None:
                 s.rent_s += max(step_s - self.healthy_step_s, 0.0) * steps
         return slow_now
+
+    def _awaits_verdict(self, s: Straggler, findings: Sequence[Finding]) -> bool:
+        """Whether a healthy-looking exchange must not count towards a revert: a compute
+        straggler on less than its uniform share reads healthy per micro-batch whether or
+        not its fault is over (a CPU quota lets a short burst run at nearly full speed), so
+        only the detector's recovery verdict -- confirmed by the compute test, the same work
+        on every rank -- reverts its plan (``verified_recovery``)."""
+        if not self.verified_recovery or s.kind != "compute" or detector_recovered(s, findings):
+            return False
+        if self.counts[s.group] >= planner.uniform(self.micro, self.groups)[s.group]:
+            return False
+        s.healthy_windows = 0
+        self.wants_recovery_test = True
+        return True
 
     def _on_healthy_window(self, s: Straggler, start_step: int) -> Decision | None:
         s.healthy_windows += 1

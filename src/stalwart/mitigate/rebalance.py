@@ -221,6 +221,9 @@ class Rebalancer:
         self.policy.counts = list(self.counts)
         start = self.channel.start_for(step)
         dec = self.policy.observe(step, units, step_s, steps, findings, start)
+        core = getattr(self.monitor, "core", None)
+        if self.policy.wants_recovery_test and core is not None:
+            core.request_recovery_test(step)  # the detector's compute test decides the revert
         if dec is None and self.policy.mode == "auto":
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:

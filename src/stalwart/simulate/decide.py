@@ -8,7 +8,8 @@ What runs is the product's own code, not a re-implementation:
   step later, as the row link delivers it (``take_pending``/``alarm_read``), through the
   product's verdict: ``localize.more_rounds`` (longer compute tests for a mild straggler) and
   ``localize.decide``, then ``apply_verdict`` (one fault one finding, CUSUM backoff,
-  unexplained slowdowns) or ``apply_recovery``. Only the validation tests' measurements are
+  unexplained slowdowns) or, for a recovery, the compute test at equal load
+  (``recovery_test``) then ``apply_recovery``. Only the validation tests' measurements are
   simulated (``_evidence``): each rank's compute-test rounds = its current compute factor x
   test noise; the ring's link-test round trips = the slower end's link factor x noise;
   profiles and recent compute from the simulated history. The loop that asks for more rounds
@@ -112,7 +113,13 @@ class SimDetector:
                 self.pauses += 1
                 paused = True
             else:
-                core.apply_recovery(alarm.onset, key, alarm.severity)
+                ratio = None
+                if core.needs_recovery_test() and core.active is not None:
+                    ratio = self._recovery_ratio(evidence, core.active.ranks[0])
+                    self.pauses += 1
+                    paused = True
+                if core.recovery_test(ratio, key):
+                    core.apply_recovery(alarm.onset, key, alarm.severity, ratio)
         core.relative(key, compute.tolist())
         alarm = core.take_pending(travels=True)
         if alarm.action != NONE:
@@ -127,6 +134,21 @@ class SimDetector:
             d["recovered_step"] = f.recovered_step
             out.append(d)
         return out
+
+    def _recovery_ratio(self, evidence: Callable[[], Evidence] | None,
+                        suspect: int) -> float | None:
+        """The compute test on a recovery alarm (verify.recovery_ratio): each rank's rounds =
+        its compute factor now x test noise; the suspect's median over its peers'."""
+        if evidence is None:
+            return None
+        t0 = time.thread_time()
+        src = evidence()
+        rounds = src.comp_factor[:, None] * np.exp(
+            self._rng.normal(0.0, TEST_NOISE, (self.world, ROUNDS)))
+        tests = np.median(rounds, axis=1)
+        peers = np.delete(tests, suspect)
+        self.sim_s += time.thread_time() - t0
+        return float(tests[suspect] / np.median(peers)) if peers.size else 1.0
 
     def _evidence(self, src: Evidence | None, onset: int, decided: int, rounds: int,
                   prev: list[RankEvidence] | None = None) -> list[RankEvidence]:

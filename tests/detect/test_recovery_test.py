@@ -1,0 +1,64 @@
+"""A compute straggler's recovery is judged by the compute test at equal load, not by its
+channel (which reads healthy when a plan leaves the rank little work): the decision state
+machine's side, torch-free."""
+
+from __future__ import annotations
+
+from stalwart.detect.decision import RECHECK, RECHECK_MAX, RECOVER, DecisionCore, IterSample
+from stalwart.detect.localize import COMPUTE_MILD, Finding
+
+
+def _following(ratio_found: float = 2.0) -> tuple[DecisionCore, list]:
+    out: list = []
+    core = DecisionCore(True, emit=out.append)
+    f = Finding("compute", 30, 34, 1.8, 0.9, ranks=[2],
+                evidence={"compute_test_ratio": {"2": ratio_found, "0": 1.0}})
+    core.apply_verdict(f, 2)
+    out.clear()
+    return core, out
+
+
+def test_the_threshold_is_the_midpoint_to_the_level_found_at_least_mild() -> None:
+    core, _ = _following(4.0)
+    assert core.recovery_threshold() == 2.0
+    core, _ = _following(1.2)
+    assert core.recovery_threshold() == COMPUTE_MILD
+
+
+def test_a_recovery_the_compute_test_rejects_keeps_the_straggler_and_backs_off() -> None:
+    core, out = _following(2.0)
+    assert core.needs_recovery_test()
+    assert not core.recovery_test(1.9, decided=40)  # still slow at equal load
+    assert core.active is not None and out[-1].name == "recovery_rejected"
+    assert out[-1].next_check_step == 40 + RECHECK
+    # the leader tests again at the scheduled step, without any channel moving
+    for k in range(41, 40 + RECHECK):
+        core.sample(IterSample(k, 0.1, 0.08, 0.02))
+        assert core.pending.action != RECOVER
+    core.sample(IterSample(40 + RECHECK, 0.1, 0.08, 0.02))
+    assert core.take_pending().action == RECOVER
+    core.alarm_read()
+    assert not core.recovery_test(1.9, decided=60)
+    assert out[-1].next_check_step == 60 + 2 * RECHECK
+    for d in (80, 120, 200):
+        assert not core.recovery_test(1.9, decided=d)
+    assert out[-1].next_check_step - 200 == RECHECK_MAX  # bounded
+
+
+def test_a_recovery_the_compute_test_confirms_is_logged_with_its_ratio() -> None:
+    core, out = _following(2.0)
+    assert core.recovery_test(1.02, decided=50)
+    core.apply_recovery(48, 50, 1.0, 1.02)
+    assert core.active is None and out[-1].name == "straggler_recovered"
+    assert out[-1].compute_test_ratio == 1.02
+
+
+def test_the_policy_can_ask_for_a_test_but_not_during_a_backoff() -> None:
+    core, out = _following(2.0)
+    assert core.request_recovery_test(42)
+    assert core.take_pending().action == RECOVER
+    core.alarm_read()
+    assert not core.recovery_test(2.1, decided=43)
+    assert not core.request_recovery_test(44)  # the rejected recovery's wait runs
+    healthy = DecisionCore(True)
+    assert not healthy.request_recovery_test(44)  # nothing to recover from
