@@ -1,0 +1,40 @@
+"""Figures of ``stalwart bench mitigate`` computed from run directories (synthetic events)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stalwart.bench.mitigate import false_recoveries
+from stalwart.rundir import RunData
+
+SPEC = "compute:rank=2,factor=2,start=20,end=60"
+
+
+def run(events: list[dict[str, Any]]) -> RunData:
+    return RunData(Path("."), {}, [], events)
+
+
+def applied(step: int, spec: str = SPEC) -> dict[str, Any]:
+    return {"event": "fault_applied", "step": step, "kind": "compute", "spec": spec}
+
+
+def test_recoveries_and_reverts_while_the_fault_is_on_count_after_it_do_not() -> None:
+    d = run([applied(20),
+             {"event": "straggler_recovered", "step": 33},  # mid-fault: false
+             {"event": "mitigation_reverted", "step": 37, "decided_step": 36,
+              "reason": "straggler recovered: rank 2's time per micro-batch back"},  # false
+             {"event": "mitigation_reverted", "step": 45, "decided_step": 44,
+              "reason": "plan v2 made steps slower (measured gain -0.10): undone"},  # not one
+             {"event": "fault_removed", "step": 60, "spec": SPEC},
+             {"event": "straggler_recovered", "step": 63},
+             {"event": "mitigation_reverted", "step": 66, "decided_step": 65,
+              "reason": "straggler recovered: back"}])
+    assert false_recoveries([d]) == 2.0
+
+
+def test_a_fault_removed_only_at_close_was_on_until_the_end() -> None:
+    spec = "compute:rank=2,factor=2"
+    d = run([applied(0, spec), {"event": "straggler_recovered", "step": 90},
+             {"event": "fault_removed", "step": 100, "spec": spec, "at_close": True}])
+    assert false_recoveries([d, run([])]) == 1.0
