@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workdir", type=Path, default=Path("runs/bench"),
                        help="each invocation's runs go to a new folder under it "
                             "(default runs/bench)")
+    bench.add_argument("--no-peers", action="store_true",
+                       help="skip the other systems measured beside stalwart (torchft, "
+                            "NVIDIA's detector); their figures are null")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)
@@ -88,6 +91,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.device == "cuda":
         raise ConfigError(f"bench {args.suite} runs on CPU only (--device cuda: use bench "
                           f"overlap, or stalwart run --device cuda)")
+    if "peers" in inspect.signature(mod.run).parameters:
+        kw["peers"] = not args.no_peers  # suites without peers have nothing to skip
     workdir = fresh_workdir(args.workdir, args.suite)  # every invocation starts clean
     print(f"work folder: {workdir}")
     result = mod.run(quick=args.quick, workdir=workdir, **kw)

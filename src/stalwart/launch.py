@@ -12,7 +12,10 @@ What it guarantees:
   the launcher returns non-zero naming the rank and the last line of its error; nothing hangs.
   Except in a job that regroups in place (``--mitigate auto``, data parallel, reliable comm:
   mitigate/membership.py): there the launcher logs ``rank_lost``, announces a new membership
-  generation without the rank, and the survivors carry on (mitigate/regroup.py);
+  generation without the rank, and the survivors carry on (mitigate/regroup.py); and with
+  ``launch(..., keep_going=True)`` (ranks that handle a lost peer themselves, e.g. a peer
+  framework's replica groups in ``stalwart bench``): the launcher only logs ``rank_lost`` and
+  supervises the rest, and the job succeeds when every rank still running exits 0;
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
 - the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
@@ -158,7 +161,8 @@ def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
 
 
 def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str] | None = None,
-           show_progress: bool = True, on_line: Callable[[str], None] | None = None) -> int:
+           show_progress: bool = True, on_line: Callable[[str], None] | None = None,
+           keep_going: bool = False) -> int:
     """Run one job; returns 0 on success, 1 when a rank failed, 2 on bad input, 130 on Ctrl-C.
 
     ConfigError is raised (not returned) for bad input found before any rank starts.
@@ -195,7 +199,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                 members = _announcer(cfg, run_dir, module)
                 procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation)
                 rc = _supervise(cfg, run_dir, procs, tb, progress, events, say, first_step,
-                                restart_t0, clock0, members)
+                                restart_t0, clock0, members, keep_going)
                 if rc != RESTART_EXIT:
                     break
                 # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
@@ -313,13 +317,15 @@ def _announcer(cfg: RunConfig, run_dir: Path, module: str) -> Any:
 def _supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: object,
                progress: Progress, events: EventLog, say: Callable[[str], None],
                first_step: int = 0, restart_t0: float | None = None,
-               clock0: float | None = None, members: Any = None) -> int:
+               clock0: float | None = None, members: Any = None,
+               keep_going: bool = False) -> int:
     tb.on_step(first_step)  # type: ignore[attr-defined]
     probe = _start_probe(cfg, tb, run_dir)
     probes = [probe] if probe is not None else []  # and those _watch starts
     try:
         return _watch(cfg, run_dir, procs, tb, progress, events, say, first_step, restart_t0,
-                      probe, time.monotonic() if clock0 is None else clock0, members, probes)
+                      probe, time.monotonic() if clock0 is None else clock0, members, probes,
+                      keep_going)
     finally:
         for p in probes:
             p.close()
@@ -343,6 +349,22 @@ def _lose(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen], mem
             f"{len(alive)} regroup in place")
         del procs[r]
     members.lose([r for r, _ in failed], step)
+    return True
+
+
+def _drop_lost(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
+               run_dir: Path, events: EventLog, say: Callable[[str], None], step: int) -> bool:
+    """``keep_going``: ranks died; log each (``rank_lost``, with its exit and last error line)
+    and stop supervising it. False (the job stops as usual) when a rank exited 2: bad input,
+    which every rank would hit."""
+    if any(code == 2 for _, code in failed):
+        return False
+    for r, code in failed:
+        why = _last_error_line(run_dir / LOGS / f"rank-{r}.log") if code > 0 else ""
+        events.log("rank_lost", step=step, rank=r, host=r, exit_code=code, error=why,
+                   world_after=len(procs) - 1)
+        say(f"stalwart: rank {r} lost ({_describe_exit(code)}); the other {len(procs) - 1} go on")
+        del procs[r]
     return True
 
 
@@ -383,7 +405,8 @@ def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
 def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
            progress: Progress, events: EventLog, say: Callable[[str], None],
            first_step: int, restart_t0: float | None, probe: Any, clock0: float,
-           members: Any = None, probes: list[Any] | None = None) -> int:
+           members: Any = None, probes: list[Any] | None = None,
+           keep_going: bool = False) -> int:
     # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
     metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
     events_tail = JsonlTail(run_dir / EVENTS)
@@ -432,6 +455,10 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):
             continue  # the survivors regroup in place
+        if failed and keep_going and _drop_lost(failed, procs, run_dir, events, say, next_step):
+            continue  # the others go on by themselves
+        if keep_going and not procs:
+            return 1  # every rank died
         blamed = culprit(procs, lambda: first_errors(run_dir) if cfg.script else {})
         if blamed is not None:
             # name the likely cause, not the first rank seen dead (culprit)

@@ -39,6 +39,13 @@ one after the other in the same invocation:
   fault was still on (ground truth), over every mitigated faulty run; ``recovered_born2x``:
   ``compute:rank=2,factor=2`` from step 0, ``--mitigate auto`` against ``off`` over the whole
   run's wall time (a rank slow from the start has no healthy "before").
+- torchft beside it (issue 25; ``peers/torchft_run.py``, skipped by ``--no-peers``, null
+  without torchft installed): the same workload, testbed and faults as torchft replica groups:
+  ``torchft_failstop_resume_s``, ``torchft_failstop_samples_lost``,
+  ``torchft_val_loss_rel_change`` (its working form, ``Manager.allreduce``),
+  ``torchft_ddp_crashed`` (its documented DDP wrapper when a replica is killed; the error in
+  the details), ``torchft_slow_tokens_per_s_ratio`` (ours over torchft's tokens/s during the
+  compute 2x window).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.bench import BenchResult, Steps
+from stalwart.bench.peers import torchft_run
 
 MICRO_SIZE = 2  # samples per micro-batch: 16 micro-batches per step on 4 ranks
 
@@ -267,13 +275,42 @@ def val_change(a: Any, b: Any) -> float | None:
     return abs(va - vb) / vb if va is not None and vb else None
 
 
-def run(quick: bool, workdir: Path) -> BenchResult:
+def fault_window(sc: Scenario) -> tuple[int, int]:
+    """(start, end) steps of a scenario's first fault window."""
+    spec = dict(kv.split("=") for kv in sc.faults[0].split(":", 1)[1].split(","))
+    return int(spec["start"]), int(spec.get("end", sc.steps))
+
+
+def peer_runs(peers: bool) -> str | None:
+    """None when torchft runs beside us, else why not (said once, its figures null)."""
+    if not peers:
+        return "--no-peers: torchft not run, its figures are null"
+    return torchft_run.available()
+
+
+def torchft_side(skip: str | None, sc: dict[str, Scenario], workdir: Path, tag: str, st: Steps,
+                 healthy: Any, c_mit: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torchft's runs and figures beside ours (peers/torchft_run.py), or null figures."""
+    if skip is not None:
+        return torchft_run.null_figures(), {"skipped": skip}
+    runs = torchft_run.measure(sc["failstop"], sc["compute2x"], workdir, tag, MICRO_SIZE, st)
+    figs, details = torchft_run.figures(runs, healthy, c_mit, fault_window(sc["compute2x"]))
+    if figs["torchft_ddp_crashed"]:
+        print(f"bench mitigate: torchft's DistributedDataParallel crashed when a replica was "
+              f"killed: {details['ddp_error']}", flush=True)
+    return figs, details
+
+
+def run(quick: bool, workdir: Path, peers: bool = True) -> BenchResult:
     from stalwart.mitigate import planner
 
     sc = scenarios(quick)
     tag = "q" if quick else "f"
     n_clean = 1 if quick else 3
-    st = Steps("mitigate", 14 + n_clean)
+    skip = peer_runs(peers)
+    if skip is not None:
+        print(f"bench mitigate: {skip}", flush=True)
+    st = Steps("mitigate", 14 + n_clean + (0 if skip else len(torchft_run.RUNS)))
     c = sc["compute2x"]
     healthy = run_one(c, "auto", workdir, tag, faults=False, steps=st)
     c_un = run_one(c, "off", workdir, tag, steps=st)
@@ -295,6 +332,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     bn = sc["born2x"]
     b_un = run_one(bn, "off", workdir, tag, steps=st)
     b_mit = run_one(bn, "auto", workdir, tag, steps=st)
+    ft_figs, ft_details = torchft_side(skip, sc, workdir, tag, st, healthy, c_mit)
 
     end = int(c.faults[0].split("end=")[1])
     win = plan_window(c_mit, end)
@@ -332,6 +370,8 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         # issue 24: recovery judged at equal load, and a rank slow from step 0
         "false_recoveries": false_recoveries([c_mit, blip, h_mit, p_mit, t_mit, b_mit]),
         "recovered_born2x": recovered(wall_time(b_un), wall_time(b_mit), wall_time(healthy)),
+        # torchft beside it (the same workload, testbed and faults): peers/torchft_run.py
+        **ft_figs,
     }
     runs = {"healthy": healthy, "compute_unmitigated": c_un, "compute_mitigated": c_mit,
             "blip": blip, "hostlink_unmitigated": h_un, "hostlink_mitigated": h_mit,
@@ -342,6 +382,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
             **{f"clean{i}": d for i, d in enumerate(cleans)}}
     details: dict[str, Any] = {
         "plan_window": win,
+        "torchft": ft_details,
         "runs": {k: {"path": str(d.path), "rc": d.rc, "wall_s": round(wall_time(d), 2),
                      "median_step_s": round(statistics.median(step_times(d).values()), 5),
                      "final_val_loss": d.final_val_loss(),
