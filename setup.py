@@ -1,6 +1,7 @@
-"""Build of the native data plane (``stalwart.comm._stwnative``); everything else is in
-pyproject.toml. The extension is optional: without a compiler (or OpenSSL's headers) the
-install still succeeds and ``stalwart.comm`` runs its Python engine, saying so in one line."""
+"""Build of the native parts (the data plane ``stalwart.comm._stwnative`` and the detector's
+BOCPD step ``stalwart.detect._bocpd``); everything else is in pyproject.toml. Both extensions
+are optional: without a compiler (or OpenSSL's headers) the install still succeeds and the
+Python reference runs instead (``stalwart.comm`` says so in one line)."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +13,13 @@ setup(
             libraries=["crypto", "pthread"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
+        Extension(
+            "stalwart.detect._bocpd",
+            sources=["src/stalwart/detect/_native/bocpd.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            libraries=["m"],
+            optional=True,
+        ),
     ]
 )

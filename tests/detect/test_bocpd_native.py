@@ -1,0 +1,55 @@
+"""The BOCPD step in C (detect/_native/bocpd.c) against the Python reference: the same
+posteriors and bank state, one row or several, before and after the run-length cap."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from stalwart.detect import changepoint
+from stalwart.detect.changepoint import BOCPDBank
+
+needs_native = pytest.mark.skipif(changepoint._bocpd is None, reason="native step not built")
+
+
+def test_the_native_step_is_built_where_required() -> None:
+    """CI builds every native part (STALWART_REQUIRE_NATIVE=1, .ci/run)."""
+    if os.environ.get("STALWART_REQUIRE_NATIVE") == "1":
+        assert changepoint._bocpd is not None, "stalwart.detect._bocpd was not built"
+
+
+def _pair(max_run: int, rows: int) -> tuple[BOCPDBank, BOCPDBank]:
+    banks = []
+    for native in (True, False):
+        b = BOCPDBank(hazard=1 / 50, max_run=max_run)
+        b.native = native
+        for r in range(rows):
+            b.reset(b.add_row(), 0.1 * r, 0.5 + r)
+        banks.append(b)
+    return banks[0], banks[1]
+
+
+@needs_native
+@pytest.mark.parametrize("max_run", [5, 37])
+def test_the_native_step_equals_the_reference(max_run: int) -> None:
+    rng = np.random.default_rng(0)
+    nat, ref = _pair(max_run, 4)
+    for t in range(3 * max_run):
+        x = rng.normal(0.0, 1.0, 4) + (2.0 if t > max_run else 0.0)
+        if t % 3 == 0:  # one row
+            a, b = nat.update(t % 4, float(x[0])), ref.update(t % 4, float(x[0]))
+        elif t % 3 == 1:  # a slice of rows
+            a, b = nat.update(slice(0, 4), x), ref.update(slice(0, 4), x)
+        else:  # a list of rows, one row behind the others
+            ids = np.array([0, 2, 3])
+            a, b = nat.update(ids, x[:3]), ref.update(ids, x[:3])
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(nat.n, ref.n)
+        for r in range(4):
+            k = int(ref.n[r])
+            np.testing.assert_allclose(nat.logpost[r, :k], ref.logpost[r, :k], rtol=1e-12)
+            np.testing.assert_allclose(nat.mu[r, :k + 1], ref.mu[r, :k + 1], rtol=1e-12)
+            np.testing.assert_allclose(nat.beta[r, :k + 1], ref.beta[r, :k + 1], rtol=1e-12)
