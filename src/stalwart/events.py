@@ -43,7 +43,6 @@ class StragglerDetected(Event):
     kind: str  # "compute" | "link"
     ranks: list[int]
     severity: float  # iteration-time slowdown factor
-    confidence: float
     evidence: dict[str, Any] = field(default_factory=dict)
     link: list[int] | None = None
 

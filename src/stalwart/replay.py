@@ -38,15 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
-from stalwart.detect.localize import Finding
+from stalwart.detect.decision import (
+    DETECTS,
+    MODES,
+    NONE,
+    RECOVER,
+    Alarm,
+    DecisionCore,
+    IterSample,
+)
+from stalwart.detect.localize import CHANGE_MODE, Finding
 from stalwart.errors import ConfigError
 from stalwart.events import Event
 from stalwart.mitigate import planner, remap
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
 from stalwart.mitigate.policy import Policy
 from stalwart.presets import PRESETS, n_params
-from stalwart.rundir import CONFIG, EVENTS, METRICS, read_jsonl
+from stalwart.rundir import CONFIG, EVENTS, ITERATIONS, METRICS, read_jsonl
 
 MATCH_STEPS = 12  # a recorded verdict this close to a replayed decision is its outcome
 EVERY = 2  # steps per exchange of the mitigation channel, unless the run's config says
@@ -54,6 +62,8 @@ MEASURE_STEPS = 6  # steps after a plan's start over which its gain is measured 
 RESTART_S = 15.0  # a restart's price (measured restarts: 9-16 s on the testbed)
 VERDICTS = ("straggler_detected", "slowdown_unexplained")
 RECOVERIES = ("straggler_recovered", "recovery_rejected")
+# the alarms' names in the replay's output ("detect": a change point)
+ACTIONS = {a: ("detect" if m == "change" else m) for a, m in MODES.items()} | {RECOVER: "recover"}
 
 
 @dataclass
@@ -123,10 +133,12 @@ class Verdicts:
                 self.faults.append((int(e["rank"]), float(e.get("magnitude") or 1.0),
                                     int(e.get("step", 0)), removed.get(e.get("spec"))))
 
-    def take(self, decided: int) -> dict[str, Any] | None:
-        # about a slowdown that had begun by the decision, decided near it
+    def take(self, decided: int, mode: str = CHANGE_MODE) -> dict[str, Any] | None:
+        # about a slowdown that had begun by the decision, decided near it, by the same kind
+        # of alarm (a born finding says which; a change point's says nothing)
         near = [e for e in self.left if abs(int(e.get("step", -10**9)) - decided) <= MATCH_STEPS
-                and int(e.get("onset_step", 0)) <= decided]
+                and int(e.get("onset_step", 0)) <= decided
+                and (e.get("evidence") or {}).get("detected_by", CHANGE_MODE) == mode]
         if not near:
             return None
         e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
@@ -153,14 +165,17 @@ class Verdicts:
             b is None or decided < b)]
         return max(on, default=1.0)
 
-    def verdict(self, onset: int, decided: int, severity: float) -> Finding:
-        """What validation decided on an alarm (onset, decision step, severity): the recorded
-        verdict, or nothing confirmed."""
-        e = self.take(decided)
+    def verdict(self, onset: int, decided: int, severity: float,
+                mode: str = CHANGE_MODE) -> Finding:
+        """What validation decided on an alarm (onset, decision step, severity, what raised
+        it): the recorded verdict, or nothing confirmed."""
+        e = self.take(decided, mode)
         if e is None or e["event"] != "straggler_detected":
-            return Finding("unknown", onset, decided, severity, 0.3)
+            return Finding("unknown", onset, decided, severity)
         f = Finding.from_event(e)
-        f.step, f.severity, f.recovered_step = decided, severity, None
+        f.step, f.recovered_step = decided, None
+        if not f.evidence.get("detected_by"):  # a born finding's severity is priced from
+            f.severity = severity  # its peers by validation; else it is the alarm's
         return f
 
 
@@ -210,12 +225,14 @@ def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, gro
                 core.alarm_read()
         inflight = (core.take_pending(), k, comps)
         if got is not None and got.action != NONE:
-            alarms.append({"step": k, "action": "detect" if got.action == DETECT else "recover",
+            alarms.append({"step": k, "action": ACTIONS[got.action],
                            "onset_step": got.onset, "ratio": got.severity,
                            "suspect": got.suspect})
-            if got.action == DETECT:
+            if got.action in DETECTS:
                 suspect = got.suspect if got.suspect >= 0 else None
-                core.apply_verdict(verdicts.verdict(got.onset, k, got.severity), suspect)
+                core.apply_verdict(verdicts.verdict(got.onset, k, got.severity,
+                                                    MODES[got.action]), suspect,
+                                   action=got.action)
             else:
                 ratio = None
                 if core.needs_recovery_test() and core.active is not None:
@@ -335,11 +352,13 @@ class PolicyReplay:
 def replay_run(run_dir: Path) -> dict[str, Any]:
     """The decisions the decision code makes on one recorded run (see the module docstring)."""
     run_dir = Path(run_dir)
-    for name in (CONFIG, METRICS):
+    # a script run (--script) records the monitor's iterations instead of metrics
+    series = METRICS if (run_dir / METRICS).is_file() else ITERATIONS
+    for name in (CONFIG, series):
         if not (run_dir / name).is_file():
-            raise ConfigError(f"not a run directory (no {name}): {run_dir}")
+            raise ConfigError(f"not a run directory (no {METRICS}): {run_dir}")
     cfg = json.loads((run_dir / CONFIG).read_text())
-    metrics = read_jsonl(run_dir / METRICS)
+    metrics = read_jsonl(run_dir / series)
     events = read_jsonl(run_dir / EVENTS) if (run_dir / EVENTS).is_file() else []
     verdicts = Verdicts(events)
     tp = int(cfg.get("tp", 1))

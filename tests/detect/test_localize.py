@@ -26,7 +26,7 @@ def test_slow_compute_rank_is_named() -> None:
     es = [ev(r, comm=(0.01, 0.04)) for r in range(3)] + [ev(3, comp=(0.05, 0.08), test=0.31)]
     f = decide(es, onset_step=40, step=43, severity=1.5)
     assert f.kind == "compute" and f.ranks == [3]
-    assert f.confidence >= 0.8
+    assert "confidence" not in f.event_fields()  # the tests' chances are in the evidence
     assert f.onset_step == 40 and f.step == 43
     assert f.evidence["compute_test_ratio"]["3"] > 1.4
 

@@ -15,7 +15,7 @@ M, G = 16, 4
 
 
 def finding(rank: int, step: int, kind: str = "compute") -> Finding:
-    return Finding(kind, step - 4, step, 1.5, 0.9, ranks=[rank])
+    return Finding(kind, step - 4, step, 1.5, ranks=[rank])
 
 
 def ev(**fields) -> Finding:

@@ -68,7 +68,7 @@ MITIGATED_EVENTS: list[dict[str, Any]] = [
     {"event": "fault_applied", "step": 30, "kind": "compute", "target": "rank2", "rank": 2,
      "magnitude": 2.0, "spec": FAULT},
     {"event": "straggler_detected", "step": 34, "onset_step": 30, "kind": "compute",
-     "ranks": [2], "severity": 2.0, "confidence": 1.0},
+     "ranks": [2], "severity": 2.0},
     {"event": "mitigation_applied", "step": 37, "decided_step": 36, "strategy": "rebalance",
      "plan": [5, 5, 2, 4], "version": 1, "predicted_gain": 0.28, "target": "rank2",
      "reason": "compute straggler on rank 2: 2.0x per micro-batch"},

@@ -50,9 +50,9 @@ def test_faults_and_findings_share_one_clock_and_are_matched(tmp_path: Path) -> 
     run = _run(tmp_path / "r", [
         {"event": "fault_applied", "time": T0 + 20, "step": 150, **FAULT},
         {"event": "straggler_detected", "time": T0 + 22.5, "step": 160, "onset_step": 151,
-         "kind": "compute", "ranks": [2], "severity": 1.9, "confidence": 0.9},
+         "kind": "compute", "ranks": [2], "severity": 1.9},
         {"event": "straggler_detected", "time": T0 + 50, "step": 400, "onset_step": 390,
-         "kind": "link", "ranks": [], "link": [0, 3], "severity": 1.4, "confidence": 0.6},
+         "kind": "link", "ranks": [], "link": [0, 3], "severity": 1.4},
         {"event": "fault_removed", "time": T0 + 40, "step": 250, **FAULT},
     ])
     page = build_report(run).read_text()

@@ -18,6 +18,14 @@ rank or link is an unexplained slowdown, logged only if it lasts ``persist`` sam
 chance (``LASTING_Z``), otherwise counted as a hiccup. While an alarm is pending or deciding,
 new changes are not classified (one fault, one finding).
 
+Stragglers with no healthy "before" (a rank slow from its first step never changes, so no
+channel above fires): every rank's compute over its peers' median goes through a sign test
+all the time (``OutlierBank``, outlier.py: at most ``ALPHA_RANK_HOUR`` alarms per healthy
+rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per job, ``AUDIT_AFTER``
+samples after the warm-up, the validation tests run with no alarm (``AUDIT``: a link slow
+from the start, or a rank both the audit's sign test and the compute test name). Their
+findings are followed for recovery at the peers' level (``_follow_born``).
+
 Recovery at equal load: a compute straggler's channel measures its compute per step, which
 falls when a plan gives it less work -- and a rank under a CPU quota runs a short burst at
 nearly full speed. So its recovery alarm is confirmed by the compute test (the same matmuls on
@@ -45,7 +53,17 @@ import numpy as np
 
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
-from stalwart.detect.localize import BEFORE, COMPUTE_MILD, ONSET_SLACK, Finding, RankEvidence
+from stalwart.detect.localize import (
+    AUDIT_MODE,
+    BEFORE,
+    CHANGE_MODE,
+    COMPUTE_MILD,
+    ONSET_SLACK,
+    OUTLIER_MODE,
+    Finding,
+    RankEvidence,
+)
+from stalwart.detect.outlier import Outlier, OutlierBank
 from stalwart.events import (
     Event,
     RecoveryRejected,
@@ -54,7 +72,12 @@ from stalwart.events import (
     StragglerRecovered,
 )
 
-NONE, DETECT, RECOVER = 0, 1, 2
+# alarm actions: a change point (DETECT), the followed straggler's recovery (RECOVER), a rank
+# slower than its peers all along (OUTLIER, outlier.py), the one scheduled audit (AUDIT)
+NONE, DETECT, RECOVER, OUTLIER, AUDIT = 0, 1, 2, 3, 4
+DETECTS = (DETECT, OUTLIER, AUDIT)  # the actions validated by the tests
+MODES = {DETECT: CHANGE_MODE, OUTLIER: OUTLIER_MODE, AUDIT: AUDIT_MODE}  # localize.decide's
+AUDIT_AFTER = 30  # samples after the warm-up at which the audit runs (once per job)
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
 RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
@@ -100,7 +123,7 @@ class DecisionCore:
     """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms."""
 
     def __init__(self, leader: bool, *, warmup: int = 10, persist: int = 20,
-                 history: int = 1000,
+                 history: int = 1000, audit: bool = True,
                  emit: Callable[[Event], None] | None = None) -> None:
         self.leader = leader
         self.persist = persist
@@ -129,11 +152,22 @@ class DecisionCore:
         self.rejections = 0  # recoveries the compute test rejected (this straggler)
         self._recheck_at: int | None = None  # leader: when to test the straggler again
         self._recover_level = 1.0  # the last recovery alarm's level (a recheck reuses it)
+        # every rank against its peers all the time (outlier.py), made at the first rows
+        self.outliers: OutlierBank | None = None
+        self._outlier: Outlier | None = None  # the one whose alarm is on its way
+        self.audit_at = warmup + AUDIT_AFTER if audit else 0  # samples; 0: no audit
+        self.audit: dict[str, Any] | None = None  # the audit's outcome, once it ran
+        self.verdicts = 0  # validated alarms (each one a validation pause)
+        self._seen = 0
+        self._first_key: int | None = None
 
     # ---- inputs ---------------------------------------------------------------------------
     def sample(self, s: IterSample) -> None:
         """This rank's iteration; on the leader, the iteration-time channel's next sample."""
         self.samples.append(s)
+        self._seen += 1
+        if self._first_key is None:
+            self._first_key = s.key
         if not self.leader:
             return
         if (self._recheck_at is not None and s.key >= self._recheck_at
@@ -145,6 +179,16 @@ class DecisionCore:
             self.classify(ch)
         if self._unexplained is not None:
             self._settle_unexplained(s.key)
+        if self._seen >= self.audit_at > 0 and self.audit is None and self._quiet():
+            # the one look at a job that may be slow from its start (no change to find): the
+            # validation tests once, from the first sample on, with no suspect
+            self.audit = {"step": s.key}
+            self.pending = Alarm(AUDIT, self._first_key, 1.0, -1)
+
+    def _quiet(self) -> bool:
+        """Leader: nothing under way, no straggler followed, and peers known (the audit)."""
+        return (self.pending.action == NONE and not self.deciding and self.active is None
+                and self.outliers is not None)
 
     def relative(self, key: int, comps: list[float]) -> None:
         """Leader: every rank's compute time at step ``key`` (rank order)."""
@@ -172,6 +216,29 @@ class DecisionCore:
         for r, ch in enumerate(self.cusum.add(key, np.asarray(rel))):
             if ch is not None:
                 self.classify(ch, f"rank{r}")
+        if self.outliers is None or self.outliers.n != len(comps):
+            self.outliers = OutlierBank(len(comps), warmup=self.detector.warmup)
+        # a rank slower than its peers all along, which no change point shows (outlier.py)
+        for o in self.outliers.add(key, np.asarray(comps), self.step_seconds):
+            self._on_outlier(o)
+
+    def step_seconds(self) -> float:
+        """The job's recent step time (median of the last 32 iteration samples)."""
+        xs = [s.seconds for s in list(self.samples)[-32:]]
+        return statistics.median(xs) if xs else 1.0
+
+    def _on_outlier(self, o: Outlier) -> None:
+        """An outlier alarm, priced from the peers: the job's step time over its step time
+        without the rank's excess compute (every rank waits for the slowest); its onset is
+        the monitor's first sample while the rank's whole history is in question (its first
+        window), else its window's first sample."""
+        t = self.step_seconds()
+        severity = t / max(t - max(o.excess, 0.0), 0.1 * t)
+        onset = self._first_key if o.whole and self._first_key is not None else o.onset
+        before = self.pending
+        self.classify(Change(onset, o.key, 1.0, o.level), f"rank{o.rank}", OUTLIER, severity)
+        if self.pending is not before and self.pending.action == OUTLIER:
+            self._outlier = o
 
     def _pool_noise(self, dets: list[ChangeDetector], rel: list[float]) -> None:
         """A floor under every per-rank channel's noise scale: ``POOLED_FLOOR`` x the median
@@ -216,14 +283,18 @@ class DecisionCore:
         return self.pending.action != NONE or self.deciding > 0 or any(
             d.pending for d in (self.detector, *self.rel_detectors.values()))
 
-    def classify(self, ch: Change, channel: str = "iteration") -> None:
+    def classify(self, ch: Change, channel: str = "iteration", action: int = DETECT,
+                 severity: float | None = None) -> None:
+        """A change (or an outlier: ``action`` OUTLIER, ``severity`` priced from the peers)
+        becomes the pending alarm, a recovery, or nothing (see the module docstring)."""
         if self.pending.action != NONE or self.deciding:
             return  # a decision is already on its way
+        sev = ch.ratio if severity is None else severity
         if self.active is None:
             if ch.ratio > 1.0:
                 self._healthy = ch.before
                 self._channel = channel
-                self.pending = Alarm(DETECT, ch.onset, ch.ratio, suspect_of(channel))
+                self.pending = Alarm(action, ch.onset, sev, suspect_of(channel))
             # a speed-up while healthy just moves the baseline
             return
         if ch.ratio > 1.0 and (ch.onset <= self.active.step or (
@@ -236,11 +307,11 @@ class DecisionCore:
             if ch.ratio > 1.0:  # another straggler while one is in progress
                 # followed on its channel only if the tests confirm it is a new one
                 self._switch_to = (channel, ch.before)
-                self.pending = Alarm(DETECT, ch.onset, ch.ratio, suspect_of(channel))
+                self.pending = Alarm(action, ch.onset, sev, suspect_of(channel))
             return  # recoveries are followed on the channel that found the slowdown
         if ch.ratio > 1.0:
-            self.pending = Alarm(DETECT, ch.onset, ch.after / (self._healthy or ch.before),
-                                 suspect_of(channel))
+            self.pending = Alarm(action, ch.onset, ch.after / (self._healthy or ch.before)
+                                 if severity is None else severity, suspect_of(channel))
         elif self._healthy is not None and ch.after <= self._healthy * (
                 1.0 + self.detector.min_shift):
             self._recover_level = ch.after / self._healthy
@@ -262,9 +333,21 @@ class DecisionCore:
         return RankEvidence(rank, med(before, "compute"), med(after, "compute"),
                             med(before, "comm"), med(after, "comm"), recent=recent)
 
-    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0) -> None:
-        """Every rank: the validated verdict on an alarm (the same on every rank)."""
+    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,
+                      action: int = DETECT) -> None:
+        """Every rank: the validated verdict on an alarm (the same on every rank);
+        ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
+        self.verdicts += 1
         switch_to, self._switch_to = self._switch_to, None
+        outlier, self._outlier = self._outlier, None
+        if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
+                finding.kind == "compute" and finding.ranks == [suspect]):
+            self.outliers.unconfirmed(suspect)  # not paused for again at that level
+        if action == AUDIT:
+            self.audit = {"step": finding.step, "kind": finding.kind,
+                          "evidence": finding.evidence}
+            if finding.kind == "unknown":
+                return  # a clean audit: nothing to report, nothing to follow
         if self.active is not None and (finding.kind == "unknown" or (
                 finding.kind, finding.ranks, finding.link) == (
                 self.active.kind, self.active.ranks, self.active.link)):
@@ -279,15 +362,26 @@ class DecisionCore:
             return
         if switch_to is not None:
             self._channel, self._healthy = switch_to
+        if action != DETECT and finding.kind != "unknown":
+            self._follow_born(finding)
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self.active = finding if finding.kind != "unknown" else None
         self.rejections, self._recheck_at = 0, None
-        if not self.leader:
-            return
+        if self.leader:
+            self._report(finding, suspect, pause, action, outlier)
+
+    def _report(self, finding: Finding, suspect: int | None, pause: float, action: int,
+                outlier: Outlier | None) -> None:
+        """Leader: a new verdict logged (a straggler), followed (an unexplained slowdown
+        until it proves it lasts) or counted (a hiccup)."""
         fields = finding.event_fields()
         fields["evidence"] = dict(fields["evidence"], validation_s=pause)
-        if suspect is not None and self.cusum is not None:
+        if outlier is not None:
+            fields["evidence"]["outlier_test"] = {
+                "rank": outlier.rank, "above": outlier.count, "of": outlier.n,
+                "p": float(f"{outlier.p:.3g}"), "level": round(outlier.level, 3)}
+        if suspect is not None and self.cusum is not None and action == DETECT:
             # a rank's own channel pointed at it: an alarm the tests did not confirm makes
             # that rank's next CUSUM alarm need more evidence (bounded validation pauses)
             if finding.kind == "compute" and finding.ranks == [suspect]:
@@ -298,8 +392,9 @@ class DecisionCore:
             # one rank's compute moved relative to its peers and the tests found nothing
             # (load from elsewhere shifting CPU shares, or a rank that is not slow now): not
             # a job-wide slowdown to report, a hiccup
-            self._hiccup(f"rank {suspect}'s compute rose; the compute test did not confirm it",
-                         fields)
+            what = "stood out" if action == OUTLIER else "rose"
+            self._hiccup(f"rank {suspect}'s compute {what}; the compute test did not confirm "
+                         "it", fields)
             return
         if finding.kind == "unknown":
             # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
@@ -365,6 +460,17 @@ class DecisionCore:
                                         threshold=round(self.recovery_threshold(), 3),
                                         next_check_step=decided + wait))
         return False
+
+    def _follow_born(self, f: Finding) -> None:
+        """A straggler found by the outlier test or the audit is followed for its recovery
+        at its peers' level, since it has no healthy level of its own: a rank on its own
+        relative-compute channel back to 1 (the job's median), a link on the iteration time
+        back to the step time priced without it (``severity``)."""
+        if f.kind == "compute" and len(f.ranks) == 1:
+            self._channel, self._healthy = f"rank{f.ranks[0]}", 1.0
+        else:
+            self._channel = "iteration"
+            self._healthy = self.step_seconds() / max(f.severity, 1.0)
 
     def apply_recovery(self, onset: int, decided: int, level: float,
                        test_ratio: float | None = None) -> None:

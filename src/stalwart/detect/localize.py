@@ -26,7 +26,20 @@ A compute verdict's onset is where the culprit's own compute, relative to its pe
 (``culprit_onset``): the channel that fired may have put it at an earlier job-wide blip.
 Load from elsewhere makes single compute-test rounds noisy, hence the requirement that
 training-time evidence and test agree.
-The evidence dict of the verdict carries the measured ratios so a human can check it.
+
+Stragglers with no healthy "before" (``mode``): an alarm of the outlier test (outlier.py: a
+rank above its peers all along) names its rank as in rule 1; the one audit after the warm-up
+(no alarm) names a link by rule 2 and a rank by rule 1 when the sign test of its training-time
+compute against its peers' (``_audit_candidate``, p <= ``AUDIT_P``) and the compute test
+agree; rule 3 never applies (no training-time change to back the test). Their onset is where
+the rank rose from its peers' level if it did (``born_onset``), else the first sample, with
+``never_healthy`` in the evidence; their severity is priced from the peers
+(``born_severity``, ``link_severity``), since no level before the onset exists.
+
+The evidence dict of the verdict carries the measured ratios so a human can check it, and the
+chances behind the verdict: ``rounds_chance`` (a healthy exchangeable rank slowest in as many
+compute-test rounds) and ``sign_test`` (the binomial tail of the training-time comparison).
+There is no single "confidence": the tests' chances are stated instead.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from stalwart.detect.changepoint import rise_onset
+from stalwart.detect.outlier import MIN_SHIFT, binom_tail
 
 # confirms the rank the training-time evidence points at: throttled or starved ranks measured
 # 2.0-7.3x here, healthy ranks up to ~1.9x in single rounds, 1.2-1.4x after the median
@@ -75,6 +89,20 @@ ONSET_SLACK = 4
 BEFORE = 20  # steps of the level before an onset (profile medians, the onset's baseline)
 PROFILE_RATIO = 1.15
 PROFILE_STANDOUT = 1.3  # the profile names a rank whose compute grew this much more than any
+# what raised the alarm: a change point (the culprit must have risen over it), a rank slower
+# than its peers all along (outlier.py), or the one scheduled audit after the warm-up
+CHANGE_MODE, OUTLIER_MODE, AUDIT_MODE = "change", "outlier", "audit"
+# the audit's compute candidate: the rank whose training-time compute exceeds its peers'
+# median by MIN_SHIFT in more samples than chance allows at this level (sign test), which the
+# compute test must then confirm -- two independent tests, so the audit names a healthy rank
+# with chance below AUDIT_P x the compute test's own (4^-3 for 3 rounds at 4 ranks)
+AUDIT_P = 0.01
+AUDIT_MIN_SAMPLES = 8
+# ... counting samples above its peers' median by this much: rank 0 reads 1.05-1.5x its peers
+# all along on healthy runs (it does the monitor's and the lossy transport's extra work) and
+# passed the sign test at 10% (31 of 41 samples, p 7e-4) on a clean script run, while a 2x
+# rank reads ~1.8x; a 2x rank's samples pass 25% in ~75% of steps
+AUDIT_SHIFT = 0.25
 
 
 @dataclass
@@ -101,8 +129,8 @@ class Finding:
     kind: str  # "compute" | "link" | "unknown"
     onset_step: int
     step: int  # when decided
-    severity: float  # iteration-time slowdown factor (after / before)
-    confidence: float
+    severity: float  # iteration-time slowdown factor (after / before, or the job's step
+    #                  time over its estimate without the straggler when it was never healthy)
     ranks: list[int] = field(default_factory=list)
     link: list[int] | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -114,7 +142,7 @@ class Finding:
         ``Monitor.report()``)."""
         link = e.get("link")
         return cls(str(e.get("kind")), int(e.get("onset_step", 0)), int(e.get("step", 0)),
-                   float(e.get("severity", 0.0)), float(e.get("confidence", 0.0)),
+                   float(e.get("severity", 0.0)),
                    ranks=[int(r) for r in e.get("ranks") or []],
                    link=[int(x) for x in link] if link is not None else None,
                    evidence=dict(e.get("evidence") or {}),
@@ -124,7 +152,6 @@ class Finding:
         d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
                              "kind": self.kind, "ranks": self.ranks,
                              "severity": round(self.severity, 3),
-                             "confidence": round(self.confidence, 2),
                              "evidence": self.evidence}
         if self.link is not None:
             d["link"] = self.link
@@ -195,14 +222,147 @@ def _mild_confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int
         (rounds >= MILD_ROUNDS and misses == 0) or (rounds >= MILD_ROUNDS_LONG and misses <= 1))
 
 
-def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
+def peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rank``'s (keys, log of compute / the other ranks' median compute) at the steps of
+    the evidence that every rank has."""
+    by_key: dict[int, dict[int, float]] = {}
+    for e in ev:
+        for k, c in e.recent:
+            by_key.setdefault(int(k), {})[e.rank] = c
+    keys, xs = [], []
+    for k in sorted(by_key):
+        row = by_key[k]
+        if len(row) != len(ev) or rank not in row or not row[rank] > 0:
+            continue
+        peers = statistics.median(v for r, v in row.items() if r != rank) if len(row) > 1 else 0
+        if peers > 0:
+            keys.append(k)
+            xs.append(math.log(row[rank] / peers))
+    return np.asarray(keys, dtype=np.int64), np.asarray(xs)
+
+
+def sign_test(xs: np.ndarray, shift: float = MIN_SHIFT) -> tuple[int, int, float]:
+    """(samples above log(1 + shift), samples, P(Bin(n, 1/2) >= that count))."""
+    k = int(np.count_nonzero(xs > math.log1p(shift)))
+    return k, len(xs), binom_tail(len(xs), k)
+
+
+def _audit_candidate(ev: list[RankEvidence], evidence: dict[str, Any] | None) -> int | None:
+    """The audit's compute candidate: the rank with the smallest sign-test p-value of its
+    training-time compute against its peers', if that is at most ``AUDIT_P``."""
+    best: tuple[float, int, int, int] | None = None  # (p, rank, above, samples)
+    for e in ev:
+        k, n, p = sign_test(peer_series(ev, e.rank)[1], AUDIT_SHIFT)
+        if n >= AUDIT_MIN_SAMPLES and (best is None or p < best[0]):
+            best = (p, e.rank, k, n)
+    if best is None or best[0] > AUDIT_P:
+        return None
+    if evidence is not None:
+        evidence["sign_test"] = {"rank": best[1], "above": best[2], "of": best[3],
+                                 "shift": AUDIT_SHIFT, "p": float(f"{best[0]:.3g}")}
+    return best[1]
+
+
+def candidate_of(ev: list[RankEvidence], suspect_rank: int | None, mode: str = CHANGE_MODE,
+                 evidence: dict[str, Any] | None = None) -> int | None:
+    """The rank the compute test must confirm: the rank whose channel fired (change points,
+    outliers); else, after a change point, the rank the training-time profile names; at the
+    audit, ``_audit_candidate``."""
+    if suspect_rank is not None:
+        return suspect_rank
+    if mode == AUDIT_MODE:
+        return _audit_candidate(ev, evidence)
+    if mode == CHANGE_MODE:
+        return _profile_suspect(ev)[0]
+    return None
+
+
+def _rounds_chance(ev: list[RankEvidence], rank: int) -> float:
+    """The chance that a healthy rank, exchangeable with its peers, is the slowest in as many
+    of the compute test's synchronised rounds as ``rank`` was: n^-k (n ranks, k rounds)."""
+    return float(f"{len(ev) ** -float(slowest_every_round(ev, rank)):.3g}")
+
+
+def _step_level(ev: list[RankEvidence]) -> tuple[float, float] | None:
+    """The job's step time and communication time since the onset (medians over ranks of
+    their compute + communication, and of their communication), None without a profile."""
+    steps = [e.compute_after + e.comm_after for e in ev
+             if e.compute_after is not None and e.comm_after is not None]
+    comms = [e.comm_after for e in ev if e.comm_after is not None]
+    if not steps or not comms:
+        return None
+    return statistics.median(steps), statistics.median(comms)
+
+
+def born_severity(ev: list[RankEvidence], rank: int) -> float:
+    """A compute straggler's cost priced from its peers, for a straggler with no healthy
+    "before": the job's step time over the step time without the rank's excess compute over
+    its peers' median (every rank waits for the slowest at the collective). 1.0 without a
+    profile."""
+    level = _step_level(ev)
+    own = next((e.compute_after for e in ev if e.rank == rank), None)
+    peers = [e.compute_after for e in ev if e.rank != rank and e.compute_after is not None]
+    if level is None or own is None or not peers:
+        return 1.0
+    t = level[0]
+    excess = max(own - statistics.median(peers), 0.0)
+    return t / max(t - excess, 0.1 * t)
+
+
+def link_severity(ev: list[RankEvidence], ratio: float) -> float:
+    """A slow link's cost priced from the healthy pairs, for a link with no healthy "before":
+    the job's step time over the step time with its communication ``ratio`` times faster (the
+    healthy pairs' speed; an upper bound: communication also holds waits for peers)."""
+    level = _step_level(ev)
+    if level is None or ratio <= 1.0:
+        return 1.0
+    t, comm = level
+    return t / max(t - comm * (1.0 - 1.0 / ratio), 0.1 * t)
+
+
+def born_onset(ev: list[RankEvidence], rank: int, onset_step: int,
+               step: int) -> tuple[int, bool]:
+    """Where a straggler found by the outlier test or the audit began, and whether it was
+    never healthy: where the rank's compute over its peers' rose from below ``1 + MIN_SHIFT``
+    (``rise_onset``), if it did; else the first sample of the evidence, "never healthy" when
+    the evidence holds nothing before ``onset_step`` (the monitor's first sample: the alarm
+    put its onset there because the rank's whole history is in question); else
+    ``onset_step`` (slow since at least then)."""
+    keys, xs = peer_series(ev, rank)
+    if len(keys) == 0:
+        return onset_step, False
+    rise = rise_onset(keys, xs, int(keys[0]), step, before=BEFORE,
+                      min_rise=math.log(COMPUTE_MILD))
+    if rise is not None and float(np.median(xs[keys < rise])) < math.log1p(MIN_SHIFT):
+        return rise, False
+    if int(keys[0]) >= onset_step:
+        return int(keys[0]), True
+    return onset_step, False
+
+
+def _born_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
+                  evidence: dict[str, Any], mode: str) -> Finding:
+    onset, never = born_onset(ev, rank, onset_step, step)
+    evidence.update(detected_by=mode, never_healthy=never)
+    if onset != onset_step:
+        evidence["alarm_onset_step"] = onset_step
+    k, n, p = sign_test(peer_series(ev, rank)[1])
+    evidence.setdefault("sign_test", {"rank": rank, "above": k, "of": n, "shift": MIN_SHIFT,
+                                      "p": float(f"{p:.3g}")})
+    return Finding("compute", onset, step, born_severity(ev, rank), ranks=[rank],
+                   evidence=evidence)
+
+
+def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
+                mode: str = CHANGE_MODE) -> int:
     """Compute-test rounds still needed to decide on the candidate (0: decided either way).
 
-    The candidate is ``suspect_rank`` (a rank's own channel fired), else the rank the
-    training-time profile names (``_profile_suspect``: its compute grew by 1.15x or more and
-    1.3x more than any peer's while they waited longer) -- the same rank ``decide`` then
-    confirms. Without the profile's rank, a 1.3x throttle that the iteration channel found
-    first was tested 3 rounds, measured 1.486x against the 1.5x the short test needs, and
+    The candidate is ``candidate_of``'s: ``suspect_rank`` (a rank's own channel fired), else
+    after a change point the rank the training-time profile names (``_profile_suspect``: its
+    compute grew by 1.15x or more and 1.3x more than any peer's while they waited longer), at
+    the audit the rank the sign test names -- the same rank ``decide`` then confirms. Without
+    the profile's rank, a 1.3x throttle that the iteration channel found first was tested 3
+    rounds, measured 1.486x against the 1.5x the short test needs, and
     was logged unexplained.
 
     Pure on the gathered evidence, so every rank reaches the same answer and runs the same
@@ -210,8 +370,7 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None) -> int:
     ``COMPUTE_MILD``, and the slowest in every round so far (up to ``MILD_ROUNDS``) or in all
     but one (up to ``MILD_ROUNDS_LONG``).
     """
-    if suspect_rank is None:
-        suspect_rank = _profile_suspect(ev)[0]
+    suspect_rank = candidate_of(ev, suspect_rank, mode)
     if suspect_rank is None:
         return 0
     cr = _compute_ratios(ev)
@@ -256,25 +415,53 @@ def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int)
 
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
-                     severity: float, conf: float, evidence: dict[str, Any]) -> Finding:
+                     severity: float, evidence: dict[str, Any]) -> Finding:
     onset = culprit_onset(ev, rank, onset_step, step)
     if onset is None:
         # the test finds the rank slow now, but its own compute did not rise over this
         # slowdown (or only in the last sample): a change on noise, validated just as a real
         # fault began. Not this slowdown's culprit; the channels find the fault's own onset.
         evidence["culprit_not_slow_since_onset"] = rank
-        return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)
+        return Finding("unknown", onset_step, step, severity, evidence=evidence)
     if onset != onset_step:  # say where the channel that fired had put it
         evidence["channel_onset_step"] = onset_step
-    return Finding("compute", onset, step, severity, conf, ranks=[rank], evidence=evidence)
+    return Finding("compute", onset, step, severity, ranks=[rank], evidence=evidence)
+
+
+def _slow_links(ev: list[RankEvidence],
+                evidence: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
+    """Every tested pair's time over the healthy pairs' level, and the pairs at least
+    ``LINK_RATIO`` x slower, slowest first (none when most are: the network as a whole)."""
+    links: dict[str, float] = {}
+    for e in ev:
+        links.update(e.links)
+    if len(links) < 2:
+        return {}, []
+    ref = healthy_level(list(links.values()))
+    lr = {k: t / ref for k, t in links.items()}
+    evidence["link_test_ratio"] = {k: round(v, 3) for k, v in lr.items()}
+    slow = sorted((k for k, v in lr.items() if v >= LINK_RATIO), key=lambda k: -lr[k])
+    return lr, ([] if len(slow) > (len(links) + 1) // 2 else slow)
+
+
+def _link_finding(slow_links: list[str], onset_step: int, step: int, severity: float,
+                  evidence: dict[str, Any]) -> Finding:
+    """Several slow pairs sharing one rank: that rank's own link; else the slowest pair."""
+    pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
+    common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
+    ranks = sorted(common) if len(common) == 1 else []
+    return Finding("link", onset_step, step, severity, ranks=ranks, link=list(pairs[0]),
+                   evidence=evidence)
 
 
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
-           suspect_rank: int | None = None) -> Finding:
+           suspect_rank: int | None = None, mode: str = CHANGE_MODE) -> Finding:
     """Combine every rank's evidence into one verdict (pure: same input, same answer).
 
     ``suspect_rank``: the rank whose own compute time (relative to its peers) triggered the
     detection, if that is how it was found; the compute test must then confirm that rank.
+    ``mode``: what raised the alarm (``CHANGE_MODE``, ``OUTLIER_MODE``, ``AUDIT_MODE``; the
+    module docstring).
     """
     ev = sorted(ev, key=lambda e: e.rank)
     evidence: dict[str, Any] = {}
@@ -282,23 +469,13 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     evidence["profile_compute_ratio"] = {str(r): round(v, 3) for r, v in prof.items()}
     compute_flat = bool(prof) and all(v < PROFILE_RATIO for v in prof.values())
 
-    links: dict[str, float] = {}
-    for e in ev:
-        links.update(e.links)
-    lr: dict[str, float] = {}
-    slow_links: list[str] = []
-    if len(links) >= 2:
-        ref = healthy_level(list(links.values()))
-        lr = {k: t / ref for k, t in links.items()}
-        evidence["link_test_ratio"] = {k: round(v, 3) for k, v in lr.items()}
-        slow_links = sorted((k for k, v in lr.items() if v >= LINK_RATIO), key=lambda k: -lr[k])
-        if len(slow_links) > (len(links) + 1) // 2:
-            slow_links = []  # most links slow: the network as a whole, not one link
+    lr, slow_links = _slow_links(ev, evidence)
     cr = _compute_ratios(ev)
     if cr:
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
 
-    candidate = suspect_rank if suspect_rank is not None else profiled
+    born = mode != CHANGE_MODE
+    candidate = candidate_of(ev, suspect_rank, mode, evidence)
     # confirmed: far above the healthy level and the slowest rank in every round, or mildly
     # above it and the slowest in every round of a longer test (or all but one of 10)
     confirmed = candidate is not None and ((
@@ -316,26 +493,25 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         backed = prof.get(candidate, 0.0) >= max(PROFILE_RATIO, c ** 0.5)
         touches = backed or not any(lr[k] >= STARVED_LINK_PER_X * c for k in slow_links)
     if confirmed and (not slow_links or touches):
-        conf = 0.7 + (0.2 if cr[candidate] >= 1.5 else 0.0) + (
-            0.1 if profiled == candidate else 0.0)
-        return _compute_finding(ev, candidate, onset_step, step, severity, min(conf, 1.0),
-                                evidence)
+        evidence["rounds_chance"] = _rounds_chance(ev, candidate)
+        if born:
+            return _born_finding(ev, candidate, onset_step, step, evidence, mode)
+        return _compute_finding(ev, candidate, onset_step, step, severity, evidence)
     # 2. a link tens of times slower than its peers, not explained by a starved rank
     if slow_links:
-        pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
-        common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
-        ranks = sorted(common) if len(common) == 1 else []
-        conf = 0.8 + (0.2 if compute_flat else 0.0)
-        return Finding("link", onset_step, step, severity, conf, ranks=ranks,
-                       link=list(pairs[0]), evidence=evidence)
+        if mode == AUDIT_MODE:  # the first look: slow since the first sample the monitor has
+            evidence.update(detected_by=mode, never_healthy=True)
+            severity = link_severity(ev, lr[slow_links[0]])
+        return _link_finding(slow_links, onset_step, step, severity, evidence)
     # 3. the compute test alone, only when one rank stands far out -- and not when every
     #    rank's profiled compute stayed flat over the slowdown's window: the test measures
     #    now, and a rank that is slow now but was not then did not cause this slowdown (seen:
     #    a mild job-wide change at step 19, validated 13 steps later under batched
     #    exchanges, was pinned on a rank throttled from step 30 on, with onset 19)
-    if cr and suspect_rank is None and not compute_flat:
+    if cr and suspect_rank is None and not compute_flat and not born:
         order = sorted(cr, key=lambda r: -cr[r])
         if cr[order[0]] >= COMPUTE_ALONE and (
                 len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]):
-            return _compute_finding(ev, order[0], onset_step, step, severity, 0.5, evidence)
-    return Finding("unknown", onset_step, step, severity, 0.3, evidence=evidence)
+            evidence["rounds_chance"] = _rounds_chance(ev, order[0])
+            return _compute_finding(ev, order[0], onset_step, step, severity, evidence)
+    return Finding("unknown", onset_step, step, severity, evidence=evidence)

@@ -38,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.detect import verify
-from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
 from stalwart.detect.exchange import Exchange, open_rows
 from stalwart.detect.localize import decide
 from stalwart.detect.rowlink import exchange_cost
@@ -165,11 +165,11 @@ class Monitor:
         s = self.sampler.from_hint(step, metrics)
         if s is None:
             return
-        found = len(self.core.findings)
+        paused = self.core.verdicts
         self._paused = False
         self._sample(s)
         self._check()
-        if len(self.core.findings) != found or self._paused:
+        if self.core.verdicts != paused or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
         else:
             self._step_cpu_us.append(1e6 * (time.thread_time() - c0))
@@ -212,8 +212,9 @@ class Monitor:
         if alarm is None or alarm.action == NONE:
             return
         decided = self.core.samples[-1].key if self.core.samples else alarm.onset
-        if alarm.action == DETECT:
+        if alarm.action in DETECTS:
             suspect = alarm.suspect if alarm.suspect >= 0 else None
+            mode = MODES[alarm.action]
             ev = self.core.evidence(self.rank, alarm.onset, decided)
             t0 = time.perf_counter()
             if self.exchange is not None and self.validate_on_detect:
@@ -221,11 +222,12 @@ class Monitor:
                     finding = verify.validate_alarm(
                         ev, self.group(), self.world, self.rank, alarm.onset, decided,
                         alarm.severity, suspect, compute_reps=self.compute_reps,
-                        link_bytes=self.link_bytes, device=self.device)
+                        link_bytes=self.link_bytes, device=self.device, mode=mode)
             else:
-                finding = decide([ev], alarm.onset, decided, alarm.severity, suspect)
+                finding = decide([ev], alarm.onset, decided, alarm.severity, suspect, mode)
             self._skip_next = not self._hinted  # this iteration holds the pause
-            self.core.apply_verdict(finding, suspect, round(time.perf_counter() - t0, 3))
+            self.core.apply_verdict(finding, suspect, round(time.perf_counter() - t0, 3),
+                                    alarm.action)
         else:
             self._on_recovery(alarm, decided)
 
@@ -287,6 +289,8 @@ class Monitor:
         return {"hiccups": core.hiccups, "unexplained_logged": core.unexplained_logged,
                 "repeat_verdicts": core.repeats, "hiccup_log": list(core.hiccup_log),
                 "findings": len(core.findings), "checks": self._checks, **ex,
+                "audit": core.audit,
+                "outlier_alarms": core.outliers.alarms if core.outliers is not None else 0,
                 "monitor_step_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None}
 
     def __enter__(self) -> Monitor:

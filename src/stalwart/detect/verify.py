@@ -22,16 +22,18 @@ import torch
 import torch.distributed as dist
 
 from stalwart.detect import validate
-from stalwart.detect.localize import Finding, RankEvidence, decide, more_rounds
+from stalwart.detect.localize import CHANGE_MODE, Finding, RankEvidence, decide, more_rounds
 
 MAX_ROUND_ROBIN = 16  # world sizes above this test only the ring pairs
 
 
 def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: int,
                    decided: int, severity: float, suspect: int | None, *,
-                   compute_reps: int, link_bytes: int, device: Any = None) -> Finding:
+                   compute_reps: int, link_bytes: int, device: Any = None,
+                   mode: str = CHANGE_MODE) -> Finding:
     """Collective on ``group``: run the tests, gather, decide (see the module docstring).
-    ``device``: the job's compute device when the caller knows it (``where_to_test``)."""
+    ``device``: the job's compute device when the caller knows it (``where_to_test``);
+    ``mode``: what raised the alarm (localize.decide)."""
     dev, link_dev, link_pg = where_to_test(group, device)
     ev.compute_rounds = validate.compute_test(reps=compute_reps, group=group, device=dev)
     ev.compute_test = statistics.median(ev.compute_rounds)
@@ -39,19 +41,19 @@ def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: i
     ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
         ring, rank, link_bytes, group=link_pg, device=link_dev).items()}
     gathered = gather(ev, group, world)
-    while extra_rounds := more_rounds(gathered, suspect):
+    while extra_rounds := more_rounds(gathered, suspect, mode):
         ev.compute_rounds += validate.compute_test(reps=compute_reps, rounds=extra_rounds,
                                                    group=group, device=dev)
         ev.compute_test = statistics.median(ev.compute_rounds)
         gathered = gather(ev, group, world)
-    finding = decide(gathered, onset, decided, severity, suspect)
+    finding = decide(gathered, onset, decided, severity, suspect, mode)
     tested = {p for ps in ring for p in ps}
     extra = validate.round_robin_passes(world, tested)
     if finding.kind == "unknown" and extra and world <= MAX_ROUND_ROBIN:
         # a slow link between hosts that are not ring neighbours
         ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
             extra, rank, link_bytes, group=link_pg, device=link_dev).items()})
-        finding = decide(gather(ev, group, world), onset, decided, severity, suspect)
+        finding = decide(gather(ev, group, world), onset, decided, severity, suspect, mode)
     return finding
 
 

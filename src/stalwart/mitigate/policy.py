@@ -431,6 +431,7 @@ class Policy:
                 self.active = Straggler("pairlink", -1, -1, f.onset_step, f.step, pair=pair,
                                         since=len(self._unit_hist) - 1)
                 self._healthy_before(f.onset_step)  # a pair is often found late, as a link
+                self._healthy_from_peers(f)
             return
         if f.kind not in ("compute", "link") or len(f.ranks) != 1:
             return  # unexplained slowdowns are not stragglers
@@ -445,6 +446,15 @@ class Policy:
         self.active = Straggler(f.kind, r // self.tp, r, f.onset_step, f.step,
                                 since=len(self._unit_hist) - 1)
         self._healthy_before(self.active.onset_step)
+        self._healthy_from_peers(f)
+
+    def _healthy_from_peers(self, f: Finding) -> None:
+        """A straggler that was never healthy (found by the detector's outlier test or audit:
+        ``never_healthy``) has no healthy step time to measure: every step so far was slow.
+        Its finding's severity is priced from its peers (the job's step time over the step
+        time without it), so the healthy level is the recent step time over that."""
+        if f.evidence.get("never_healthy") and f.severity > 1.0 and self._step_hist:
+            self.healthy_step_s = statistics.median(self._step_hist[-8:]) / f.severity
 
     def _healthy_before(self, onset: int) -> None:
         """The healthy step time from the exchanges that ended before the straggler's onset.

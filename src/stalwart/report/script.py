@@ -251,6 +251,12 @@ def summary(sr: ScriptRun) -> dict[str, str]:
     return out
 
 
+
+def _since_start(d: dict) -> str:
+    """", slow since its first step" for a finding whose rank or link was never healthy."""
+    return ", slow since its first step" if (d.get("evidence") or {}).get(
+        "never_healthy") else ""
+
 def ground_truth_html(sr: ScriptRun) -> str:
     """Each fault with the findings that explain it; then any finding no fault explains."""
     found = sr.run.events_of("straggler_detected")
@@ -267,8 +273,8 @@ def ground_truth_html(sr: ScriptRun) -> str:
                 f"<b>found</b> {html.escape(str(d.get('kind')))} straggler: "
                 f"{html.escape(_who(d))} at "
                 f"{sr.t(d['time']):.1f} s ({sr.t(d['time']) - s.start:.1f} s after the "
-                f"fault), x{float(d.get('severity') or 0):.2f}, confidence "
-                f"{float(d.get('confidence') or 0):.2f}" for _, d in mine)
+                f"fault), x{float(d.get('severity') or 0):.2f}"
+                f"{_since_start(d)}" for _, d in mine)
         elif sr.ranks:
             verdict = "not found"
         else:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect.decision import DETECT, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
 from stalwart.detect.localize import (
     BEFORE,
     ONSET_SLACK,
@@ -99,17 +99,18 @@ class SimDetector:
         if self._due is not None:
             alarm, self._due = self._due, None
             core.alarm_read()
-            if alarm.action == DETECT:
+            if alarm.action in DETECTS:
                 suspect = alarm.suspect if alarm.suspect >= 0 else None
+                mode = MODES[alarm.action]
                 t0 = time.thread_time()
                 src = evidence() if evidence is not None else None
                 self.sim_s += time.thread_time() - t0
                 gathered = self._evidence(src, alarm.onset, key, ROUNDS)
-                while extra := more_rounds(gathered, suspect):
+                while extra := more_rounds(gathered, suspect, mode):
                     gathered = self._evidence(src, alarm.onset, key, ROUNDS + extra,
                                               gathered)
-                finding = decide(gathered, alarm.onset, key, alarm.severity, suspect)
-                core.apply_verdict(finding, suspect)
+                finding = decide(gathered, alarm.onset, key, alarm.severity, suspect, mode)
+                core.apply_verdict(finding, suspect, action=alarm.action)
                 self.pauses += 1
                 paused = True
             else:

@@ -1,0 +1,119 @@
+"""Verdicts on stragglers with no healthy "before" (outlier alarms and the audit), from
+synthetic evidence, and the policy pricing them from their peers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stalwart.detect.localize import (
+    AUDIT_MODE,
+    CHANGE_MODE,
+    OUTLIER_MODE,
+    RankEvidence,
+    decide,
+    more_rounds,
+)
+from stalwart.mitigate.decisions import REBALANCE
+from stalwart.mitigate.policy import Policy
+
+RING4 = {"0-1": 0.004, "1-2": 0.004, "2-3": 0.004, "0-3": 0.004}
+
+
+def evidence(slow: int | None, factor: float = 2.0, test: float = 2.0, steps: int = 40,
+             first: int = 0, rise_at: int | None = None, links: dict[str, float] | None = None,
+             seed: int = 0) -> list[RankEvidence]:
+    """4 ranks' evidence from step ``first``: compute ~10 ms with noise, rank ``slow``
+    ``factor`` x slower (from ``rise_at``, else all along); its compute test ``test`` x."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(4):
+        keys = list(range(first, first + steps))
+        c = 0.01 * rng.lognormal(0.0, 0.25, steps)
+        if r == slow:
+            c = np.where(np.asarray(keys) >= (rise_at if rise_at is not None else first),
+                         c * factor, c)
+        comm = 0.02 if r != slow else 0.01
+        rounds = [0.1 * (test if r == slow else 1.0 + 0.01 * r)] * 3
+        out.append(RankEvidence(r, None, float(np.median(c)), None, comm,
+                                float(np.median(rounds)), {}, rounds,
+                                list(zip(keys, c.tolist(), strict=True))))
+    for k, v in (links or RING4).items():
+        out[int(k.split("-")[0])].links[k] = v
+    return out
+
+
+def test_an_outlier_confirmed_by_the_compute_test_is_named_since_the_first_sample() -> None:
+    f = decide(evidence(2), onset_step=0, step=40, severity=1.3, suspect_rank=2,
+               mode=OUTLIER_MODE)
+    assert f.kind == "compute" and f.ranks == [2] and f.onset_step == 0
+    assert f.evidence["never_healthy"] is True and f.evidence["detected_by"] == "outlier"
+    # priced from the peers: the step (compute + comm ~30 ms) without the ~10 ms excess
+    assert 1.2 < f.severity < 1.8
+    assert f.evidence["rounds_chance"] == pytest.approx(4.0 ** -3, rel=1e-2)
+
+
+def test_an_outlier_that_rose_mid_window_gets_the_rise_as_its_onset() -> None:
+    f = decide(evidence(1, first=100, steps=80, rise_at=150), onset_step=124, step=180,
+               severity=1.3, suspect_rank=1, mode=OUTLIER_MODE)
+    assert f.kind == "compute" and f.ranks == [1]
+    assert abs(f.onset_step - 150) <= 3 and f.evidence["never_healthy"] is False
+
+
+def test_an_outlier_the_compute_test_does_not_confirm_names_nobody() -> None:
+    f = decide(evidence(2, test=1.02), onset_step=0, step=40, severity=1.3, suspect_rank=2,
+               mode=OUTLIER_MODE)
+    assert f.kind == "unknown"
+
+
+def test_the_audit_names_a_rank_both_tests_agree_on_and_nobody_on_a_clean_job() -> None:
+    f = decide(evidence(3), onset_step=0, step=40, severity=1.0, mode=AUDIT_MODE)
+    assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 0
+    assert f.evidence["never_healthy"] and f.evidence["sign_test"]["rank"] == 3
+    assert f.evidence["sign_test"]["p"] < 0.01
+    assert decide(evidence(None), 0, 40, 1.0, mode=AUDIT_MODE).kind == "unknown"
+    # a compute test that reads one rank slow, with training-time compute that does not:
+    # the audit has no candidate and rule 3 (the compute test alone) does not apply
+    flat = evidence(3, factor=1.0, test=2.5)
+    assert decide(flat, 0, 40, 1.0, mode=AUDIT_MODE).kind == "unknown"
+    # ... while the training-time evidence alone (the compute test healthy) names nobody
+    assert decide(evidence(3, test=1.0), 0, 40, 1.0, mode=AUDIT_MODE).kind == "unknown"
+
+
+def test_the_audit_finds_a_slow_host_link_and_a_slow_pair_from_the_start() -> None:
+    host = dict(RING4, **{"0-1": 0.4, "1-2": 0.5})
+    f = decide(evidence(None, links=host), 0, 40, 1.0, mode=AUDIT_MODE)
+    assert f.kind == "link" and f.ranks == [1] and f.onset_step == 0
+    assert f.evidence["never_healthy"] and f.severity > 1.0
+    pair = dict(RING4, **{"1-2": 0.6})
+    g = decide(evidence(None, links=pair), 0, 40, 1.0, mode=AUDIT_MODE)
+    assert g.kind == "link" and g.ranks == [] and g.link == [1, 2] and g.severity > 1.0
+
+
+def test_the_audits_mild_candidate_gets_the_longer_compute_test() -> None:
+    ev = evidence(2, factor=1.6, test=1.3)
+    assert more_rounds(ev, None, AUDIT_MODE) == 4  # 3 rounds so far, slowest in each
+    assert more_rounds(ev, None, CHANGE_MODE) == 0  # no profile rank without a "before"
+
+
+def test_the_policy_prices_a_straggler_that_was_never_healthy_from_its_peers() -> None:
+    """A rank 2x slow from step 0: every step the policy saw was slow, so without the
+    finding's peer-priced severity its healthy level would be the slow one and the rent
+    that buys a rebalance would never accrue."""
+    from stalwart.detect.localize import Finding
+
+    def run(born: bool) -> list[int]:
+        pol = Policy(groups=4, micro=16)
+        ev = {"never_healthy": True, "detected_by": "outlier"} if born else {}
+        f = Finding("compute", 0, 6, 1.6, ranks=[2], evidence=ev)
+        out = []
+        for i in range(30):
+            step = 2 * i
+            units = [0.01, 0.01, 0.02, 0.01]  # rank 2 twice its peers per micro-batch
+            dec = pol.observe(step, units, 0.16, 2, [f] if step >= 6 else [], step + 3)
+            if dec is not None:
+                out.append(dec.kind)
+        return out
+
+    assert REBALANCE in run(born=True)
+    assert REBALANCE not in run(born=False)  # what a born finding looked like before
