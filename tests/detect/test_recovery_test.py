@@ -11,7 +11,7 @@ from stalwart.detect.localize import COMPUTE_MILD, Finding
 def _following(ratio_found: float = 2.0) -> tuple[DecisionCore, list]:
     out: list = []
     core = DecisionCore(True, emit=out.append)
-    f = Finding("compute", 30, 34, 1.8, 0.9, ranks=[2],
+    f = Finding("compute", 30, 34, 1.8, ranks=[2],
                 evidence={"compute_test_ratio": {"2": ratio_found, "0": 1.0}})
     core.apply_verdict(f, 2)
     out.clear()

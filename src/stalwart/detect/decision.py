@@ -21,10 +21,10 @@ new changes are not classified (one fault, one finding).
 Stragglers with no healthy "before" (a rank slow from its first step never changes, so no
 channel above fires): every rank's compute over its peers' median goes through a sign test
 all the time (``OutlierBank``, outlier.py: at most ``ALPHA_RANK_HOUR`` alarms per healthy
-rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per job, ``AUDIT_AFTER``
-samples after the warm-up, the validation tests run with no alarm (``AUDIT``: a link slow
-from the start, or a rank both the audit's sign test and the compute test name). Their
-findings are followed for recovery at the peers' level (``_follow_born``).
+rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per job,
+``AUDIT_AFTER`` samples after the warm-up, the validation tests run with no alarm
+(``AUDIT``: a link slow from the start, or a rank both the audit's sign test and the compute
+test name). Their findings are followed for recovery at the peers' level (``_follow_born``).
 
 Recovery at equal load: a compute straggler's channel measures its compute per step, which
 falls when a plan gives it less work -- and a rank under a CPU quota runs a short burst at
