@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-peers", action="store_true",
                        help="skip the other systems measured beside stalwart (torchft, "
                             "NVIDIA's detector); their figures are null")
+    bench.add_argument("--install-peers", action="store_true",
+                       help="pip-install the peers missing here first (detect: "
+                            "nvidia-resiliency-ext, pinned, without touching torch)")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)
@@ -91,8 +94,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.device == "cuda":
         raise ConfigError(f"bench {args.suite} runs on CPU only (--device cuda: use bench "
                           f"overlap, or stalwart run --device cuda)")
-    if "peers" in inspect.signature(mod.run).parameters:
+    params = inspect.signature(mod.run).parameters
+    if "peers" in params:
         kw["peers"] = not args.no_peers  # suites without peers have nothing to skip
+    if "install_peers" in params:
+        kw["install_peers"] = args.install_peers
     workdir = fresh_workdir(args.workdir, args.suite)  # every invocation starts clean
     print(f"work folder: {workdir}")
     result = mod.run(quick=args.quick, workdir=workdir, **kw)
