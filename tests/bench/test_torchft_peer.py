@@ -118,6 +118,7 @@ def test_figures_put_ours_over_torchfts_tokens_per_s(tmp_path: Path) -> None:
     assert figs["torchft_healthy_tokens_per_s_ratio"] == pytest.approx(1.0)
     assert figs["torchft_val_loss_rel_change"] == 0.0
     assert figs["torchft_ddp_crashed"] == 0.0 and details["ddp_resume_s"] == pytest.approx(5.2)
+    assert details["ddp_kill_hit_a_collective"] is True  # the dropped attempt
     BenchResult("mitigate", figs).table_rows()  # every value prints
 
 

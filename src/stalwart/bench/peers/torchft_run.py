@@ -9,6 +9,8 @@ expects. The Lighthouse runs on host 0 (replica 0 starts it), which no fault tou
 
 - ``failstop_ddp``: torchft as its documentation sets it up (its DistributedDataParallel);
   whether a survivor crashed when its peer was killed (``torchft_ddp_crashed``) and the error;
+  it crashes when the kill lands inside a gradient all-reduce, not when it lands between two
+  steps (then no collective fails): the details say which (``ddp_kill_hit_a_collective``);
 - ``failstop``: the working form, gradients averaged by ``Manager.allreduce``:
   ``torchft_failstop_resume_s`` from the kill (the testbed's ``fault_applied``) to the end of
   the first step every member of its quorum committed after it; ``torchft_failstop_samples_lost``
@@ -243,7 +245,11 @@ def figures(runs: dict[str, Any], healthy: Any, ours_slow: Any,
         "torchft_healthy_tokens_per_s_ratio": ratio(tps["stalwart_healthy"],
                                                     tps["torchft_healthy"]),
     }
+    # a kill between two steps fails no collective (the survivors wait out the heartbeat
+    # timeout in the quorum): such a run cannot show the crash
+    hit = crashed or bool(steps_dropped(ddp.metrics))
     details = {"ddp_error": error, "ddp_resume_s": None if crashed else resume_s(ddp),
+               "ddp_kill_hit_a_collective": hit,
                "window": list(window),
                "tokens_per_s": {k: None if v is None else round(v, 1) for k, v in tps.items()},
                "runs": {k: {"path": str(d.path), "rc": getattr(d, "rc", None),
