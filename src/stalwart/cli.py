@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "NVIDIA's detector); their figures are null")
     bench.add_argument("--install-peers", action="store_true",
                        help="pip-install the peers missing here first (detect: "
-                            "nvidia-resiliency-ext, pinned, without touching torch)")
+                            "nvidia-resiliency-ext, mitigate: torchft; pinned, without "
+                            "touching torch)")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)

@@ -141,6 +141,22 @@ def test_without_torchft_the_figures_are_null_and_nothing_runs(
             "torchft_val_loss_rel_change", "torchft_slow_tokens_per_s_ratio"} <= set(figs)
 
 
+def test_install_peers_installs_pinned_torchft_without_a_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(tr.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    missing = ["yes"]
+    monkeypatch.setattr(tr, "available", lambda: missing[0])
+    bm.peer_runs(True, install=False)
+    assert calls == []
+    bm.peer_runs(True, install=True)
+    assert calls[0][-2:] == ["--no-deps", f"torchft=={tr.TORCHFT_VERSION}"]
+    assert not any(a == "torch" or a.startswith("torch>") for c in calls for a in c)
+    calls.clear()
+    missing[0] = None  # installed: nothing to do
+    assert bm.peer_runs(True, install=True) is None and calls == []
+
+
 def test_runs_follow_the_bench_scenarios() -> None:
     sc = bm.scenarios(True)
     plan = tr.plan(sc["failstop"], sc["compute2x"])
@@ -158,8 +174,9 @@ def test_no_peers_reaches_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
     seen: dict[str, Any] = {}
 
-    def fake_run(quick: bool, workdir: Path, peers: bool = True) -> BenchResult:
-        seen["peers"] = peers
+    def fake_run(quick: bool, workdir: Path, peers: bool = True,
+                 install_peers: bool = False) -> BenchResult:
+        seen["peers"], seen["install"] = peers, install_peers
         return BenchResult("mitigate", {"x": 1.0})
 
     monkeypatch.setattr(bm, "run", fake_run)
@@ -167,6 +184,7 @@ def test_no_peers_reaches_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         args = cli.build_parser().parse_args(["bench", "mitigate", "--workdir", str(tmp_path),
                                               *extra])
         assert cli._cmd_bench(args) == 0 and seen["peers"] is want
+        assert seen["install"] is False
     # a suite without peers takes the option and has nothing to skip
     args = cli.build_parser().parse_args(["bench", "overlap", "--no-peers"])
     assert args.no_peers is True

@@ -40,9 +40,10 @@ one after the other in the same invocation:
   ``compute:rank=2,factor=2`` from step 0, ``--mitigate auto`` against ``off`` over the whole
   run's wall time (a rank slow from the start has no healthy "before").
 - torchft beside it (issue 25; ``peers/torchft_run.py``, skipped by ``--no-peers``, null
-  without torchft installed): the same workload, testbed and faults as torchft replica groups:
-  ``torchft_failstop_resume_s``, ``torchft_failstop_samples_lost``,
-  ``torchft_val_loss_rel_change`` (its working form, ``Manager.allreduce``),
+  without torchft installed; ``--install-peers`` installs it first): the same workload,
+  testbed and faults as torchft replica groups: ``torchft_failstop_resume_s``,
+  ``torchft_failstop_samples_lost``, ``torchft_val_loss_rel_change`` (its working form,
+  ``Manager.allreduce``),
   ``torchft_ddp_crashed`` (its documented DDP wrapper when a replica is killed; the error in
   the details), ``torchft_slow_tokens_per_s_ratio`` (ours over torchft's tokens/s during the
   compute 2x window).
@@ -281,10 +282,15 @@ def fault_window(sc: Scenario) -> tuple[int, int]:
     return int(spec["start"]), int(spec.get("end", sc.steps))
 
 
-def peer_runs(peers: bool) -> str | None:
-    """None when torchft runs beside us, else why not (said once, its figures null)."""
+def peer_runs(peers: bool, install: bool = False) -> str | None:
+    """None when torchft runs beside us, else why not (said once, its figures null).
+    ``install`` (``--install-peers``): pip-install it first when it is missing."""
     if not peers:
         return "--no-peers: torchft not run, its figures are null"
+    if install and torchft_run.available() is not None:
+        print(f"bench mitigate: installing torchft=={torchft_run.TORCHFT_VERSION} (pip, no "
+              "torch change)", flush=True)
+        torchft_run.install()
     return torchft_run.available()
 
 
@@ -301,13 +307,14 @@ def torchft_side(skip: str | None, sc: dict[str, Scenario], workdir: Path, tag: 
     return figs, details
 
 
-def run(quick: bool, workdir: Path, peers: bool = True) -> BenchResult:
+def run(quick: bool, workdir: Path, peers: bool = True,
+        install_peers: bool = False) -> BenchResult:
     from stalwart.mitigate import planner
 
     sc = scenarios(quick)
     tag = "q" if quick else "f"
     n_clean = 1 if quick else 3
-    skip = peer_runs(peers)
+    skip = peer_runs(peers, install_peers)
     if skip is not None:
         print(f"bench mitigate: {skip}", flush=True)
     st = Steps("mitigate", 14 + n_clean + (0 if skip else len(torchft_run.RUNS)))

@@ -28,20 +28,24 @@ expects. The Lighthouse runs on host 0 (replica 0 starts it), which no fault tou
   = tokens of its (committed) steps / wall time from its first step's start to its last step's
   end, less evaluations inside it.
 
-Without torchft (``pip install 'stalwart[peers]'``) nothing runs: ``available()`` says why,
+Without torchft (``pip install 'stalwart[peers]'``, or ``bench mitigate --install-peers``)
+nothing runs: ``available()`` says why,
 and the figures are null. The figure functions are pure (run-directory data in, numbers
 out).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+TORCHFT_VERSION = "0.2.0"
 N_REPLICAS = 4
 FIGURES = ("torchft_failstop_resume_s", "torchft_failstop_samples_lost",
            "torchft_val_loss_rel_change", "torchft_slow_tokens_per_s_ratio",
@@ -58,6 +62,19 @@ def available() -> str | None:
         return ("torchft is not installed (pip install 'stalwart[peers]'): "
                 "the torchft figures are null")
     return None
+
+
+def install() -> int:
+    """pip-install the pinned torchft and what it imports, never a torch: ``--no-deps`` for
+    torchft itself (its ``torch>=2.7`` must not be resolved against an index), then its
+    OpenTelemetry dependencies. The pip exit status."""
+    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
+    rc = subprocess.call([*pip, "--no-deps", f"torchft=={TORCHFT_VERSION}"])
+    if rc == 0:
+        rc = subprocess.call([*pip, "opentelemetry-api", "opentelemetry-sdk",
+                              "opentelemetry-exporter-otlp-proto-http"])
+    importlib.invalidate_caches()
+    return rc
 
 
 def null_figures() -> dict[str, float | None]:
