@@ -45,9 +45,9 @@ from scipy.stats import rankdata
 REPLAY = 36  # samples a woken model is rebuilt from (3 x the default max_lag)
 
 try:  # the BOCPD step in C (detect/_native/bocpd.c); this module's update is the reference
-    from stalwart.detect import _bocpd  # type: ignore[attr-defined]
+    from stalwart.detect._bocpd import update as _native_update  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install: the Python reference runs
-    _bocpd = None
+    _native_update = None
 
 
 def robust_scale(x: np.ndarray) -> float:
@@ -215,7 +215,7 @@ class BOCPDBank:
         self.logpost[row] = -np.inf
         self.n[row] = 0
 
-    native = _bocpd is not None  # the C step (the same arithmetic); False: the reference
+    native = _native_update is not None  # the C step (the same arithmetic); False: the reference
 
     def update(self, rows: int | np.ndarray | slice, xs: float | np.ndarray) -> np.ndarray:
         """One sample per row in ``rows``; returns their posteriors (row i: run lengths
@@ -276,8 +276,8 @@ class BOCPDBank:
             x = np.ascontiguousarray(xs, dtype=float)
             w = int(self.n[ids].max()) + 1
         post = np.empty((ids.size, min(w, self.max_run)))
-        assert _bocpd is not None
-        _bocpd.update(self.mu, self.beta, self.log_beta, self.logpost, self.n, ids, x,
+        assert _native_update is not None
+        _native_update(self.mu, self.beta, self.log_beta, self.logpost, self.n, ids, x,
                       self._c, self._em, self._e, self._f, self._g, self._log_h,
                       self._log_1mh, self.max_run, post)
         return post[0] if one else post
