@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -253,30 +254,79 @@ def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: st
 def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
            port: int, incarnation: int = 0) -> dict[int, subprocess.Popen]:
     """One process per rank, inside its host (the testbed's prefix), with torchrun's env."""
-    procs: dict[int, subprocess.Popen] = {}
-    for r in range(cfg.nproc):
-        env = {
-            **os.environ,
-            **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
-                           run_dir.name, incarnation),
-            "STALWART_RUN_DIR": str(run_dir.resolve()),
-            # a script's own Monitor() finds the run directory here (detect/monitor.py)
-            **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),
-            "OMP_NUM_THREADS": str(cfg.threads),
-            # the testbed's hosts are namespaces of this one machine: GPUs are assigned over
-            # all its ranks, whatever LOCAL_RANK says (devices.py)
-            "STALWART_DEVICE_SLOT": str(r), "STALWART_DEVICE_SLOTS": str(cfg.nproc),
-            **tb.env(r),
-        }
-        cmd = [*tb.command_prefix(r), sys.executable, "-m", "stalwart.lifeline",
-               str(os.getpid()), module, "--config", str((run_dir / CONFIG).resolve()),
-               *(args or [])]
-        log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
-        procs[r] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+    procs = {r: _start_rank(cfg, tb, run_dir, module, args, port, incarnation, r)
+             for r in range(cfg.nproc)}
     tb.attach_ranks({r: p.pid for r, p in procs.items()})
     return procs
+
+
+def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
+                port: int, incarnation: int, r: int,
+                extra: dict[str, str] | None = None) -> subprocess.Popen:
+    """Launch rank ``r``'s process inside its host, with torchrun's variables (``extra``:
+    more, e.g. the rejoin switch)."""
+    env = {
+        **os.environ,
+        **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
+                       run_dir.name, incarnation),
+        "STALWART_RUN_DIR": str(run_dir.resolve()),
+        # a script's own Monitor() finds the run directory here (detect/monitor.py)
+        **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),
+        "OMP_NUM_THREADS": str(cfg.threads),
+        # the testbed's hosts are namespaces of this one machine: GPUs are assigned over
+        # all its ranks, whatever LOCAL_RANK says (devices.py)
+        "STALWART_DEVICE_SLOT": str(r), "STALWART_DEVICE_SLOTS": str(cfg.nproc),
+        **tb.env(r),
+        **(extra or {}),
+    }
+    cmd = [*tb.command_prefix(r), sys.executable, "-m", "stalwart.lifeline",
+           str(os.getpid()), module, "--config", str((run_dir / CONFIG).resolve()),
+           *(args or [])]
+    log = open(run_dir / LOGS / f"rank-{r}.log", "ab")  # noqa: SIM115
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    return p
+
+
+# the least a live rejoin is priced at (seconds): its regroup moves the model and optimizer
+# state to the joining rank and rebuilds the monitor (measured ~0.3-3 s on the testbed)
+REJOIN_PRICE_S = 2.0
+
+
+@dataclass
+class _Rejoin:
+    """A launch rank started again to take its excluded host back live (membership.py)."""
+
+    slot: int
+    host: int
+    reason: str
+    ready: Path
+    t0: float
+    asked: bool = False
+
+
+def _rejoin(cfg: RunConfig, tb: Any, run_dir: Path, probe: Any, members: Any,
+            procs: dict[int, subprocess.Popen], reason: str, events: EventLog,
+            say: Callable[[str], None], step: int) -> _Rejoin | None:
+    """Start the excluded host's launch rank again, to join in place once rank 0 agrees (it
+    asks only when the rank is ready: its start-up is off the job's critical path)."""
+    from stalwart.mitigate import membership
+
+    g = membership.read(run_dir)
+    if g is None or probe.host not in g.home or probe.host in g.hosts:
+        return None
+    slot = g.home.index(probe.host)
+    if slot in procs:
+        return None
+    p = _start_rank(cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0, slot,
+                    {membership.JOIN_ENV: "1"})
+    procs[slot] = p
+    tb.attach_ranks({slot: p.pid})
+    events.log("rank_rejoining", step=step, rank=slot, host=probe.host, reason=reason)
+    say(f"stalwart: host {probe.host} is healthy again; its rank {slot} starts to rejoin live")
+    return _Rejoin(slot, probe.host, reason, membership.ready_path(run_dir, g.token, slot),
+                   time.monotonic())
 
 
 def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
@@ -416,6 +466,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
     declined_logged = False
     watch_t0 = time.monotonic()
     startup_s: float | None = None  # spawn to the first step: what a restart would cost
+    rejoin: _Rejoin | None = None
+    regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
     while True:
         tb.on_time(time.monotonic() - clock0)
         for m in metrics_tail.poll():
@@ -437,21 +489,51 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             if got is not None and probe is None:
                 probe = got
                 restart_s = restart_s or startup_s  # taking it back is a restart
-        if probe is not None and recent and restart_s is not None and probe.request_restore(
-                cfg.steps - next_step, sorted(recent)[len(recent) // 2], len(procs),
-                restart_s):
+        if probe is not None and members is not None and recent and rejoin is None:
+            # in place: the host's rank starts again and joins live (price: a regroup)
+            why = probe.restore_reason(cfg.steps - next_step, sorted(recent)[len(recent) // 2],
+                                       len(procs), max(regroup_s or 0.0, REJOIN_PRICE_S),
+                                       how="live rejoin")
+            if why is not None:
+                rejoin = _rejoin(cfg, tb, run_dir, probe, members, procs, why, events, say,
+                                 next_step)
+        elif probe is not None and members is None and recent and restart_s is not None \
+                and probe.request_restore(cfg.steps - next_step,
+                                          sorted(recent)[len(recent) // 2], len(procs),
+                                          restart_s):
             say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take it back")
+        if rejoin is not None and not rejoin.asked and rejoin.ready.exists() and probe is not None:
+            rejoin.asked = True
+            probe.request(rejoin.reason, len(procs) - 1, live=True)
+            probe.stop()  # the host is no longer probed: its rank is about to use it
+            events.log("rank_ready", step=next_step, rank=rejoin.slot, host=rejoin.host,
+                       start_s=round(time.monotonic() - rejoin.t0, 3))
+            probe = None
         if probe is not None and probe.declined and not declined_logged:
             declined_logged = True
             events.log("host_probe", step=next_step, host=probe.host, restore=False,
                        reason=probe.declined)
         for e in events_tail.poll():
             progress.on_event(e)
-            if e.get("event") == "regroup" and hasattr(tb, "regrouped"):
-                tb.regrouped(list(e.get("hosts") or []))  # traffic counted per membership
+            if e.get("event") == "regroup":
+                regroup_s = float(e.get("regroup_s") or 1.0)
+                if hasattr(tb, "regrouped"):
+                    tb.regrouped(list(e.get("hosts") or []))  # traffic counted per membership
+                if rejoin is not None and rejoin.slot in (e.get("joined") or []):
+                    rejoin = None  # back in the job
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items()
                   if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
+        if rejoin is not None and any(r == rejoin.slot for r, _ in failed):
+            # a rank started to rejoin failed before it was back: the job goes on without it
+            code = procs.pop(rejoin.slot).returncode
+            events.log("rejoin_failed", step=next_step, rank=rejoin.slot, host=rejoin.host,
+                       exit_code=code, error=_last_error_line(
+                           run_dir / LOGS / f"rank-{rejoin.slot}.log"))
+            say(f"stalwart: rank {rejoin.slot} could not rejoin ({_describe_exit(code)}); "
+                f"the job goes on without host {rejoin.host}")
+            failed = [(r, c) for r, c in failed if r != rejoin.slot]
+            rejoin = None
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):
             continue  # the survivors regroup in place

@@ -38,3 +38,17 @@ def test_a_fault_removed_only_at_close_was_on_until_the_end() -> None:
     d = run([applied(0, spec), {"event": "straggler_recovered", "step": 90},
              {"event": "fault_removed", "step": 100, "spec": spec, "at_close": True}])
     assert false_recoveries([d, run([])]) == 1.0
+
+
+def test_rejoin_seconds_run_from_the_decision_to_the_first_step_of_the_whole_world() -> None:
+    from stalwart.bench.mitigate import rejoin_s
+
+    metrics = [{"step": 50, "world": 3, "time": 99.0, "rank": r} for r in range(3)]
+    metrics += [{"step": 51, "world": 4, "time": t, "rank": r}
+                for r, t in enumerate([100.6, 100.7, 100.9, 100.8])]
+    metrics += [{"step": 52, "world": 4, "time": 101.0, "rank": 0}]  # not complete
+    d = RunData(Path("."), {}, metrics, [
+        {"event": "mitigation_applied", "strategy": "restore_host", "time": 100.0},
+        {"event": "regroup", "joined": [1], "world": 4, "time": 100.3}])
+    assert abs(rejoin_s(d) - 0.9) < 1e-9
+    assert rejoin_s(RunData(Path("."), {}, metrics, [])) is None

@@ -81,3 +81,33 @@ def test_shutdown_wakes_a_blocked_reader_and_spares_kept_ports() -> None:
     extra = socket.create_connection(kept_server.getsockname())
     for s in (a, b, kept, kept_peer, extra, server, kept_server):
         s.close()
+
+
+def test_a_host_left_out_is_taken_back_by_its_own_launch_rank(tmp_path: Path) -> None:
+    """S3 moves ranks between hosts, S4 leaves a host out; taking the host back finds its
+    launch rank (processes stay on their hosts) and says who joined."""
+    a = Announcer(tmp_path, [0, 1, 2, 3])
+    g0 = a.current
+    g1 = membership.with_hosts(g0, [0, 2, 1, 3], 10)  # S3: ranks in another order
+    g2 = membership.with_hosts(g1, [0, 2, 3], 20)  # S4: host 1 out
+    assert g2.alive == (0, 2, 3) and g2.lost == (1,) and g2.home == (0, 1, 2, 3)
+    g3 = membership.with_hosts(g2, [0, 1, 2, 3], 40)  # host 1 back
+    assert g3.alive == (0, 1, 2, 3) and g3.rank_of(1) == 1 and g3.planned
+    assert membership.joined(g2, g3) == [1] and membership.joined(g1, g2) == []
+    assert membership.Generation.from_dict(__import__("json").loads(g3.to_json())) == g3
+    with pytest.raises(ValueError, match="hosts"):
+        membership.with_hosts(g2, [0, 5], 41)  # never a host of the launch
+    ready = membership.ready_path(tmp_path, g2.token, 1)
+    assert ready.parent == tmp_path / membership.STORE_DIR and str(1) in ready.name
+
+
+def test_a_live_restore_travels_as_a_marker_every_rank_reads_the_same_way() -> None:
+    from stalwart.mitigate.decisions import RESTORE, Decision
+    from stalwart.mitigate.rebalance import Rebalancer
+
+    r = object.__new__(Rebalancer)
+    r.hosts = [0, 2, 3]
+    live = Decision(RESTORE, 3, 50, [1, 3, 4], 1, 0.25, "")
+    assert r.planned_hosts(live) == [0, 1, 2, 3]
+    restart = Decision(RESTORE, 3, 50, [0, 0, 0], 1, 0.25, "")  # no marker: a restart
+    assert r.planned_hosts(restart) is None

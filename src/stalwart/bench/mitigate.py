@@ -35,6 +35,9 @@ one after the other in the same invocation:
   global batch times the steps never trained, plus what the complete steps lack of it;
   ``failstop_val_loss_rel_change`` against the healthy run (same configuration, no fault);
   ``failstop_step_s_before`` / ``_after``: median step time on 4 ranks and on 3.
+- issue 25: ``rejoin_s``: host 1's link slow from step 20 to 60 of 900; the host is left out
+  (S4 in place), probed, and when healthy its rank is started again and joins live: from the
+  restore decision to the end of the first step done by all four ranks.
 - issue 24: ``false_recoveries`` = recovery verdicts and recovery reverts decided while the
   fault was still on (ground truth), over every mitigated faulty run; ``recovered_born2x``:
   ``compute:rank=2,factor=2`` from step 0, ``--mitigate auto`` against ``off`` over the whole
@@ -88,6 +91,9 @@ def scenarios(quick: bool) -> dict[str, Scenario]:
         "pairlink": Scenario("pairlink", ["pairlink:hosts=2-3,rate=10mbit,start=20"], n),
         "pairlink_tp": Scenario("pairlink_tp", ["pairlink:hosts=0-1,rate=10mbit,start=20"],
                                 n // 2, tp=2),
+        # a host left out for its slow link (S4) and taken back live when healthy: long
+        # enough for the probe's two healthy rounds and the rank's cold start (issue 25)
+        "rejoin": Scenario("rejoin", ["link:host=1,rate=10mbit,start=20,end=60"], 900),
         # a rank 2x slow from its first step (a bad node in the allocation): no healthy
         # "before" -- found by comparing ranks, priced from its peers (issue 24)
         "born2x": Scenario("born2x", ["compute:rank=2,factor=2"], n),
@@ -252,6 +258,22 @@ def failstop_figures(d: Any) -> dict[str, float | None]:
     return out
 
 
+def rejoin_s(d: Any) -> float | None:
+    """From the decision to take a host back (its ``mitigation_applied``, logged when every
+    rank has agreed) to the end of the first step done by the whole new world."""
+    ev = [e for e in d.events_of("mitigation_applied") if e.get("strategy") == "restore_host"]
+    back = [e for e in d.events_of("regroup") if e.get("joined")]
+    if not ev or not back:
+        return None
+    world, t0 = int(back[0]["world"]), float(ev[0]["time"])
+    by: dict[int, list[float]] = {}
+    for m in d.metrics:
+        if m["world"] == world and m["time"] > t0:
+            by.setdefault(m["step"], []).append(m["time"])
+    done = [max(ts) for ts in by.values() if len(ts) == world]
+    return min(done) - t0 if done else None
+
+
 def false_recoveries(runs: list[Any]) -> float:
     """Recovery verdicts (``straggler_recovered``) and reverts for a recovery decided while
     the run's fault was still on (the testbed's ground truth: applied, not yet removed;
@@ -317,7 +339,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     skip = peer_runs(peers, install_peers)
     if skip is not None:
         print(f"bench mitigate: {skip}", flush=True)
-    st = Steps("mitigate", 14 + n_clean + (0 if skip else len(torchft_run.RUNS)))
+    st = Steps("mitigate", 15 + n_clean + (0 if skip else len(torchft_run.RUNS)))
     c = sc["compute2x"]
     healthy = run_one(c, "auto", workdir, tag, faults=False, steps=st)
     c_un = run_one(c, "off", workdir, tag, steps=st)
@@ -336,6 +358,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     t_un = run_one(pt, "off", workdir, tag, steps=st)
     t_mit = run_one(pt, "auto", workdir, tag, steps=st)
     f_mit = run_one(sc["failstop"], "auto", workdir, tag, steps=st)
+    rj = run_one(sc["rejoin"], "auto", workdir, tag, steps=st)
     bn = sc["born2x"]
     b_un = run_one(bn, "off", workdir, tag, steps=st)
     b_mit = run_one(bn, "auto", workdir, tag, steps=st)
@@ -377,6 +400,8 @@ def run(quick: bool, workdir: Path, peers: bool = True,
         # issue 24: recovery judged at equal load, and a rank slow from step 0
         "false_recoveries": false_recoveries([c_mit, blip, h_mit, p_mit, t_mit, b_mit]),
         "recovered_born2x": recovered(wall_time(b_un), wall_time(b_mit), wall_time(healthy)),
+        # issue 25: a host taken back live
+        "rejoin_s": rejoin_s(rj),
         # torchft beside it (the same workload, testbed and faults): peers/torchft_run.py
         **ft_figs,
     }
@@ -385,7 +410,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
             "pairlink_unmitigated": p_un, "pairlink_mitigated": p_mit, "tp_healthy": t_ok,
             "pairlink_tp_unmitigated": t_un, "pairlink_tp_mitigated": t_mit,
             "failstop": f_mit,
-            "born2x_unmitigated": b_un, "born2x_mitigated": b_mit,
+            "born2x_unmitigated": b_un, "born2x_mitigated": b_mit, "rejoin": rj,
             **{f"clean{i}": d for i, d in enumerate(cleans)}}
     details: dict[str, Any] = {
         "plan_window": win,
@@ -398,7 +423,8 @@ def run(quick: bool, workdir: Path, peers: bool = True,
                          "predicted_gain", "measured_gain", "reason")}
                          for e in d.events_of("mitigation_applied", "mitigation_reverted",
                                               "mitigation_measured", "restart", "rank_lost",
-                                              "regroup")],
+                                              "regroup", "rank_left", "rank_rejoining",
+                                              "rank_ready", "rejoin_failed")],
                      "traffic": [e.get("bytes_per_step") for e in
                                  d.events_of("testbed_traffic")]}
                  for k, d in runs.items()},
@@ -416,5 +442,5 @@ def run(quick: bool, workdir: Path, peers: bool = True,
         "val_loss_rel_change_remap_tp": "<= 0.001", "hostlink_bytes_cut": ">= 0.3",
         "failstop_resume_s": "<= 3", "failstop_samples_lost": "<= 0",
         "failstop_val_loss_rel_change": "<= 0.001", "false_recoveries": "<= 0",
-        "recovered_born2x": ">= 0.7"},
+        "recovered_born2x": ">= 0.7", "rejoin_s": "<= 2"},
         details=details)

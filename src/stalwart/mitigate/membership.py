@@ -35,6 +35,7 @@ from typing import Any
 from stalwart.rundir import atomic_write_text
 
 MEMBERSHIP_FILE = "membership.json"
+JOIN_ENV = "STALWART_JOIN"  # set by the launcher on a launch rank started again to rejoin
 STORE_DIR = "membership"
 
 
@@ -55,6 +56,9 @@ class Generation:
     # a planned change's basis for measuring its gain afterwards (strategy, predicted_gain,
     # step_time_before): the new rank 0 may be another process than the one that decided
     basis: dict[str, Any] | None = field(default=None, compare=False)
+    # the host of each launch rank (a process stays on its host): how a host taken back
+    # finds its launch rank again
+    home: tuple[int, ...] = ()
 
     def rank_of(self, slot: int) -> int | None:
         """The rank of launch rank ``slot`` in this generation (None: not a member)."""
@@ -68,14 +72,15 @@ class Generation:
         return json.dumps({"token": self.token, "gen": self.gen, "alive": list(self.alive),
                            "hosts": list(self.hosts), "lost": list(self.lost),
                            "step": self.step, "time": self.time, "planned": self.planned,
-                           "basis": self.basis})
+                           "basis": self.basis, "home": list(self.home)})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Generation:
         return Generation(str(d["token"]), int(d["gen"]), tuple(int(x) for x in d["alive"]),
                           tuple(int(x) for x in d["hosts"]), tuple(int(x) for x in d["lost"]),
                           int(d.get("step", 0)), float(d.get("time", 0.0)),
-                          bool(d.get("planned", False)), d.get("basis"))
+                          bool(d.get("planned", False)), d.get("basis"),
+                          tuple(int(x) for x in d.get("home") or ()))
 
 
 def in_place_ok(cfg: Any) -> bool:
@@ -104,18 +109,32 @@ def store_path(run_dir: Path, g: Generation) -> Path:
 
 def with_hosts(g: Generation, hosts: list[int], step: int,
                basis: dict[str, Any] | None = None) -> Generation:
-    """The next generation on ``hosts`` (a rank -> host map over some of ``g``'s hosts, in
-    any order): a planned change, S4 (a host left out) or S3 (the same hosts, ranks in
-    another order). Processes stay on their hosts; their ranks follow the map."""
+    """The next generation on ``hosts`` (a rank -> host map, in any order): a planned change,
+    S4 (a host left out), S3 (the same hosts, ranks in another order) or a host taken back
+    live (a host of the launch that is not in ``g``: its launch rank, started again by the
+    launcher, joins). Processes stay on their hosts; their ranks follow the map."""
     slot_of = dict(zip(g.hosts, g.alive, strict=True))
+    for slot, h in enumerate(g.home):  # hosts out of the job: their launch rank rejoins
+        slot_of.setdefault(h, slot)
     missing = [h for h in hosts if h not in slot_of]
     if missing or len(set(hosts)) != len(hosts) or not hosts:
         raise ValueError(f"hosts {hosts} are not distinct hosts of generation {g.gen} "
-                         f"({list(g.hosts)})")
+                         f"({list(g.hosts)}) or of the launch ({list(g.home)})")
     alive = tuple(slot_of[h] for h in hosts)
     return Generation(g.token, g.gen + 1, alive, tuple(hosts),
                       tuple(s for s in g.alive if s not in alive), step, time.time(), True,
-                      basis)
+                      basis, g.home)
+
+
+def joined(before: Generation, after: Generation) -> list[int]:
+    """Launch ranks in ``after`` that were not in ``before`` (taken back)."""
+    return [s for s in after.alive if s not in before.alive]
+
+
+def ready_path(run_dir: Path, token: str, slot: int) -> Path:
+    """Written by a launch rank started again to rejoin, once it is ready to (its model,
+    data and optimizer built, waiting for the generation that takes it back)."""
+    return run_dir / STORE_DIR / f"{token}-join-{slot}.ready"
 
 
 def announce(run_dir: Path, g: Generation) -> None:
@@ -130,7 +149,8 @@ class Announcer:
     def __init__(self, run_dir: Path, hosts: list[int]) -> None:
         self.run_dir = run_dir
         self.current = Generation(f"{os.getpid()}-{time.time_ns()}", 0,
-                                  tuple(range(len(hosts))), tuple(hosts), (), 0, time.time())
+                                  tuple(range(len(hosts))), tuple(hosts), (), 0, time.time(),
+                                  home=tuple(hosts))
         shutil.rmtree(run_dir / STORE_DIR, ignore_errors=True)  # an older launch's stores
         (run_dir / STORE_DIR).mkdir(parents=True, exist_ok=True)
         self._write()
@@ -147,6 +167,6 @@ class Announcer:
         keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s not in slots]
         self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
                                   tuple(h for _, h in keep), tuple(sorted(slots)), step,
-                                  time.time())
+                                  time.time(), home=cur.home)
         self._write()
         return self.current

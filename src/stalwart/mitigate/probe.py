@@ -11,9 +11,11 @@ progress and supervision go on:
   against the same loop in a healthy host's cgroup.
 The host is healthy after ``HEALTHY_ROUNDS`` consecutive rounds within ``TOLERANCE`` of its
 peers. It is taken back only when the predicted gain over the remaining steps -- the step
-time with G-1 hosts against G -- exceeds the measured restart time; the request goes to rank 0
-through ``run_dir/control.json``, so the restart itself is still agreed and started at one
-step by every rank (agreement.py).
+time with G-1 hosts against G -- exceeds its price: the measured restart time, or, in a job that
+regroups in place, the last regroup's time (the launcher starts the host's rank again first and
+asks only once it is ready to join live). The request goes to rank 0 through
+``run_dir/control.json``, so the change itself is agreed and made at one step by every rank
+(agreement.py).
 """
 
 from __future__ import annotations
@@ -78,29 +80,47 @@ class HostProbe:
             self.rounds.append(m)
             self.healthy = self.healthy + 1 if self.ok(m) else 0
 
-    def request_restore(self, remaining_steps: int, step_s: float, groups: int,
-                        restart_s: float) -> bool:
-        """Ask rank 0 to take the host back when it is healthy and that pays off; True if
-        asked. The gain: the remaining steps at G/(G+1) of today's step time."""
+    def restore_reason(self, remaining_steps: int, step_s: float, groups: int,
+                       price_s: float, how: str = "restart") -> str | None:
+        """Why taking the host back now pays off, or None: it is healthy and the remaining
+        steps at G/(G+1) of today's step time save more than ``price_s`` (a restart's, or
+        a regroup's when it rejoins live: ``how``)."""
         if self.healthy < HEALTHY_ROUNDS:
-            return False
+            return None
         gain_s = remaining_steps * step_s * (1.0 - groups / (groups + 1))
-        if gain_s <= restart_s:
+        if gain_s <= price_s:
             if not self.declined:  # say once why the host stays out
                 self.declined = (f"host {self.host} healthy again, but taking it back would "
                                  f"save {gain_s:.1f} s over {remaining_steps} steps against a "
-                                 f"{restart_s:.1f} s restart: staying at {groups} hosts")
-            return False
+                                 f"{price_s:.1f} s {how}: staying at {groups} hosts")
+            return None
         last = self.rounds[-1]
-        reason = (f"host {self.host} healthy for {self.healthy} probes (link "
-                  f"{_fmt(last['link'])} of its peers' rate, compute {_fmt(last['compute'])}x); "
-                  f"predicted {gain_s:.1f} s saved over {remaining_steps} steps, restart "
-                  f"{restart_s:.1f} s")
+        return (f"host {self.host} healthy for {self.healthy} probes (link "
+                f"{_fmt(last['link'])} of its peers' rate, compute {_fmt(last['compute'])}x); "
+                f"predicted {gain_s:.1f} s saved over {remaining_steps} steps, {how} "
+                f"{price_s:.1f} s")
+
+    def request(self, reason: str, groups: int, live: bool = False) -> None:
+        """Ask rank 0 (``control.json``) to take the host back, once; ``live``: its rank
+        was started again and is ready to join in place."""
         atomic_write_text(self.run_dir / "control.json", json.dumps(
             {"restore_host": self.host, "predicted_gain": 1.0 - groups / (groups + 1),
-             "reason": reason}) + "\n")
+             "reason": reason, "live": live}) + "\n")
         self.healthy = -10**9  # once
+
+    def request_restore(self, remaining_steps: int, step_s: float, groups: int,
+                        restart_s: float) -> bool:
+        """Ask rank 0 to take the host back by a restart when it is healthy and that pays
+        off; True if asked."""
+        reason = self.restore_reason(remaining_steps, step_s, groups, restart_s)
+        if reason is None:
+            return False
+        self.request(reason, groups)
         return True
+
+    def stop(self) -> None:
+        """Stop probing (the host is back): no more load on it; ``close`` joins later."""
+        self._stop.set()
 
     def close(self) -> None:
         self._stop.set()

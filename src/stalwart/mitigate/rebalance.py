@@ -149,12 +149,15 @@ class Rebalancer:
 
     def planned_hosts(self, dec: Decision) -> list[int] | None:
         """The rank -> host map an S4 exclusion or an S3 re-map asks for, on every rank
-        (an in-place regroup needs it everywhere, not in rank 0's restart.json); None for a
-        restore (the excluded host's process is gone: that takes a restart)."""
+        (an in-place regroup needs it everywhere, not in rank 0's restart.json), and for a host
+        taken back live (its rank started again and waiting to join); None for a restore by a
+        restart."""
         if dec.kind == EXCLUDE:
             return [h for h in self.hosts if h != dec.target]
         if dec.kind == REMAP and len(dec.counts) == len(self.hosts):
             return list(dec.counts)  # rank 0 sent the new map in the counts' slots
+        if dec.kind == RESTORE and dec.counts == [h + 1 for h in self.hosts]:
+            return sorted([*self.hosts, dec.target])  # live: its rank is waiting to join
         return None
 
     def basis(self, dec: Decision) -> dict[str, Any]:
@@ -246,7 +249,11 @@ class Rebalancer:
             return None
         assert self.policy is not None
         self.policy.version += 1
-        return Decision(RESTORE, self.policy.version, start, [], host,
+        # live: the launcher started the host's rank again and it is ready to join in place.
+        # Marked by today's hosts (1-based) in the counts' slots: the new map has one host
+        # more than the message has slots, and every rank can build it (planned_hosts)
+        live = [h + 1 for h in self.hosts] if req.get("live") and self.in_place else []
+        return Decision(RESTORE, self.policy.version, start, live, host,
                         float(req.get("predicted_gain", 0.0)),
                         str(req.get("reason", "excluded host healthy again")))
 

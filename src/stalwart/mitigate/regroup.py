@@ -21,10 +21,14 @@ Mechanism, per rank:
    of that step; but a shutdown can catch a rank still receiving the last chunk of an
    all-reduce its peers have finished (measured on the testbed), and then it adopts their
    state.
-A planned change (S3's new rank order, S4 without a host) takes the same path without step 1:
+A planned change (S3's new rank order, S4 without a host, a host taken back) takes the same
+path without step 1:
 rank 0 announces it at the agreed step (agreement.py), when every rank has finished the step
 before, and every rank calls ``regroup`` there by itself (``PlannedRegroup``); a rank the new
-generation leaves out gets ``NotAMember`` and exits.
+generation leaves out gets ``NotAMember`` and exits. To take a host back live, the launcher
+starts its launch rank again beforehand (``joining``): it builds its model and data, says it is
+ready (``membership.ready_path``), and waits in ``regroup`` for the generation that has it;
+``agree_state`` then gives it the current parameters and optimizer state from a peer.
 
 The caller then re-wraps DDP, rebuilds its work plan (the same global batch, more
 micro-batches per survivor) and its monitor, zeroes the gradients of the failed step and
@@ -132,12 +136,16 @@ def shutdown_tcp(keep_ports: set[int]) -> int:
 class Regrouper:
     """One per rank of a job that regroups in place (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, slot: int, keep_ports: set[int] | None = None) -> None:
+    def __init__(self, run_dir: Path, slot: int, keep_ports: set[int] | None = None,
+                 joining: bool = False) -> None:
+        """``joining``: this process is a launch rank started again to rejoin (a host taken
+        back live): its first ``regroup`` waits for the generation that includes it."""
         g = membership.read(run_dir)
         if g is None:
             raise RuntimeError(f"no {membership.MEMBERSHIP_FILE} in {run_dir}")
         self.run_dir = run_dir
         self.slot = slot
+        self.joining = joining
         self.current = g
         self.keep_ports = set(keep_ports or ())
         self.last_parts: dict[str, float] = {}  # seconds of the last regroup's phases
@@ -182,7 +190,7 @@ class Regrouper:
         """After a failed collective: wait for the next generation, rebuild the default
         process group on its store. Raises the caller's error's stand-in (TimeoutError)
         when no generation comes (the failure was not a lost rank), NotAMember when this
-        rank is not in it."""
+        rank is not in it (a rank ``joining`` waits on for the generation that has it)."""
         t_in = time.monotonic()
         deadline = t_in + timeout_s
         while not self._aborted.wait(POLL_S):
@@ -192,8 +200,11 @@ class Regrouper:
         self._aborted.clear()
         g = self._seen
         rank = g.rank_of(self.slot)
+        if rank is None and self.joining:  # a generation before the one taking it back
+            return self.regroup(backend, max(deadline - time.monotonic(), POLL_S))
         if rank is None:
             raise NotAMember(f"launch rank {self.slot} is not in generation {g.gen}")
+        self.joining = False
         t0 = time.monotonic()
         with contextlib.suppress(Exception):  # the old groups are broken: free what we can
             dist.destroy_process_group()

@@ -47,6 +47,9 @@ from stalwart.train.model import GPT, PRESETS
 REGROUP_PRICE_S = 1.0
 
 
+JOIN_WAIT_S = 120.0  # a rank started to rejoin gives up (and leaves) after this long
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
     peak = cfg.resolved_lr()
@@ -155,6 +158,17 @@ class DataParallelStep:
             timing["compute_time"], timing["comm_time"] = dev
             timing["host_time"] = t1 - t0
         return total / len(batches), timing
+
+
+class DetachedStep:
+    """A rank started again to rejoin, before it is in a process group: its model only (DDP
+    wraps it when it joins, as every rank's after a regroup)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model
+
+    def close(self) -> None:
+        pass
 
 
 class TensorParallelStep:
@@ -313,6 +327,7 @@ class Rank:
     data_parts: int = 1
     lr: float = 0.0  # this step's learning rate
     regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
+    joining: bool = False  # started again by the launcher to rejoin (a host taken back)
     n_params: int = 0
     done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
 
@@ -335,6 +350,10 @@ class Rank:
         device = torch.device(dplan.device_of(slot))
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        from stalwart.mitigate.membership import JOIN_ENV
+
+        if os.environ.get(JOIN_ENV) == "1":
+            return cls._rejoiner(cfg, rank, device, dplan)
         dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
         launched = "STALWART_RUN_DIR" in os.environ
         if not launched and cfg.faults:
@@ -348,6 +367,48 @@ class Rank:
                 JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
         r._plug_in()
         return r
+
+    @classmethod
+    def _rejoiner(cls, cfg: RunConfig, slot: int, device: torch.device, dplan: Any) -> Rank:
+        """Launch rank ``slot`` started again by the launcher to take its host back in place:
+        everything a rank holds but its process groups (those come with the generation that
+        takes it back: ``join``)."""
+        from stalwart.mitigate.regroup import Regrouper
+
+        run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        r = cls(cfg, slot, 0, device, dplan, run_dir, True, EventLog(run_dir),
+                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+        r.joining = True
+        torch.manual_seed(cfg.seed)
+        r.stepper = DetachedStep(GPT(r.model_cfg).to(device))
+        r.opt = torch.optim.AdamW(r.stepper.model.parameters(), lr=cfg.resolved_lr(),
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        with torch.device("meta"):
+            r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
+        r.regrouper = Regrouper(run_dir, slot, set(), joining=True)
+        # what joining builds, imported now: the detector's imports (scipy) took 2.7 s of a
+        # live rejoin's regroup on a loaded machine when left to the regroup itself
+        import stalwart.detect  # noqa: F401
+        import stalwart.mitigate.rebalance  # noqa: F401
+        r.val = [(x.to(device), y.to(device)) for x, y in val_batches(
+            r.corpus, cfg.eval_batches, cfg.resolved_batch_size(), r.model_cfg.block_size,
+            cfg.seed)]
+        return r
+
+    def join(self) -> int:
+        """Say this rank is ready, wait for the generation that takes it back, and regroup
+        into it: the parameters and optimizer state come from a peer (``agree_state``).
+        Returns the step to run next; raises TimeoutError when no generation takes it."""
+        from stalwart.mitigate import membership
+
+        g = self.regrouper.current
+        ready = membership.ready_path(self.run_dir, g.token, self.rank)
+        from stalwart.rundir import atomic_write_text
+
+        atomic_write_text(ready, f"{time.time()}\n")
+        done = self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
+        self.done_at.update({("eval", done), ("ckpt", done)})  # the others did them
+        return done
 
     @property
     def model_cfg(self) -> Any:
@@ -490,12 +551,12 @@ class Rank:
         save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
                         self.events)
 
-    def regroup(self, applied: int, why: str) -> int:
+    def regroup(self, applied: int, why: str, timeout_s: float | None = None) -> int:
         """Rebuild this rank's distributed state for the next generation, in place: process
         groups, the model's state agreed, DDP, monitor, work plan (the same global batch over
         the ranks now in the job). Returns the step to run next, agreed by every rank.
         Raises NotAMember when the new generation leaves this rank out."""
-        from stalwart.mitigate import work_plan
+        from stalwart.mitigate import membership, work_plan
         from stalwart.mitigate.regroup import agree_state
 
         t0 = time.monotonic()
@@ -507,8 +568,10 @@ class Rank:
                 if part is not None:
                     part.close()
         self.monitor = self.work = None
+        before = self.regrouper.current
         try:
-            g = self.regrouper.regroup(self.devices.backend)
+            g = self.regrouper.regroup(self.devices.backend, **(
+                {"timeout_s": timeout_s} if timeout_s is not None else {}))
         except TimeoutError as t:  # not a lost peer: the original failure is the news
             raise RuntimeError(f"{why} ({t})") from None
         parts = {"groups": time.monotonic() - t0}
@@ -529,6 +592,7 @@ class Rank:
         if self.rank == 0:
             self.events.log("regroup", step=done, generation=g.gen, world=self.world,
                             members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
+                            joined=membership.joined(before, g),
                             state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
                             # cumulative seconds at the end of each part
                             parts={k: round(v, 3) for k, v in parts.items()},
@@ -602,7 +666,14 @@ def train(cfg: RunConfig) -> int:
     from stalwart.mitigate.regroup import NotAMember, is_comm_error
 
     r = Rank.start(cfg)
-    start = r.resume()
+    if r.joining:  # started again to take its host back: in at the agreed step, or out
+        try:
+            start = r.join()
+        except RuntimeError as e:
+            print(f"stalwart: rank {r.rank} was not taken back: {e}", file=sys.stderr)
+            return r.leave()
+    else:
+        start = r.resume()
     stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
     applied = start  # optimizer steps applied: the next step to run
     if start > 0:  # what the resumed checkpoint already holds is not redone
