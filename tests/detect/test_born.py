@@ -117,3 +117,17 @@ def test_the_policy_prices_a_straggler_that_was_never_healthy_from_its_peers() -
 
     assert REBALANCE in run(born=True)
     assert REBALANCE not in run(born=False)  # what a born finding looked like before
+
+
+def test_a_link_fault_that_began_before_the_audit_is_not_called_never_healthy() -> None:
+    slow = dict(RING4, **{"1-2": 0.6, "2-3": 0.5})
+    ev = evidence(None, links=slow)
+    for e in ev:  # steps of 0.1 s, 1.3 s from step 25 on (the fault began there)
+        e.steps = [(k, 0.1 if k < 25 else 1.3) for k, _ in e.recent]
+    f = decide(ev, 0, 40, 1.0, mode=AUDIT_MODE)
+    assert f.kind == "link" and f.ranks == [2]
+    assert f.onset_step == 25 and f.evidence["never_healthy"] is False
+    for e in ev:  # slow all along
+        e.steps = [(k, 1.3) for k, _ in e.recent]
+    g = decide(ev, 0, 40, 1.0, mode=AUDIT_MODE)
+    assert g.onset_step == 0 and g.evidence["never_healthy"] is True

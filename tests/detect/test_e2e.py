@@ -42,3 +42,28 @@ def test_compute_then_link_fault_are_found_and_told_apart(tmp_path: Path) -> Non
     assert link, found
     assert link[0]["kind"] == "link", link[0]
     assert 1 in link[0]["link"] or link[0]["ranks"] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.parametrize("fault,kind,ranks,link", [
+    ("compute:rank=2,factor=2", "compute", [2], None),
+    ("link:host=1,rate=30mbit", "link", [1], None),
+    ("pairlink:hosts=1-2,rate=20mbit", "link", [], [1, 2]),
+], ids=["compute2x", "hostlink", "pairlink"])
+def test_stragglers_present_from_the_start_of_a_users_script_are_found(
+        tmp_path: Path, fault: str, kind: str, ranks: list[int], link: list[int] | None) -> None:
+    """Issue 24: a plain DDP script (no stalwart import), a fault present from step 0 -- no
+    change point exists; the outlier test or the audit names it, since the first sample."""
+    cmd = [sys.executable, "-m", "stalwart.cli", "run", "--script", "tests/scripts/plain_ddp.py",
+           "--testbed", "netns", "--nproc", "4", "--detect", "--fault", fault,
+           "--out", str(tmp_path), "--name", "born", "--no-progress", "--", "--seconds", "9"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    found = RunData.load(tmp_path / "born").events_of("straggler_detected")
+    assert found, "no straggler detected"
+    first = found[0]
+    assert first["kind"] == kind and first["ranks"] == ranks, first
+    if link is not None:
+        assert first["link"] == link, first
+    assert first["evidence"]["never_healthy"] is True and first["onset_step"] <= 2, first

@@ -84,3 +84,16 @@ def test_slow_rank_is_found_without_any_call_from_the_loop(tmp_path: Path) -> No
     assert all(r["period"] == res[0]["period"] is not None for r in res)
     assert all(r["ddp_ops"] > 0 for r in res)
     check_slow_rank_found(res, 1)
+
+
+@pytest.mark.slow
+def test_a_rank_slow_from_its_first_step_is_named_since_the_start(tmp_path: Path) -> None:
+    # no change point exists: the rank competes for its core from step 0 on; the outlier
+    # test or the audit must name it, with no healthy "before" (issue 24)
+    res = run_job(tmp_path, 2, "--slow-rank", "1", "--slow-at", "0", "--steps", "80")
+    first = check_slow_rank_found(res, 1)
+    assert first["evidence"]["never_healthy"] is True, first
+    assert first["evidence"]["detected_by"] in ("outlier", "audit"), first
+    assert first["onset_step"] <= 2, first  # the monitor's first sample
+    ev = RunData.load(tmp_path).events_of("straggler_detected")
+    assert ev and ev[0]["ranks"] == [1] and ev[0]["evidence"]["never_healthy"] is True

@@ -9,7 +9,15 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from stalwart.detect.decision import AUDIT, AUDIT_AFTER, NONE, OUTLIER, DecisionCore, IterSample
+from stalwart.detect.decision import (
+    AUDIT,
+    AUDIT_AFTER,
+    AUDIT_MIN,
+    NONE,
+    OUTLIER,
+    DecisionCore,
+    IterSample,
+)
 from stalwart.detect.localize import Finding
 from stalwart.detect.outlier import (
     MIN_SHIFT,
@@ -144,6 +152,20 @@ def test_the_audit_runs_once_after_the_warm_up_from_the_first_sample() -> None:
     k, a = audits[0]
     assert a.onset == 3 and a.suspect == -1 and k == 3 + 10 + AUDIT_AFTER - 1
     assert core.findings == [] and core.hiccups == 0 and core.audit["kind"] == "unknown"
+
+
+def test_a_job_of_slow_steps_is_audited_after_seconds_not_samples() -> None:
+    core = DecisionCore(True)
+    seen = []
+    for k in range(40):
+        core.sample(IterSample(k, 0.5, 0.1, 0.4))  # 0.5 s steps (a slow link from step 0)
+        core.relative(k, [0.1, 0.1, 0.1])
+        if core.take_pending().action == AUDIT:
+            seen.append(k)
+            core.alarm_read()
+            core.apply_verdict(Finding("unknown", 0, k, 1.0), None, action=AUDIT)
+    # 2 s of iterations after the 10-sample warm-up: 4 samples, but never fewer than AUDIT_MIN
+    assert seen == [10 + AUDIT_MIN - 1]
 
 
 def test_a_link_the_audit_finds_is_logged_as_never_healthy_and_followed() -> None:

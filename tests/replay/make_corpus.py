@@ -24,6 +24,7 @@ KEEP = ("step", "rank", "step_time", "compute_time", "comm_time", "fb_time", "mi
         "plan_version", "world")
 
 C = "compute:rank={r},factor={f},start={s}"
+SCRIPT = ["--script", "tests/scripts/plain_ddp.py", "--detect"]
 RUNS: dict[str, list[str]] = {
     "clean-n2": ["--nproc", "2", "--steps", "80"],
     "clean-n3": ["--nproc", "3", "--steps", "80"],
@@ -58,6 +59,25 @@ RUNS: dict[str, list[str]] = {
     "loss-n3-netns-lossy": ["--nproc", "3", "--steps", "60", "--testbed", "netns",
                             "--comm", "lossy", "--fault", "loss:host=all,p=0.05"],
     "clean-n4-netns": ["--nproc", "4", "--steps", "60", "--testbed", "netns"],
+    # slow from the start (issue 24): no change point exists; the outlier test or the audit
+    "born-compute2x-n4": ["--nproc", "4", "--steps", "90", "--fault", "compute:rank=2,factor=2"],
+    "born-compute1.3x-n4": ["--nproc", "4", "--steps", "120",
+                            "--fault", "compute:rank=1,factor=1.3"],
+    "born-compute2x-n3-mitigate": ["--nproc", "3", "--steps", "100", "--mitigate", "auto",
+                                   "--fault", "compute:rank=1,factor=2"],
+    "born-link-n4-netns": ["--nproc", "4", "--steps", "60", "--testbed", "netns",
+                           "--fault", "link:host=1,rate=30mbit"],
+    "born-pairlink-n4-netns": ["--nproc", "4", "--steps", "60", "--testbed", "netns",
+                               "--fault", "pairlink:hosts=1-2,rate=20mbit"],
+    # a user's own script (tests/scripts/plain_ddp.py: an MLP that imports nothing from
+    # stalwart), its monitor iterations replayed: other world sizes too
+    "script-born-compute2x-n4-netns": SCRIPT + ["--nproc", "4", "--testbed", "netns",
+                                                "--fault", "compute:rank=2,factor=2",
+                                                "--", "--seconds", "8"],
+    "script-clean-n3-netns": SCRIPT + ["--nproc", "3", "--testbed", "netns",
+                                       "--", "--seconds", "8"],
+    "script-born-compute2x-n2": SCRIPT + ["--nproc", "2", "--fault", "compute:rank=0,factor=2",
+                                          "--", "--seconds", "8"],
 }
 
 
@@ -65,7 +85,9 @@ def trim(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", dst / "config.json")
     shutil.copy(src / "events.jsonl", dst / "events.jsonl")
-    with open(src / "metrics.jsonl") as f, open(dst / "metrics.jsonl", "w") as out:
+    # a script run (--script) records the monitor's iterations instead of metrics
+    series = "metrics.jsonl" if (src / "metrics.jsonl").is_file() else "iterations.jsonl"
+    with open(src / series) as f, open(dst / series, "w") as out:
         for line in f:
             m = json.loads(line)
             row = {k: (round(v, 6) if isinstance(v, float) else v)
@@ -78,8 +100,9 @@ def main(argv: list[str]) -> int:
     names = argv[1:] or list(RUNS)
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "stalwart.cli", "run", *RUNS[name], "--name", name,
-                   "--out", tmp, "--no-progress"]
+            # the run's own arguments last: a script's follow its "--"
+            cmd = [sys.executable, "-m", "stalwart.cli", "run", "--name", name, "--out", tmp,
+                   "--no-progress", *RUNS[name]]
             print(" ".join(cmd[2:]), flush=True)
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

@@ -60,3 +60,22 @@ def test_the_command_prints_and_writes_the_decisions(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "not a run directory" in bad.stderr
+
+
+def test_runs_slow_from_the_start_are_found_since_the_first_sample_and_acted_on() -> None:
+    # issue 24: no change point exists; the audit (or the outlier test) names the culprit
+    for name, kind, ranks in (("born-compute2x-n4", "compute", [2]),
+                              ("born-link-n4-netns", "link", [1]),
+                              ("born-pairlink-n4-netns", "link", []),
+                              ("script-born-compute2x-n2", "compute", [0])):
+        (inc,) = replay_run(HERE / "corpus" / name)["incarnations"]
+        found = [e for e in inc["detect"] if e["event"] == "straggler_detected"]
+        assert found, name
+        first = found[0]
+        assert (first["kind"], first["ranks"]) == (kind, ranks), (name, first)
+        assert first["onset_step"] == 0 and first["evidence"]["never_healthy"], (name, first)
+    # the policy prices it from its peers (it never saw a healthy step) and rebalances
+    (inc,) = replay_run(HERE / "corpus" / "born-compute2x-n3-mitigate")["incarnations"]
+    first = inc["policy"][0]
+    assert first["decision"] == "rebalance" and first["counts"][1] < min(
+        first["counts"][0], first["counts"][2])

@@ -22,7 +22,8 @@ Stragglers with no healthy "before" (a rank slow from its first step never chang
 channel above fires): every rank's compute over its peers' median goes through a sign test
 all the time (``OutlierBank``, outlier.py: at most ``ALPHA_RANK_HOUR`` alarms per healthy
 rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per job,
-``AUDIT_AFTER`` samples after the warm-up, the validation tests run with no alarm
+``AUDIT_AFTER`` samples or ``AUDIT_S`` seconds after the warm-up, the validation tests run
+with no alarm
 (``AUDIT``: a link slow from the start, or a rank both the audit's sign test and the compute
 test name). Their findings are followed for recovery at the peers' level (``_follow_born``).
 
@@ -77,7 +78,12 @@ from stalwart.events import (
 NONE, DETECT, RECOVER, OUTLIER, AUDIT = 0, 1, 2, 3, 4
 DETECTS = (DETECT, OUTLIER, AUDIT)  # the actions validated by the tests
 MODES = {DETECT: CHANGE_MODE, OUTLIER: OUTLIER_MODE, AUDIT: AUDIT_MODE}  # localize.decide's
-AUDIT_AFTER = 30  # samples after the warm-up at which the audit runs (once per job)
+# the audit runs once per job, after the warm-up, at AUDIT_AFTER samples or AUDIT_S seconds
+# of iterations (whichever comes first; at least AUDIT_MIN samples): a job slowed by a link
+# from its start ran 4 steps a second, and 30 samples came 10 s in
+AUDIT_AFTER = 30
+AUDIT_S = 2.0
+AUDIT_MIN = 5
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
 RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
@@ -155,7 +161,8 @@ class DecisionCore:
         # every rank against its peers all the time (outlier.py), made at the first rows
         self.outliers: OutlierBank | None = None
         self._outlier: Outlier | None = None  # the one whose alarm is on its way
-        self.audit_at = warmup + AUDIT_AFTER if audit else 0  # samples; 0: no audit
+        self.audit_on = audit
+        self._warm_s = 0.0  # seconds of iterations since the warm-up (the audit's clock)
         self.audit: dict[str, Any] | None = None  # the audit's outcome, once it ran
         self.verdicts = 0  # validated alarms (each one a validation pause)
         self._seen = 0
@@ -166,6 +173,8 @@ class DecisionCore:
         """This rank's iteration; on the leader, the iteration-time channel's next sample."""
         self.samples.append(s)
         self._seen += 1
+        if self._seen > self.detector.warmup:
+            self._warm_s += s.seconds
         if self._first_key is None:
             self._first_key = s.key
         if not self.leader:
@@ -179,11 +188,16 @@ class DecisionCore:
             self.classify(ch)
         if self._unexplained is not None:
             self._settle_unexplained(s.key)
-        if self._seen >= self.audit_at > 0 and self.audit is None and self._quiet():
+        if self._audit_due() and self._quiet():
             # the one look at a job that may be slow from its start (no change to find): the
             # validation tests once, from the first sample on, with no suspect
             self.audit = {"step": s.key}
             self.pending = Alarm(AUDIT, self._first_key, 1.0, -1)
+
+    def _audit_due(self) -> bool:
+        after = self._seen - self.detector.warmup
+        return self.audit_on and self.audit is None and after >= AUDIT_MIN and (
+            after >= AUDIT_AFTER or self._warm_s >= AUDIT_S)
 
     def _quiet(self) -> bool:
         """Leader: nothing under way, no straggler followed, and peers known (the audit)."""
@@ -328,10 +342,11 @@ class DecisionCore:
             return statistics.median(vals) if vals else None
 
         # what culprit_onset splits: the window it searches and the baseline before it
-        recent = [(s.key, s.compute) for s in self.samples
-                  if s.compute and onset - ONSET_SLACK - BEFORE <= s.key <= decided]
+        window = [s for s in self.samples if onset - ONSET_SLACK - BEFORE <= s.key <= decided]
+        recent = [(s.key, s.compute) for s in window if s.compute]
         return RankEvidence(rank, med(before, "compute"), med(after, "compute"),
-                            med(before, "comm"), med(after, "comm"), recent=recent)
+                            med(before, "comm"), med(after, "comm"), recent=recent,
+                            steps=[(s.key, s.seconds) for s in window])
 
     def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,
                       action: int = DETECT) -> None:

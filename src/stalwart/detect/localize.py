@@ -103,6 +103,9 @@ AUDIT_MIN_SAMPLES = 8
 # passed the sign test at 10% (31 of 41 samples, p 7e-4) on a clean script run, while a 2x
 # rank reads ~1.8x; a 2x rank's samples pass 25% in ~75% of steps
 AUDIT_SHIFT = 0.25
+# a slow link the audit finds began within its window if the step time rose this much there
+# (a 10 mbit host link from step 30 raised it ~13x; healthy steps swing by 10-30%)
+LINK_RISE = 1.5
 
 
 @dataclass
@@ -120,6 +123,9 @@ class RankEvidence:
     # (step, compute seconds) of the rank's recent steps, up to the decision: where a
     # compute straggler's own time rose relative to its peers' is its onset
     recent: list[tuple[int, float]] = field(default_factory=list)
+    # (step, iteration seconds) over the same window: where a slow link found by the audit
+    # began, if the step time rose within it
+    steps: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -340,6 +346,24 @@ def born_onset(ev: list[RankEvidence], rank: int, onset_step: int,
     return onset_step, False
 
 
+def link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> tuple[int, bool]:
+    """Where a slow link the audit found began, and whether the job never ran without it:
+    the step where the iteration time (the lowest rank's, the same for all in synchronous
+    training) rose by ``LINK_RISE`` x over the steps before, if it did; else the first
+    sample (never healthy)."""
+    series = min(ev, key=lambda e: e.rank).steps if ev else []
+    pts = [(k, t) for k, t in series if t > 0]
+    if not pts:
+        return onset_step, True
+    keys = np.asarray([k for k, _ in pts], dtype=np.int64)
+    xs = np.log(np.asarray([t for _, t in pts]))
+    rise = rise_onset(keys, xs, int(keys[0]), step, before=BEFORE,
+                      min_rise=math.log(LINK_RISE))
+    if rise is not None:
+        return rise, False
+    return int(keys[0]), True
+
+
 def _born_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                   evidence: dict[str, Any], mode: str) -> Finding:
     onset, never = born_onset(ev, rank, onset_step, step)
@@ -499,8 +523,10 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         return _compute_finding(ev, candidate, onset_step, step, severity, evidence)
     # 2. a link tens of times slower than its peers, not explained by a starved rank
     if slow_links:
-        if mode == AUDIT_MODE:  # the first look: slow since the first sample the monitor has
-            evidence.update(detected_by=mode, never_healthy=True)
+        if mode == AUDIT_MODE:  # the first look: slow since the first sample, unless the
+            # step time rose within the window (a link fault that began after it)
+            onset_step, never = link_onset(ev, onset_step, step)
+            evidence.update(detected_by=mode, never_healthy=never)
             severity = link_severity(ev, lr[slow_links[0]])
         return _link_finding(slow_links, onset_step, step, severity, evidence)
     # 3. the compute test alone, only when one rank stands far out -- and not when every
