@@ -292,6 +292,7 @@ def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[
 # the least a live rejoin is priced at (seconds): its regroup moves the model and optimizer
 # state to the joining rank and rebuilds the monitor (measured ~0.3-3 s on the testbed)
 REJOIN_PRICE_S = 2.0
+REJOIN_TRIES = 2  # starts of a host's rank to rejoin before the job stops trying
 
 
 @dataclass
@@ -318,6 +319,9 @@ def _rejoin(cfg: RunConfig, tb: Any, run_dir: Path, probe: Any, members: Any,
         return None
     slot = g.home.index(probe.host)
     if slot in procs:
+        return None
+    probe.tries += 1
+    if probe.tries > REJOIN_TRIES:
         return None
     p = _start_rank(cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0, slot,
                     {membership.JOIN_ENV: "1"})
@@ -489,6 +493,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             if got is not None and probe is None:
                 probe = got
                 restart_s = restart_s or startup_s  # taking it back is a restart
+            if rejoin is not None and rejoin.slot not in procs:
+                rejoin = None  # the rank started to rejoin was not taken back, and left
         if probe is not None and members is not None and recent and rejoin is None:
             # in place: the host's rank starts again and joins live (price: a regroup)
             why = probe.restore_reason(cfg.steps - next_step, sorted(recent)[len(recent) // 2],
@@ -497,6 +503,9 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             if why is not None:
                 rejoin = _rejoin(cfg, tb, run_dir, probe, members, procs, why, events, say,
                                  next_step)
+                if rejoin is None and probe.tries > REJOIN_TRIES:
+                    probe.stop()  # its rank failed to rejoin each time: the host stays out
+                    probe = None
         elif probe is not None and members is None and recent and restart_s is not None \
                 and probe.request_restore(cfg.steps - next_step,
                                           sorted(recent)[len(recent) // 2], len(procs),
@@ -536,6 +545,15 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             rejoin = None
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):
+            if probe is None and hasattr(tb, "hosts"):
+                # the dead rank's host is probed like a host left out: healthy (a process
+                # crash, not a bad host), its rank is started again and rejoins live
+                from stalwart.mitigate.probe import HostProbe
+
+                probe = HostProbe(tb, tb.host(failed[0][0]), list(members.current.hosts),
+                                  run_dir)
+                if probes is not None:
+                    probes.append(probe)
             continue  # the survivors regroup in place
         if failed and keep_going and _drop_lost(failed, procs, run_dir, events, say, next_step):
             continue  # the others go on by themselves

@@ -44,6 +44,7 @@ class HostProbe:
         self.rounds: list[dict[str, float | None]] = []
         self.healthy = 0
         self.declined = ""  # why a healthy host was not taken back (for the event log)
+        self.tries = 0  # times its rank was started again to rejoin (launch.py)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="stw-probe")
         self._thread.start()
