@@ -304,6 +304,7 @@ class _Rejoin:
     reason: str
     ready: Path
     t0: float
+    tries: int = 1  # this host's starts so far
     asked: bool = False
 
 
@@ -323,14 +324,15 @@ def _rejoin(cfg: RunConfig, tb: Any, run_dir: Path, probe: Any, members: Any,
     probe.tries += 1
     if probe.tries > REJOIN_TRIES:
         return None
+    ready = membership.ready_path(run_dir, g.token, slot)
+    ready.unlink(missing_ok=True)  # an earlier try's: this start says it anew
     p = _start_rank(cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0, slot,
                     {membership.JOIN_ENV: "1"})
     procs[slot] = p
     tb.attach_ranks({slot: p.pid})
     events.log("rank_rejoining", step=step, rank=slot, host=probe.host, reason=reason)
     say(f"stalwart: host {probe.host} is healthy again; its rank {slot} starts to rejoin live")
-    return _Rejoin(slot, probe.host, reason, membership.ready_path(run_dir, g.token, slot),
-                   time.monotonic())
+    return _Rejoin(slot, probe.host, reason, ready, time.monotonic(), probe.tries)
 
 
 def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
@@ -535,6 +537,10 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
                   if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
         if rejoin is not None and any(r == rejoin.slot for r, _ in failed):
             # a rank started to rejoin failed before it was back: the job goes on without it
+            # (once asked for, the others may be waiting for it in the regroup: a generation
+            # without it wakes them)
+            if rejoin.asked and members is not None:
+                members.lose([rejoin.slot], next_step)
             code = procs.pop(rejoin.slot).returncode
             events.log("rejoin_failed", step=next_step, rank=rejoin.slot, host=rejoin.host,
                        exit_code=code, error=_last_error_line(
@@ -542,6 +548,15 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             say(f"stalwart: rank {rejoin.slot} could not rejoin ({_describe_exit(code)}); "
                 f"the job goes on without host {rejoin.host}")
             failed = [(r, c) for r, c in failed if r != rejoin.slot]
+            if probe is None and rejoin.tries < REJOIN_TRIES and hasattr(tb, "hosts"):
+                from stalwart.mitigate.probe import HostProbe
+
+                probe = HostProbe(tb, rejoin.host, list(members.current.hosts), run_dir) \
+                    if members is not None else None
+                if probe is not None:
+                    probe.tries = rejoin.tries  # probed again for the next try
+                    if probes is not None:
+                        probes.append(probe)
             rejoin = None
         if failed and members is not None and _lose(failed, procs, members, run_dir, events,
                                                     say, next_step):

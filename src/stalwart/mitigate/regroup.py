@@ -151,6 +151,8 @@ class Regrouper:
         self.last_parts: dict[str, float] = {}  # seconds of the last regroup's phases
         self._seen = g
         self._aborted = threading.Event()
+        if joining and g.rank_of(slot) is not None:
+            self._aborted.set()  # the generation taking it back is already announced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="stw-members")
         self._thread.start()

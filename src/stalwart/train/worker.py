@@ -22,6 +22,7 @@ causes. The end of local computation is taken from the last post-accumulate-grad
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
@@ -47,6 +48,7 @@ from stalwart.train.model import GPT, PRESETS
 REGROUP_PRICE_S = 1.0
 
 
+MAX_REGROUPS = 8  # membership changes in a row a regroup follows before the rank gives up
 JOIN_WAIT_S = 120.0  # a rank started to rejoin gives up (and leaves) after this long
 
 
@@ -124,7 +126,10 @@ class DataParallelStep:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def close(self) -> None:
-        """Let go of the DDP wrapper and the clock's hooks; the model stays as it is."""
+        """Let go of the DDP wrapper and the clock's hooks; the model stays as it is (a
+        second call does nothing: a regroup that failed half-way is retried)."""
+        if not hasattr(self, "ddp"):
+            return
         self.clock.close()
         # the reducer's hooks on the parameters would otherwise fire (on the old process
         # group) until a garbage collection frees it -- and a full collection costs ~0.5 s
@@ -405,7 +410,7 @@ class Rank:
         ready = membership.ready_path(self.run_dir, g.token, self.rank)
         from stalwart.rundir import atomic_write_text
 
-        atomic_write_text(ready, f"{time.time()}\n")
+        atomic_write_text(ready, json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
         done = self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
         self.done_at.update({("eval", done), ("ckpt", done)})  # the others did them
         return done
@@ -699,12 +704,30 @@ def train(cfg: RunConfig) -> int:
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
             del e  # its traceback holds the failed step's graph, and with it the old DDP
             try:
-                applied = r.regroup(applied, why)
+                applied = regroup_until_done(r, applied, why)
             except NotAMember:  # left out by the plan (S4): its host is probed from outside
                 return r.leave()
     if cfg.halt_at is not None and r.rank == 0:
         r.events.log("halted", step=cfg.halt_at)
     return r.finish(0)
+
+
+def regroup_until_done(r: Rank, applied: int, why: str) -> int:
+    """``r.regroup``, again while it fails because the membership changed meanwhile (a rank
+    lost during a regroup -- one started to rejoin that died before joining): the next
+    generation is the one to join."""
+    from stalwart.mitigate.regroup import NotAMember, is_comm_error
+
+    for _ in range(MAX_REGROUPS):
+        try:
+            return r.regroup(applied, why)
+        except NotAMember:
+            raise
+        except Exception as e:  # noqa: BLE001 -- only a membership change is retried
+            if not (r.regrouper.changed() and is_comm_error(e)):
+                raise
+            why = f"regroup interrupted: {(str(e).strip().splitlines() or ['?'])[0][:200]}"
+    raise RuntimeError(f"{why} (membership changed {MAX_REGROUPS} times in a row)")
 
 
 def main(argv: list[str] | None = None) -> int:
