@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
 from pathlib import Path
 
@@ -12,13 +11,9 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
+from stalwart.launch import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(rank: int, world: int, port: int, out: str, kind: str, kw: dict) -> None:

@@ -5,23 +5,17 @@ are fewer GPUs than ranks, devices.py), as ``stalwart run --device cuda`` does."
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from stalwart.launch import free_port
 from tests.helpers import spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int) -> torch.device:
@@ -71,8 +65,8 @@ def _train(rank: int, world: int, port: int, comm: str, out) -> None:  # noqa: A
 
 
 def test_lossy_transport_on_cuda_matches_reliable_ddp_without_loss() -> None:
-    rel = spawn_ranks(_train, 2, _free_port(), "reliable", timeout=180)
-    los = spawn_ranks(_train, 2, _free_port(), "lossy", timeout=180)
+    rel = spawn_ranks(_train, 2, free_port(), "reliable", timeout=180)
+    los = spawn_ranks(_train, 2, free_port(), "lossy", timeout=180)
     for r in range(2):
         assert los[r][1] and rel[r][1]  # parameters stayed on the GPU
         err = (torch.tensor(los[r][0]) - torch.tensor(rel[0][0])).abs().max().item()
@@ -108,7 +102,7 @@ def _tp_grads(rank: int, world: int, port: int, out) -> None:  # noqa: ANN001
 
 
 def test_strand_interleaving_on_cuda_gives_the_sequential_gradients() -> None:
-    got = spawn_ranks(_tp_grads, 2, _free_port(), timeout=240)
+    got = spawn_ranks(_tp_grads, 2, free_port(), timeout=240)
     for r in range(2):
         off, si = got[r]["off"], got[r]["si"]
         assert got[r]["si_plan"] == "profiled"  # the strands really ran (and were profiled)
@@ -135,7 +129,7 @@ def _validate(rank: int, world: int, port: int, out) -> None:  # noqa: ANN001
 
 
 def test_validation_tests_run_on_the_jobs_gpu() -> None:
-    got = spawn_ranks(_validate, 2, _free_port(), timeout=120)
+    got = spawn_ranks(_validate, 2, free_port(), timeout=120)
     assert all(len(t) == 2 and min(t) > 0 for t, _ in got.values())
     assert got[0][1] and all(v > 0 for v in got[0][1].values())  # rank 0 times pair (0, 1)
 
