@@ -131,3 +131,42 @@ def test_a_link_fault_that_began_before_the_audit_is_not_called_never_healthy() 
         e.steps = [(k, 1.3) for k, _ in e.recent]
     g = decide(ev, 0, 40, 1.0, mode=AUDIT_MODE)
     assert g.onset_step == 0 and g.evidence["never_healthy"] is True
+
+
+def test_the_audit_confirms_a_mild_rank_only_by_the_long_consistent_test() -> None:
+    # a 1.3x rank: above its peers by ~16% in the median, no sign test passes at 25%
+    ev = evidence(1, factor=1.18, test=1.3, steps=40, seed=4)
+    assert more_rounds(ev, None, AUDIT_MODE) == 4  # the mild candidate: 7 rounds
+    assert decide(ev, 0, 40, 1.0, mode=AUDIT_MODE).kind == "unknown"  # 3 rounds: not yet
+    for e in ev:  # 7 rounds, the candidate the slowest in each
+        e.compute_rounds = e.compute_rounds + e.compute_rounds[:1] * 4
+    f = decide(ev, 0, 40, 1.0, mode=AUDIT_MODE)
+    assert f.kind == "compute" and f.ranks == [1] and f.evidence["sign_test"]["mild_only"]
+    # a mild candidate never passes on size alone: 2x in 3 rounds is not enough for it
+    big = evidence(1, factor=1.18, test=2.0, steps=40, seed=4)
+    assert decide(big, 0, 40, 1.0, mode=AUDIT_MODE).kind == "unknown"
+    assert more_rounds(big, None, AUDIT_MODE) == 4
+    # 2 ranks: no mild fallback (the 7-round chance is 2^-7)
+    two = [e for e in evidence(1, factor=1.18, test=1.3, steps=40, seed=4) if e.rank < 2]
+    assert more_rounds(two, None, AUDIT_MODE) == 0
+
+
+def test_a_born_ranks_warm_up_is_not_its_onset() -> None:
+    ev = evidence(2)
+    for e in ev:  # the slow rank's first 3 samples read like its peers' (warm-up noise)
+        if e.rank == 2:
+            e.recent = [(k, c / 2.0 if k < 3 else c) for k, c in e.recent]
+    f = decide(ev, 0, 40, 1.0, suspect_rank=2, mode=OUTLIER_MODE)
+    assert f.onset_step == 0 and f.evidence["never_healthy"] is True
+
+
+def test_the_mild_candidate_is_the_eligible_rank_the_compute_test_reads_slowest() -> None:
+    # rank 0 reads ~1.18x its peers all along (its extra work) but computes like them;
+    # rank 2 reads ~1.14x and is the one the compute test finds slow
+    ev = evidence(2, factor=1.4, test=1.3, steps=40, seed=6)
+    for e in ev:
+        if e.rank == 0:
+            e.recent = [(k, c * 1.25) for k, c in e.recent]
+    why: dict = {}
+    from stalwart.detect.localize import candidate_of
+    assert candidate_of(ev, None, AUDIT_MODE, why) == 2 and why["sign_test"]["mild_only"]

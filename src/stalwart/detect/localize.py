@@ -98,11 +98,15 @@ CHANGE_MODE, OUTLIER_MODE, AUDIT_MODE = "change", "outlier", "audit"
 # with chance below AUDIT_P x the compute test's own (4^-3 for 3 rounds at 4 ranks)
 AUDIT_P = 0.01
 AUDIT_MIN_SAMPLES = 8
+AUDIT_MILD_RANKS = 3  # the mild fallback's 7-round rule is n^-7: 1/128 at 2 ranks, too weak
 # ... counting samples above its peers' median by this much: rank 0 reads 1.05-1.5x its peers
 # all along on healthy runs (it does the monitor's and the lossy transport's extra work) and
 # passed the sign test at 10% (31 of 41 samples, p 7e-4) on a clean script run, while a 2x
 # rank reads ~1.8x; a 2x rank's samples pass 25% in ~75% of steps
 AUDIT_SHIFT = 0.25
+# a rise of a born straggler's relative compute counts as its onset only after this many
+# samples: the first ones are the warm-up's (a 2x rank "rose" at step 3 of a run slow from 0)
+RISE_MIN_BEFORE = 10
 # a slow link the audit finds began within its window if the step time rose this much there
 # (a 10 mbit host link from step 30 raised it ~13x; healthy steps swing by 10-30%)
 LINK_RISE = 1.5
@@ -261,12 +265,39 @@ def _audit_candidate(ev: list[RankEvidence], evidence: dict[str, Any] | None) ->
         k, n, p = sign_test(peer_series(ev, e.rank)[1], AUDIT_SHIFT)
         if n >= AUDIT_MIN_SAMPLES and (best is None or p < best[0]):
             best = (p, e.rank, k, n)
-    if best is None or best[0] > AUDIT_P:
+    if best is not None and best[0] <= AUDIT_P:
+        if evidence is not None:
+            evidence["sign_test"] = {"rank": best[1], "above": best[2], "of": best[3],
+                                     "shift": AUDIT_SHIFT, "p": float(f"{best[0]:.3g}")}
+        return best[1]
+    return _mild_candidate(ev, evidence)
+
+
+def _mild_candidate(ev: list[RankEvidence], evidence: dict[str, Any] | None) -> int | None:
+    """The audit's fallback for a mild straggler (a 1.3x rank reads ~1.16x its peers, above
+    1.10 in only ~56% of steps: no sign test passes): among the ranks whose median compute
+    over their peers' is at least ``1 + MIN_SHIFT`` (rank 0 often is, from its extra work),
+    the one the compute test reads slowest, with at least ``AUDIT_MILD_RANKS`` ranks. Only
+    the compute test's consistency rule may confirm it (slowest in all of ``MILD_ROUNDS``
+    rounds, or all but one of ``MILD_ROUNDS_LONG``: chance n^-7 for a healthy rank, at most
+    n times that for the pick among n), never its size alone (``mild_only``)."""
+    if len(ev) < AUDIT_MILD_RANKS:
         return None
+    levels = {e.rank: float(np.median(xs)) for e in ev
+              if len(xs := peer_series(ev, e.rank)[1]) >= AUDIT_MIN_SAMPLES}
+    eligible = [r for r, v in levels.items() if v >= math.log1p(MIN_SHIFT)]
+    if not eligible:
+        return None
+    cr = _compute_ratios(ev)
+    top = max(eligible, key=lambda r: (cr.get(r, 0.0), levels[r]))
     if evidence is not None:
-        evidence["sign_test"] = {"rank": best[1], "above": best[2], "of": best[3],
-                                 "shift": AUDIT_SHIFT, "p": float(f"{best[0]:.3g}")}
-    return best[1]
+        evidence["sign_test"] = {"rank": top, "level": round(math.exp(levels[top]), 3),
+                                 "mild_only": True}
+    return top
+
+
+def _mild_only(evidence: dict[str, Any]) -> bool:
+    return bool((evidence.get("sign_test") or {}).get("mild_only"))
 
 
 def candidate_of(ev: list[RankEvidence], suspect_rank: int | None, mode: str = CHANGE_MODE,
@@ -337,8 +368,8 @@ def born_onset(ev: list[RankEvidence], rank: int, onset_step: int,
     keys, xs = peer_series(ev, rank)
     if len(keys) == 0:
         return onset_step, False
-    rise = rise_onset(keys, xs, int(keys[0]), step, before=BEFORE,
-                      min_rise=math.log(COMPUTE_MILD))
+    lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
+    rise = rise_onset(keys, xs, lo, step, before=BEFORE, min_rise=math.log(COMPUTE_MILD))
     if rise is not None and float(np.median(xs[keys < rise])) < math.log1p(MIN_SHIFT):
         return rise, False
     if int(keys[0]) >= onset_step:
@@ -357,8 +388,8 @@ def link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> tuple[int,
         return onset_step, True
     keys = np.asarray([k for k, _ in pts], dtype=np.int64)
     xs = np.log(np.asarray([t for _, t in pts]))
-    rise = rise_onset(keys, xs, int(keys[0]), step, before=BEFORE,
-                      min_rise=math.log(LINK_RISE))
+    lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
+    rise = rise_onset(keys, xs, lo, step, before=BEFORE, min_rise=math.log(LINK_RISE))
     if rise is not None:
         return rise, False
     return int(keys[0]), True
@@ -394,13 +425,14 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
     ``COMPUTE_MILD``, and the slowest in every round so far (up to ``MILD_ROUNDS``) or in all
     but one (up to ``MILD_ROUNDS_LONG``).
     """
-    suspect_rank = candidate_of(ev, suspect_rank, mode)
+    why: dict[str, Any] = {}
+    suspect_rank = candidate_of(ev, suspect_rank, mode, why)
     if suspect_rank is None:
         return 0
     cr = _compute_ratios(ev)
     r = cr.get(suspect_rank, 0.0)
     done = min((len(e.compute_rounds) for e in ev), default=0)
-    if r >= COMPUTE_RATIO or r < COMPUTE_MILD or done == 0:
+    if (r >= COMPUTE_RATIO and not _mild_only(why)) or r < COMPUTE_MILD or done == 0:
         return 0
     misses = done - slowest_every_round(ev, suspect_rank)
     if misses == 0 and done < MILD_ROUNDS:
@@ -504,7 +536,8 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     # above it and the slowest in every round of a longer test (or all but one of 10)
     confirmed = candidate is not None and ((
         cr.get(candidate, 0.0) >= COMPUTE_RATIO and cr[candidate] >= max(cr.values())
-        and _slowest_in_all(ev, candidate)) or _mild_confirmed(ev, cr, candidate))
+        and _slowest_in_all(ev, candidate) and not _mild_only(evidence))
+        or _mild_confirmed(ev, cr, candidate))
     if candidate is not None and cr:
         evidence["compute_test_rounds"] = min(len(e.compute_rounds) for e in ev)
         evidence["slowest_rounds"] = slowest_every_round(ev, candidate)
