@@ -11,7 +11,7 @@ from stalwart.bench.detect_scenarios import SCRIPTS, SCRIPTS_DIR, Scenario, run_
 from stalwart.bench.detect_score import Clock, Truth, ground_truth, latency_s, score, severe_missed
 
 BORN = Scenario("born-compute-r2-x2", ("compute:rank=2,factor=2",))
-MLP_MID = Scenario("mlp-mid-r2-x2", ("compute:rank=2,factor=2,start=250",), workload="mlp")
+MLP_MID = Scenario("mlp-mid-r2-x2", ("compute:rank=2,factor=2,start=150",), workload="mlp")
 
 
 def test_families_and_what_each_figure_counts() -> None:

@@ -30,7 +30,7 @@ STEPS = 70
 START = 30
 BATCH = 32  # per-rank micro-batch: ~0.2 s steps with 4 ranks on 2 cores
 SCRIPT_SECONDS = 30.0  # a user script trains this long (after ~10-20 s of start-up)
-SCRIPT_START = 250  # a mid-run fault in a script starts at this monitor iteration (~7 s in)
+SCRIPT_START = 150  # a mid-run fault in a script starts at this monitor iteration (4-10 s in)
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 SCRIPTS = {"mlp": "mlp.py", "cnn": "cnn_bn.py", "varlen": "varlen.py"}
 LOSS = "loss:host=all,p=0.05"
