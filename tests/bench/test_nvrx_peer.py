@@ -90,7 +90,8 @@ def test_the_bench_runs_without_the_package(monkeypatch: pytest.MonkeyPatch,
     assert len(lines) == 1 and "not installed" in lines[0] and "null" in lines[0]
     assert peers_seen == [False]
     for name in ("nvrx_detection_rate_born", "nvrx_detection_rate_scripts",
-                 "nvrx_false_positives", "nvrx_median_latency_s", "nvrx_step_cpu_us"):
+                 "nvrx_false_positives", "nvrx_median_latency_s", "nvrx_step_cpu_us",
+                 "nvrx_localization_accuracy"):
         assert name in res.figures and res.figures[name] is None
     assert res.figures["false_positives"] == 0  # the rest still ran and was scored
 

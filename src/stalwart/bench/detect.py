@@ -297,6 +297,8 @@ def _figures(s: dict[str, Any], b: dict[str, Any], lo: dict[str, Any], ov: dict[
         "nvrx_false_positives": nv["main"]["false_positives"] if nv else None,
         "nvrx_median_latency_s": nv["faulty"]["median_latency_s"] if nv else None,
         "nvrx_step_cpu_us": nv_cost.get("step_cpu_us_median") if nv else None,
+        # its decisions name ranks only: a link fault is never localised
+        "nvrx_localization_accuracy": nv["faulty"]["localization_accuracy"] if nv else None,
     }
 
 
