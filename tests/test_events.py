@@ -10,8 +10,8 @@ from stalwart.rundir import EventLog, RunData
 
 def test_a_typed_event_round_trips_through_the_run_directory(tmp_path: Path) -> None:
     written = [
-        events.StragglerDetected(40, 31, "compute", [2], 1.8, 0.9, {"x": 1}),
-        events.StragglerDetected(44, 30, "link", [], 3.0, 0.8, link=[1, 2]),
+        events.StragglerDetected(40, 31, "compute", [2], 1.8, {"x": 1}),
+        events.StragglerDetected(44, 30, "link", [], 3.0, link=[1, 2]),
         events.StragglerRecovered(70, 66, "compute", [2], 40, 31, 1.02),
         events.MitigationApplied(43, 40, "rebalance", 1, [4, 4, 2, 6], "rank2", 0.2, "slow"),
         events.MitigationMeasured(55, 1, "rebalance", 0.2, 0.18, 0.1, 0.082),
@@ -28,7 +28,7 @@ def test_a_typed_event_round_trips_through_the_run_directory(tmp_path: Path) -> 
 
 def test_one_phrasing_for_steps_and_for_a_script_runs_iterations() -> None:
     d = {"event": "straggler_detected", **events.StragglerDetected(
-        40, 31, "compute", [2], 1.8, 0.9).fields()}
+        40, 31, "compute", [2], 1.8).fields()}
     assert events.describe(d) == "straggler: compute rank 2 x1.80 since step 31"
     assert events.describe(d, unit="iteration").endswith("since iteration 31")
     pair = {"event": "straggler_detected", "kind": "link", "ranks": [], "link": [1, 2],
