@@ -282,3 +282,42 @@ def test_a_rank_slow_only_from_the_last_step_is_not_the_culprit_of_an_earlier_ch
                      * (2.0 if e.rank == 3 and k >= 30 else 1.0)) for k in range(0, 33)]
     f = decide(es, onset_step=24, step=32, severity=1.3, suspect_rank=3)
     assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 30
+
+
+def test_a_link_found_after_another_channels_alarm_is_placed_where_the_step_time_rose() -> None:
+    """The alarm that brought the validation (a rank's blip at 85) came a few steps before
+    the host link was throttled (90): the step time's rise places the link, not the alarm."""
+    steps = [(k, 0.05 + 0.001 * (k % 3)) for k in range(62, 90)]
+    steps += [(k, 0.16 + 0.001 * (k % 3)) for k in range(90, 94)]
+    links = dict(RING4, **{"0-1": 0.4, "1-2": 0.4})
+    per = split(links)
+    es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.1, 0.2, per.get(r, {}), steps=steps)
+          for r in range(4)]
+    f = decide(es, onset_step=85, step=93, severity=1.2)
+    assert f.kind == "link" and f.ranks == [1]
+    assert f.onset_step == 90 and f.evidence["channel_onset_step"] == 85
+    # no rise in the window (a mild link): the alarm's onset stands
+    flat = [RankEvidence(r, 0.05, 0.05, 0.01, 0.1, 0.2, per.get(r, {}),
+                         steps=[(k, 0.05) for k in range(62, 94)]) for r in range(4)]
+    f = decide(flat, onset_step=85, step=93, severity=1.2)
+    assert f.onset_step == 85 and "channel_onset_step" not in f.evidence
+
+
+def test_a_rank_far_slower_now_than_over_the_slowdown_is_not_its_culprit() -> None:
+    """A 1.17x blip on rank 3 from step 33, validated at 40 just as a 2x quota began: the test
+    measures 2.3x, which the rank's own series over the slowdown does not show -- not this
+    slowdown's culprit (the channels find the fault's own onset next). A rise the test
+    measures about as large is the culprit, since 33."""
+    def evidence(rise: float, test3: float) -> list[RankEvidence]:
+        def series(r: int) -> list[tuple[int, float]]:
+            return [(k, 0.05 * (rise if r == 3 and k >= 33 else 1.0) * (1 + 0.002 * (k % 3)))
+                    for k in range(10, 40)]
+        return [RankEvidence(r, 0.05, 0.05 * rise if r == 3 else 0.05, 0.01, 0.01,
+                             0.2 * (test3 if r == 3 else 1.0), {},
+                             [0.2 * (test3 if r == 3 else 1.0)] * 3, recent=series(r))
+                for r in range(4)]
+
+    f = decide(evidence(1.17, 2.3), onset_step=33, step=40, severity=1.17, suspect_rank=3)
+    assert f.kind == "unknown" and f.evidence["culprit_not_slow_since_onset"] == 3
+    f = decide(evidence(1.8, 2.3), onset_step=33, step=40, severity=1.8, suspect_rank=3)
+    assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 33

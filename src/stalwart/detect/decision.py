@@ -15,8 +15,12 @@ rank (``deciding``, the number of rows in flight that carry one) -> every rank v
 the verdict is applied (``apply_verdict``): a straggler becomes ``active`` and is followed on
 the channel that found it until a recovery alarm (``apply_recovery``); a verdict naming no
 rank or link is an unexplained slowdown, logged only if it lasts ``persist`` samples beyond
-chance (``LASTING_Z``), otherwise counted as a hiccup. While an alarm is pending or deciding,
-new changes are not classified (one fault, one finding).
+chance (``LASTING_Z``), otherwise counted as a hiccup. A slowdown a channel reports while an
+alarm is pending or deciding waits (up to ``DEFER_MAX``) and is classified once that decision
+is made, unless it began before the validation tests ran (they measured it): the channel has
+moved its baseline past it and will not report it again, so a fault that begins while a
+recovery (whose test looks at the straggler only) or another alarm is decided is not lost;
+one that is the decided fault seen again is then dropped as such (one fault, one finding).
 
 Stragglers with no healthy "before" (a rank slow from its first step never changes, so no
 channel above fires): every rank's compute over its peers' median goes through a sign test
@@ -88,6 +92,7 @@ LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond cha
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
 RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
 RECHECK_MAX = 64  # ...doubling per rejection up to this (one validation pause each)
+DEFER_MAX = 4  # slowdowns held while a decision is under way (bounds the pauses they cost)
 POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
 #                      the scale pooled over ranks (DecisionCore._pool_noise)
 
@@ -167,6 +172,7 @@ class DecisionCore:
         self.verdicts = 0  # validated alarms (each one a validation pause)
         self._seen = 0
         self._first_key: int | None = None
+        self._deferred: list[tuple[Change, str]] = []  # slowdowns seen while deciding
 
     # ---- inputs ---------------------------------------------------------------------------
     def sample(self, s: IterSample) -> None:
@@ -179,6 +185,8 @@ class DecisionCore:
             self._first_key = s.key
         if not self.leader:
             return
+        if self._deferred and self.pending.action == NONE and not self.deciding:
+            self._replay_deferred()
         if (self._recheck_at is not None and s.key >= self._recheck_at
                 and self.pending.action == NONE and not self.deciding):
             self._recheck_at = None
@@ -278,6 +286,13 @@ class DecisionCore:
             d.min_scale = max(self._own_floors[0], floor)
         self.cusum.min_sigma = max(self._own_floors[1], floor)
 
+    def _replay_deferred(self) -> None:
+        """Leader, no decision under way: classify the slowdowns that waited for the last one
+        (the first that raises an alarm makes the rest wait again)."""
+        waiting, self._deferred = self._deferred, []
+        for ch, channel in waiting:
+            self.classify(ch, channel)
+
     # ---- the alarm's journey ----------------------------------------------------------------
     def take_pending(self, travels: bool = True) -> Alarm:
         """Leader: the alarm to send now (QUIET if none); one that ``travels`` to the other
@@ -302,7 +317,10 @@ class DecisionCore:
         """A change (or an outlier: ``action`` OUTLIER, ``severity`` priced from the peers)
         becomes the pending alarm, a recovery, or nothing (see the module docstring)."""
         if self.pending.action != NONE or self.deciding:
-            return  # a decision is already on its way
+            # a decision is already on its way: a slowdown waits for it (module docstring)
+            if action == DETECT and ch.ratio > 1.0 and len(self._deferred) < DEFER_MAX:
+                self._deferred.append((ch, channel))
+            return
         sev = ch.ratio if severity is None else severity
         if self.active is None:
             if ch.ratio > 1.0:
@@ -353,6 +371,9 @@ class DecisionCore:
         """Every rank: the validated verdict on an alarm (the same on every rank);
         ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
         self.verdicts += 1
+        # the tests just looked at every rank and link: a slowdown that began before they ran
+        # was in what they measured; only one that began since waits on
+        self._deferred = [(c, n) for c, n in self._deferred if c.onset >= finding.step]
         switch_to, self._switch_to = self._switch_to, None
         outlier, self._outlier = self._outlier, None
         if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (

@@ -382,17 +382,39 @@ def link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> tuple[int,
     the step where the iteration time (the lowest rank's, the same for all in synchronous
     training) rose by ``LINK_RISE`` x over the steps before, if it did; else the first
     sample (never healthy)."""
-    series = min(ev, key=lambda e: e.rank).steps if ev else []
-    pts = [(k, t) for k, t in series if t > 0]
-    if not pts:
+    keys, xs = _step_series(ev)
+    if not len(keys):
         return onset_step, True
-    keys = np.asarray([k for k, _ in pts], dtype=np.int64)
-    xs = np.log(np.asarray([t for _, t in pts]))
     lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
     rise = rise_onset(keys, xs, lo, step, before=BEFORE, min_rise=math.log(LINK_RISE))
     if rise is not None:
         return rise, False
     return int(keys[0]), True
+
+
+def _step_series(ev: list[RankEvidence]) -> tuple[np.ndarray, np.ndarray]:
+    """The job's step times in the evidence window as (keys, log seconds): the lowest rank's
+    (the same for all in synchronous training)."""
+    series = min(ev, key=lambda e: e.rank).steps if ev else []
+    pts = [(k, t) for k, t in series if t > 0]
+    return (np.asarray([k for k, _ in pts], dtype=np.int64),
+            np.log(np.asarray([t for _, t in pts], dtype=float)))
+
+
+def changed_link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> int:
+    """A slow link's onset after a change point: where the step time rose by ``LINK_RISE`` x,
+    from ``ONSET_SLACK`` steps before the alarm's onset to the decision; the alarm's onset when
+    it shows no such rise (a milder link fault). Why: the alarm that brought the validation
+    may be another channel's, a few steps before the link fault began (seen under load: a
+    rank's compute blip at step 85 validated at 93 found a host link throttled at 90); a link
+    fault lifts every rank's step time at once, so the rise on the step-time series places it.
+    """
+    keys, xs = _step_series(ev)
+    if len(keys) < 4:
+        return onset_step
+    rise = rise_onset(keys, xs, onset_step - ONSET_SLACK, step, before=BEFORE,
+                      min_rise=math.log(LINK_RISE))
+    return onset_step if rise is None else rise
 
 
 def _born_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
@@ -442,12 +464,16 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
     return 0
 
 
-def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> int | None:
+def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
+                  test_ratio: float = 1.0) -> int | None:
     """A compute straggler's onset: where its own compute, relative to the median of every
-    rank's at the same step, rose by at least ``COMPUTE_MILD`` -- from ``ONSET_SLACK`` steps
+    rank's at the same step, rose by at least ``COMPUTE_MILD`` and by at least half, in log,
+    of what the compute test measures now (``test_ratio``) -- from ``ONSET_SLACK`` steps
     before the detected onset to the decision, with two samples of the rise at least; the
     detected onset when the evidence holds no series; None when the series shows no such
-    rise: the rank the test finds slow now was not slow over this slowdown.
+    rise: the rank the test finds slow now was not slow over this slowdown, or far less slow
+    (seen under load: a 1.17x blip on the rank at step 33, validated at step 40 just as a 2x
+    quota began there, measured 2.28x by the test -- the fault is the channels' next find).
 
     The channel that fired may have merged an earlier job-wide blip into the slowdown (every
     rank's step slows in an OS hiccup), or fired on noise that validation, run while the
@@ -466,13 +492,15 @@ def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int)
     if not keys:
         return onset_step
     rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
+    min_rise = max(math.log(COMPUTE_MILD), 0.5 * math.log(max(test_ratio, 1.0)))
     return rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
-                      before=BEFORE, min_rise=math.log(COMPUTE_MILD))
+                      before=BEFORE, min_rise=min_rise)
 
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                      severity: float, evidence: dict[str, Any]) -> Finding:
-    onset = culprit_onset(ev, rank, onset_step, step)
+    test = (evidence.get("compute_test_ratio") or {}).get(str(rank), 1.0)
+    onset = culprit_onset(ev, rank, onset_step, step, test)
     if onset is None:
         # the test finds the rank slow now, but its own compute did not rise over this
         # slowdown (or only in the last sample): a change on noise, validated just as a real
@@ -561,6 +589,11 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
             onset_step, never = link_onset(ev, onset_step, step)
             evidence.update(detected_by=mode, never_healthy=never)
             severity = link_severity(ev, lr[slow_links[0]])
+        elif mode == CHANGE_MODE:
+            onset = changed_link_onset(ev, onset_step, step)
+            if onset != onset_step:  # say where the channel that fired had put it
+                evidence["channel_onset_step"] = onset_step
+            onset_step = onset
         return _link_finding(slow_links, onset_step, step, severity, evidence)
     # 3. the compute test alone, only when one rank stands far out -- and not when every
     #    rank's profiled compute stayed flat over the slowdown's window: the test measures

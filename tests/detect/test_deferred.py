@@ -1,0 +1,63 @@
+"""A slowdown a channel reports while another alarm is decided is not lost: it waits and is
+classified after that decision, unless the validation tests already measured it (the
+decision state machine's side, torch-free)."""
+
+from __future__ import annotations
+
+from stalwart.detect.changepoint import Change
+from stalwart.detect.decision import DETECT, NONE, RECOVER, DecisionCore, IterSample
+from stalwart.detect.localize import Finding
+
+
+def _following() -> DecisionCore:
+    core = DecisionCore(True)
+    core.classify(Change(40, 43, 1.0, 2.0), "rank3")  # rank 3's compute over its peers'
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("compute", 40, 44, 1.8, ranks=[3],
+                               evidence={"compute_test_ratio": {"3": 2.0, "0": 1.0}}), 3)
+    return core
+
+
+def test_a_slowdown_during_a_recovery_decision_is_alarmed_once_the_recovery_is_done() -> None:
+    core = _following()
+    core.classify(Change(70, 80, 2.0, 1.0), "rank3")  # rank 3 back at its healthy level
+    assert core.pending.action == RECOVER
+    core.take_pending()
+    # while the recovery is being decided, the step time rises (a link throttled at 90)
+    core.classify(Change(90, 92, 0.05, 0.15), "iteration")
+    assert core.pending.action == NONE  # one decision at a time
+    core.alarm_read()
+    assert core.recovery_test(1.02, decided=93)
+    core.apply_recovery(70, 93, 1.0, 1.02)
+    core.sample(IterSample(94, 0.15, 0.05, 0.1))
+    assert core.pending.action == DETECT and core.pending.onset == 90
+
+
+def test_a_slowdown_the_validation_measured_is_not_alarmed_again() -> None:
+    core = DecisionCore(True)
+    core.classify(Change(30, 34, 0.05, 0.08), "rank2")
+    core.take_pending()
+    core.classify(Change(31, 35, 0.05, 0.08), "iteration")  # the same slowdown, later
+    core.classify(Change(37, 39, 0.05, 0.09), "rank1")  # began after the tests ran (36)
+    core.alarm_read()
+    core.apply_verdict(Finding("unknown", 30, 36, 1.6), 2)  # nothing confirmed
+    core.sample(IterSample(40, 0.08, 0.05, 0.03))
+    assert core.pending.action == DETECT and core.pending.onset == 37
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("unknown", 37, 41, 1.6), 1)
+    core.sample(IterSample(42, 0.08, 0.05, 0.03))
+    assert core.pending.action == NONE  # nothing else waited
+
+
+def test_the_same_fault_seen_again_after_its_verdict_is_dropped() -> None:
+    core = DecisionCore(True)
+    core.classify(Change(30, 34, 0.05, 0.1), "rank2")
+    core.take_pending()
+    core.classify(Change(36, 38, 0.05, 0.1), "rank2")  # the culprit's channel again
+    core.alarm_read()
+    core.apply_verdict(Finding("compute", 30, 36, 2.0, ranks=[2],
+                               evidence={"compute_test_ratio": {"2": 2.0}}), 2)
+    core.sample(IterSample(39, 0.1, 0.1, 0.0))
+    assert core.pending.action == NONE and core.active is not None
