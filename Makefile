@@ -24,7 +24,7 @@ run: setup
 
 # the whole suite (multi-process and root-only tests included; root-only ones skip without root)
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # quick unit tests only
 test-fast: setup
