@@ -11,7 +11,8 @@ STAMP   := $(VENV)/.installed
 setup: $(STAMP)
 
 # (setup.py and the C sources: the native parts are built by the editable install)
-$(STAMP): pyproject.toml setup.py src/stalwart/comm/_native/engine.c src/stalwart/detect/_native/bocpd.c
+$(STAMP): pyproject.toml setup.py src/stalwart/comm/_native/engine.c src/stalwart/detect/_native/bocpd.c \
+		src/stalwart/detect/_native/channels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)

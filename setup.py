@@ -1,5 +1,6 @@
-"""Build of the native parts (the data plane ``stalwart.comm._stwnative`` and the detector's
-BOCPD step ``stalwart.detect._bocpd``); everything else is in pyproject.toml. Both extensions
+"""Build of the native parts (the data plane ``stalwart.comm._stwnative``, the detector's
+BOCPD step ``stalwart.detect._bocpd`` and its per-rank channels' step
+``stalwart.detect._channels``); everything else is in pyproject.toml. All three extensions
 are optional: without a compiler (or OpenSSL's headers) the install still succeeds and the
 Python reference runs instead (``stalwart.comm`` says so in one line)."""
 
@@ -17,6 +18,13 @@ setup(
         Extension(
             "stalwart.detect._bocpd",
             sources=["src/stalwart/detect/_native/bocpd.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            libraries=["m"],
+            optional=True,
+        ),
+        Extension(
+            "stalwart.detect._channels",
+            sources=["src/stalwart/detect/_native/channels.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             libraries=["m"],
             optional=True,

@@ -38,8 +38,9 @@ again.
 
 What it guarantees: bounded memory (``history`` samples per rank); an alarm
 only after ``warmup + learn`` samples of the rank and only when the median of the samples
-since the onset is at least ``1 + shift/2`` times ``mu0``. Cost: one vector update per step
-for all ranks (~50 us for 4 ranks here), plus a refit (two masked medians over all ranks) every
+since the onset is at least ``1 + shift/2`` times ``mu0``. Cost: one C call per step for all
+ranks (detect/_native/channels.c; ``_step`` is its numpy reference, ~120 us for 4 ranks on
+rank 0 after a training step), plus a refit (two masked medians over all ranks) every
 ``REFIT_EVERY`` steps. Alarms
 are evidence, not verdicts: the monitor still runs the validation tests, which must confirm
 the rank (localize.py).
@@ -53,6 +54,11 @@ from statistics import NormalDist
 import numpy as np
 
 from stalwart.detect.changepoint import Change, robust_scale
+
+try:  # the per-step part in C (detect/_native/channels.c); ``CusumBank._step`` is the reference
+    from stalwart.detect._channels import cusum_step as _native_step  # type: ignore[import-not-found]
+except ImportError:  # no compiler at install: the Python reference runs
+    _native_step = None
 
 # The job size the per-rank thresholds were tuned on (4 testbed ranks). Each rank's channel is
 # a test of its own; with n of them the job pauses for a noise alarm n times as often, so above
@@ -120,6 +126,7 @@ class CusumBank:
         # per rank: x the threshold; doubled after each alarm the validation tests did not
         # confirm (up to MAX_BACKOFF), back to 1 after one they did
         self.backoff = np.ones(n)
+        self._live = np.zeros(n, dtype=bool)  # the C step's live mask (ranks with a sigma)
 
     def unconfirmed(self, rank: int) -> None:
         self.backoff[rank] = min(self.MAX_BACKOFF, 2.0 * self.backoff[rank])
@@ -154,35 +161,59 @@ class CusumBank:
         self.sigma[ok] = np.maximum(self.min_sigma,
                                     1.4826 * _row_medians(dev, mask.sum(axis=1)))
 
-    def add(self, key: int, ratios: np.ndarray) -> list[Change | None]:
+    native = _native_step is not None  # the C step (the same arithmetic); False: the reference
+
+    def add(self, key: int, ratios: np.ndarray | list[float]) -> list[Change | None]:
         """One step: every rank's compute / job median. Returns each rank's alarm (or None)."""
-        x = np.log(np.maximum(np.asarray(ratios, dtype=float), 1e-9))
-        self._keys[:, self._pos % self.history] = key
-        self._xs[:, self._pos % self.history] = x
+        col = self._pos % self.history
         self._pos += 1
-        self.seen += 1
-        self.start_key[self.seen == self.warmup + 1] = key
+        if self.native:
+            assert _native_step is not None
+            fits, alarms = _native_step(
+                self._keys, self._xs, self.seen, self.start_key, self.mu0, self.sigma,
+                self.s, self.zero_key, self.backoff, self._live,
+                np.ascontiguousarray(ratios, dtype=float), key, col, self.warmup,
+                self.learn, self.k, self.clip, self.h, self._log_n)
+            live = self._live
+        else:
+            fits, alarms, live = self._step(key, ratios, col)
         out: list[Change | None] = [None] * self.n
-        learning = np.isnan(self.sigma)
-        for r in np.flatnonzero(learning & (self.seen >= self.warmup + self.learn)):
+        for r in fits:
             self._fit(int(r), key)
             self.s[r] = 0.0
             self.zero_key[r] = key
-        live = ~learning
+        if not fits and not alarms and self._pos % self.REFIT_EVERY:
+            return out  # the common step: nothing else to do
         if not live.any():
             return out
+        if self._pos % self.REFIT_EVERY == 0:
+            self._refit(live, key)
+        for r in alarms:
+            ch = self._alarm(int(r), key)
+            if ch is not None:
+                out[int(r)] = ch
+        return out
+
+    def _step(self, key: int, ratios: np.ndarray | list[float],
+              col: int) -> tuple[list[int], list[int], np.ndarray]:
+        """The reference of the C step (channels.c): the sample into ring column ``col``,
+        S and the last zero of every live rank; the ranks due for a fit, the ranks past
+        their threshold (with the noise scales on entry) and the live mask."""
+        x = np.array([math.log(max(float(r), 1e-9)) for r in ratios])
+        self._keys[:, col] = key
+        self._xs[:, col] = x
+        self.seen += 1
+        self.start_key[self.seen == self.warmup + 1] = key
+        learning = np.isnan(self.sigma)
+        fits = np.flatnonzero(learning & (self.seen >= self.warmup + self.learn)).tolist()
+        live = ~learning
         sig = np.where(live, self.sigma, 1.0)
         inc = np.clip(x - self.mu0, -self.clip * sig, self.clip * sig) - self.k
         s = np.where(live, np.maximum(0.0, self.s + inc), 0.0)
         self.zero_key = np.where(live & (s == 0.0), key, self.zero_key)
         self.s = s
-        if self._pos % self.REFIT_EVERY == 0:
-            self._refit(live, key)
-        for r in np.flatnonzero(live & (s > self.threshold(sig))):
-            ch = self._alarm(int(r), key)
-            if ch is not None:
-                out[int(r)] = ch
-        return out
+        alarms = np.flatnonzero(live & (s > self.threshold(sig))).tolist()
+        return fits, alarms, live
 
     def threshold(self, sig: np.ndarray) -> np.ndarray:
         """Each rank's alarm level on S. Siegmund's approximation of the in-control run

@@ -28,7 +28,8 @@ the tests did not confirm raises that rank's line to the level it was rejected a
 ``shift``): a rank that is structurally slower in this measure but not slow (rank 0 does the
 monitor's work; the lossy transport's owner work) is not paused for again at that level.
 
-Cost per step: O(n log n) for the peer medians (one sort), O(n) to update the windows; a
+Cost per step: O(n log n) for the peer medians (one sort), O(n) to update the windows, in one
+C call (detect/_native/channels.c; ``_step`` is its numpy reference); a
 test every ``stride`` steps is a comparison per rank with a cached critical count, and a
 median over the window for a rank that passes it.
 """
@@ -41,6 +42,11 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
+
+try:  # the per-step part in C (detect/_native/channels.c); ``OutlierBank._step`` is the reference
+    from stalwart.detect._channels import outlier_step as _native_step  # type: ignore[import-not-found]
+except ImportError:  # no compiler at install: the Python reference runs
+    _native_step = None
 
 ALPHA_RANK_HOUR = 1e-3  # expected alarms on a healthy rank, per rank-hour (union bound)
 MIN_SHIFT = 0.10  # the null: the rank's median relative compute is at most 1 + this
@@ -132,7 +138,9 @@ class OutlierBank:
         self.last_level = np.ones(n)  # the level of each rank's last alarm
         self._whole = np.ones(n, dtype=bool)  # no sample of the rank has left its window
 
-    def add(self, key: int, comps: np.ndarray,
+    native = _native_step is not None  # the C step (the same arithmetic); False: the reference
+
+    def add(self, key: int, comps: np.ndarray | list[float],
             step_s: float | Callable[[], float]) -> list[Outlier]:
         """One step: every rank's compute seconds (rank order) and the job's step time (or
         a function giving it, called only at a test); the ranks found to be outliers at this
@@ -140,10 +148,24 @@ class OutlierBank:
         self.seen += 1
         if self.seen <= self.warmup:
             return []
-        c = np.asarray(comps, dtype=float)
+        c = np.ascontiguousarray(comps, dtype=float)
+        p = self._pos % self.window
+        if self.native:
+            assert _native_step is not None
+            _native_step(self._over, self._logrel, self._excess, self._keys, self.count,
+                         self.filled, self._whole, self.line, c, key, p)
+        else:
+            self._step(key, c, p)
+        self._pos += 1
+        if self._pos % self.stride:
+            return []
+        return self._test(key, step_s() if callable(step_s) else step_s)
+
+    def _step(self, key: int, c: np.ndarray, p: int) -> None:
+        """The reference of the C step (channels.c): every rank's sample into column ``p``
+        of the windows (libm's log, as the C step takes)."""
         peers = peer_medians(c)
         x = c / peers
-        p = self._pos % self.window
         full = self.filled >= self.window
         self._whole &= ~full
         self.count -= np.where(full, self._over[:, p], False)
@@ -152,12 +174,8 @@ class OutlierBank:
         self.count += over
         self._keys[p] = key
         self._over[:, p] = over
-        self._logrel[:, p] = np.log(x)
+        self._logrel[:, p] = [math.log(v) for v in x.tolist()]
         self._excess[:, p] = c - peers
-        self._pos += 1
-        if self._pos % self.stride:
-            return []
-        return self._test(key, step_s() if callable(step_s) else step_s)
 
     def _test(self, key: int, step_s: float) -> list[Outlier]:
         log2a = alpha_per_test(self.alpha, self.stride, step_s)
