@@ -54,3 +54,21 @@ def test_the_native_step_equals_the_reference(max_run: int) -> None:
             np.testing.assert_allclose(nat.logpost[r, :k], ref.logpost[r, :k], rtol=1e-12)
             np.testing.assert_allclose(nat.mu[r, :k + 1], ref.mu[r, :k + 1], rtol=1e-12)
             np.testing.assert_allclose(nat.beta[r, :k + 1], ref.beta[r, :k + 1], rtol=1e-12)
+
+
+@needs_native
+@pytest.mark.parametrize("max_run", [5, 37])
+def test_the_native_mass_step_equals_the_reference(max_run: int) -> None:
+    """``update_mass`` (what a ChangeDetector calls): the same mass of the shortest run
+    lengths and the same bank state as the reference's posterior summed in order."""
+    rng = np.random.default_rng(1)
+    nat, ref = _pair(max_run, 3)
+    for t in range(3 * max_run):
+        r, lag = t % 3, 1 + t % 13
+        x = float(rng.normal(0.0, 1.0)) + (2.0 if t > max_run else 0.0)
+        a, b = nat.update_mass(r, x, lag), ref.update_mass(r, x, lag)
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-15)
+        np.testing.assert_array_equal(nat.n, ref.n)
+        k = int(ref.n[r])
+        np.testing.assert_allclose(nat.logpost[r, :k], ref.logpost[r, :k], rtol=1e-12)
+        np.testing.assert_allclose(nat.mu[r, :k + 1], ref.mu[r, :k + 1], rtol=1e-12)

@@ -45,9 +45,10 @@ from scipy.stats import rankdata
 REPLAY = 36  # samples a woken model is rebuilt from (3 x the default max_lag)
 
 try:  # the BOCPD step in C (detect/_native/bocpd.c); this module's update is the reference
+    from stalwart.detect._bocpd import step as _native_step  # type: ignore[import-not-found]
     from stalwart.detect._bocpd import update as _native_update  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install: the Python reference runs
-    _native_update = None
+    _native_update = _native_step = None
 
 
 def robust_scale(x: np.ndarray) -> float:
@@ -282,6 +283,16 @@ class BOCPDBank:
                       self._log_1mh, self.max_run, post)
         return post[0] if one else post
 
+    def update_mass(self, row: int, x: float, lag: int) -> float:
+        """``update(row, x)``, returning only the posterior mass of run lengths 1..``lag``
+        summed in order (what ``ChangeDetector`` asks): in C, one call that builds no array."""
+        if self.native:
+            assert _native_step is not None
+            return _native_step(self.mu, self.beta, self.log_beta, self.logpost, self.n,
+                                self._c, self._em, self._e, self._f, self._g, row, x,
+                                self._log_h, self._log_1mh, self.max_run, lag)
+        return mass(self.update(row, x), lag)
+
     def _update_one(self, row: int, x: float) -> np.ndarray:
         """``update`` for one row, on 1-d views with scalar reductions: the same arithmetic
         as the general path, about half of its numpy call overhead."""
@@ -346,6 +357,16 @@ class BOCPD:
         post = self.bank.update(self.row, x)
         self.posterior = post[:self.bank.n[self.row]]
         return self.posterior
+
+    def update_mass(self, x: float, lag: int) -> float:
+        """``update(x)``; the posterior mass of run lengths 1..``lag`` (``posterior`` is not
+        kept: ``BOCPDBank.update_mass``)."""
+        return self.bank.update_mass(self.row, x, lag)
+
+
+def mass(post: np.ndarray, lag: int) -> float:
+    """The posterior mass of run lengths 1..``lag``, summed in order (as the C step does)."""
+    return sum(post[:lag].tolist(), 0.0)
 
 
 def update_rows(models: list[BOCPD], xs: list[float]) -> list[np.ndarray]:
@@ -459,7 +480,8 @@ class ChangeDetector:
         if x is None:
             return None
         assert self._bocpd is not None
-        return self._verify(key, self._bocpd.update(x))
+        lag = min(self.max_lag, len(self._vals) - 1)
+        return self._verify(key, lag, self._bocpd.update_mass(x, lag))
 
     def _push(self, key: int, seconds: float) -> float | None:
         """Take a sample; the value the model must see next, or None (no model update)."""
@@ -512,14 +534,13 @@ class ChangeDetector:
         self._vals.append(x)
         return True
 
-    def _verify(self, key: int, post: np.ndarray) -> Change | None:
-        """Given the posterior after the newest sample: the change it verifies, if any."""
+    def _verify(self, key: int, lag: int, recent: float) -> Change | None:
+        """Given the posterior mass of a change within the last ``lag`` samples (``lag`` =
+        min(max_lag, segment length - 1)) after the newest sample: the change it verifies."""
         pos = self._pos - 1
-        seg_len = len(self._vals)
-        lag = min(self.max_lag, seg_len - 1)
         if lag < 1:
             return None
-        if post[:lag].sum() <= self.threshold:
+        if recent <= self.threshold:
             return None
         self.pending = True
         # The posterior says "a change within the last `lag` samples"; where exactly is left to
@@ -586,6 +607,8 @@ class ChangeDetector:
                             [xs[i] for i in idx])
         out: list[Change | None] = [None] * len(detectors)
         for i, post in zip(idx, posts, strict=True):
-            out[i] = detectors[i]._verify(key, post)
+            d = detectors[i]
+            lag = min(d.max_lag, len(d._vals) - 1)
+            out[i] = d._verify(key, lag, mass(post, lag))
         return out
 

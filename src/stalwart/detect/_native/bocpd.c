@@ -11,6 +11,8 @@
  * (cap x max_run), int64 n (cap), int64 rows and float64 xs (k), float64 tables
  * (max_run+1), post: float64 (k x width) written with each row's posterior (zeros after its
  * run lengths). Returns the width used (max over rows of min(n+1, max_run)).
+ *
+ * step(...): one row, returning only the mass of its shortest ``lag`` run lengths (below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,6 +32,47 @@ static int get(PyObject *o, Buf *x, int writable) {
 }
 
 static void rel(Buf *x) { if (x->ok) PyBuffer_Release(&x->b); }
+
+/* One row's step: its parameters and log posterior after x; writes the posterior (run lengths
+ * 1..keep) to out and returns keep. n[r] + 1 <= 1024 (checked by the callers). */
+static Py_ssize_t step_row(double *mu, double *beta, double *lbeta, double *lpost, int64_t *n,
+                           Py_ssize_t r, double x, const double *c, const double *em,
+                           const double *e, const double *f, const double *g, double log_h,
+                           double log_1mh, Py_ssize_t max_run, double *out) {
+    Py_ssize_t W = max_run + 2, nr = n[r], wi = nr + 1;
+    double *m = mu + r * W, *bt = beta + r * W, *lb = lbeta + r * W;
+    double *lp = lpost + r * max_run;
+    double mx = -INFINITY, logs[1025];
+    /* new segment (j = 0) and growth (j >= 1), from the parameters before x */
+    double nm[1025], nb[1025], nlb[1025], pr[1025];
+    for (Py_ssize_t j = 0; j < wi; j++) {
+        double d = x - m[j];
+        nb[j] = bt[j] + f[j] * d * d;
+        nlb[j] = log(nb[j]);
+        nm[j] = m[j] + d * g[j];
+        double l = c[j] + em[j] * lb[j] - e[j] * nlb[j];
+        logs[j] = j == 0 ? log_h + l : lp[j - 1] + (log_1mh + l);
+        if (logs[j] > mx) mx = logs[j];
+    }
+    double total = 0.0;
+    for (Py_ssize_t j = 0; j < wi; j++) {
+        logs[j] -= mx;
+        pr[j] = exp(logs[j]);
+        total += pr[j];
+    }
+    double ltot = log(total);
+    for (Py_ssize_t j = 0; j < wi; j++) { pr[j] /= total; logs[j] -= ltot; }
+    for (Py_ssize_t j = 0; j < wi; j++) { m[j + 1] = nm[j]; bt[j + 1] = nb[j]; lb[j + 1] = nlb[j]; }
+    Py_ssize_t keep = wi;
+    if (wi > max_run) {  /* fold the longest run into the cap */
+        pr[max_run - 1] += pr[max_run];
+        logs[max_run - 1] = pr[max_run - 1] > 0 ? log(pr[max_run - 1]) : -INFINITY;
+        keep = max_run;
+    }
+    for (Py_ssize_t j = 0; j < keep; j++) { lp[j] = logs[j]; out[j] = pr[j]; }
+    n[r] = keep;
+    return keep;
+}
 
 static PyObject *update(PyObject *self, PyObject *args) {
     PyObject *o[12];
@@ -51,7 +94,7 @@ static PyObject *update(PyObject *self, PyObject *args) {
         int64_t *n = B[4].b.buf, *rows = B[5].b.buf;
         double *xs = B[6].b.buf, *c = B[7].b.buf, *em = B[8].b.buf, *e = B[9].b.buf;
         double *f = B[10].b.buf, *g = B[11].b.buf, *post = B[12].b.buf;
-        Py_ssize_t k = B[5].b.len / 8, W = max_run + 2, cap_rows = B[4].b.len / 8;
+        Py_ssize_t k = B[5].b.len / 8, cap_rows = B[4].b.len / 8;
         if (B[6].b.len / 8 != k || B[7].b.len / 8 < max_run + 1) {
             PyErr_SetString(PyExc_ValueError, "bocpd.update: sizes do not match");
             goto done;
@@ -70,42 +113,11 @@ static PyObject *update(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "bocpd.update: post too small");
             goto done;
         }
-        double logs[1024];
         if (w > 1024) { PyErr_SetString(PyExc_ValueError, "bocpd.update: max_run > 1023"); goto done; }
         for (Py_ssize_t i = 0; i < k; i++) {
-            Py_ssize_t r = rows[i], nr = n[r], wi = nr + 1;
-            double *m = mu + r * W, *bt = beta + r * W, *lb = lbeta + r * W;
-            double *lp = lpost + r * max_run, *out = post + i * width;
-            double x = xs[i], mx = -INFINITY;
-            /* new segment (j = 0) and growth (j >= 1), from the parameters before x */
-            double nm[1025], nb[1025], nlb[1025], pr[1025];
-            for (Py_ssize_t j = 0; j < wi; j++) {
-                double d = x - m[j];
-                nb[j] = bt[j] + f[j] * d * d;
-                nlb[j] = log(nb[j]);
-                nm[j] = m[j] + d * g[j];
-                double l = c[j] + em[j] * lb[j] - e[j] * nlb[j];
-                logs[j] = j == 0 ? log_h + l : lp[j - 1] + (log_1mh + l);
-                if (logs[j] > mx) mx = logs[j];
-            }
-            double total = 0.0;
-            for (Py_ssize_t j = 0; j < wi; j++) {
-                logs[j] -= mx;
-                pr[j] = exp(logs[j]);
-                total += pr[j];
-            }
-            double ltot = log(total);
-            for (Py_ssize_t j = 0; j < wi; j++) { pr[j] /= total; logs[j] -= ltot; }
-            for (Py_ssize_t j = 0; j < wi; j++) { m[j + 1] = nm[j]; bt[j + 1] = nb[j]; lb[j + 1] = nlb[j]; }
-            Py_ssize_t keep = wi;
-            if (wi > max_run) {  /* fold the longest run into the cap */
-                pr[max_run - 1] += pr[max_run];
-                logs[max_run - 1] = pr[max_run - 1] > 0 ? log(pr[max_run - 1]) : -INFINITY;
-                keep = max_run;
-            }
-            for (Py_ssize_t j = 0; j < keep; j++) { lp[j] = logs[j]; out[j] = pr[j]; }
-            for (Py_ssize_t j = keep; j < width; j++) out[j] = 0.0;
-            n[r] = keep;
+            Py_ssize_t keep = step_row(mu, beta, lbeta, lpost, n, rows[i], xs[i], c, em, e, f, g,
+                                       log_h, log_1mh, max_run, post + i * width);
+            for (Py_ssize_t j = keep; j < width; j++) post[i * width + j] = 0.0;
         }
         res = PyLong_FromSsize_t(width);
     }
@@ -114,8 +126,48 @@ done:
     return res;
 }
 
+/* step(mu, beta, log_beta, logpost, n, c, em, e, f, g, row, x, log_h, log_1mh, max_run, lag)
+ * -> float: one row's update (as ``update``), returning the posterior mass of run lengths
+ * 1..lag summed in order -- what a ChangeDetector asks of the posterior, without building it. */
+static PyObject *step(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    Py_ssize_t row, max_run, lag;
+    double x, log_h, log_1mh;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOndddnn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &o[7], &o[8], &o[9], &row, &x, &log_h, &log_1mh, &max_run,
+                          &lag))
+        return NULL;
+    Buf B[10];
+    memset(B, 0, sizeof B);
+    int wr[10] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 0};
+    PyObject *res = NULL;
+    for (int i = 0; i < 10; i++)
+        if (get(o[i], &B[i], wr[i]) < 0) goto done;
+    {
+        int64_t *n = B[4].b.buf;
+        Py_ssize_t W = max_run + 2, cap_rows = B[4].b.len / 8;
+        if (row < 0 || row >= cap_rows || max_run < 1 || max_run > 1023 ||
+            B[0].b.len / 8 < cap_rows * W || B[3].b.len / 8 < cap_rows * max_run ||
+            B[5].b.len / 8 < max_run + 1 || B[9].b.len / 8 < max_run + 1) {
+            PyErr_SetString(PyExc_ValueError, "bocpd.step: sizes do not match");
+            goto done;
+        }
+        double out[1024];
+        Py_ssize_t keep = step_row(B[0].b.buf, B[1].b.buf, B[2].b.buf, B[3].b.buf, n, row, x,
+                                   B[5].b.buf, B[6].b.buf, B[7].b.buf, B[8].b.buf, B[9].b.buf,
+                                   log_h, log_1mh, max_run, out);
+        double mass = 0.0;
+        for (Py_ssize_t j = 0; j < lag && j < keep; j++) mass += out[j];
+        res = PyFloat_FromDouble(mass);
+    }
+done:
+    for (int i = 0; i < 10; i++) rel(&B[i]);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"update", update, METH_VARARGS, "One BOCPD step for rows of a bank (see the file)."},
+    {"step", step, METH_VARARGS, "One row's step; the posterior mass of run lengths 1..lag."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_bocpd", NULL, -1, methods};
