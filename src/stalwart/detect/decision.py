@@ -58,16 +58,9 @@ import numpy as np
 
 from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
-from stalwart.detect.localize import (
-    AUDIT_MODE,
-    BEFORE,
-    CHANGE_MODE,
-    COMPUTE_MILD,
-    ONSET_SLACK,
-    OUTLIER_MODE,
-    Finding,
-    RankEvidence,
-)
+from stalwart.detect.evidence import Finding, RankEvidence
+from stalwart.detect.localize import AUDIT_MODE, CHANGE_MODE, COMPUTE_MILD, OUTLIER_MODE
+from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.detect.outlier import Outlier, OutlierBank
 from stalwart.events import (
     Event,

@@ -23,7 +23,7 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
    ``STANDOUT`` x slower than the next rank;
 4. else "unknown" (a job-wide slowdown, or a fault that ended before validation).
 A compute verdict's onset is where the culprit's own compute, relative to its peers', rose
-(``culprit_onset``): the channel that fired may have put it at an earlier job-wide blip.
+(``onset.culprit_onset``): the channel that fired may have put it at an earlier job-wide blip.
 Load from elsewhere makes single compute-test rounds noisy, hence the requirement that
 training-time evidence and test agree.
 
@@ -46,12 +46,19 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from stalwart.detect.changepoint import rise_onset
+from stalwart.detect.evidence import Finding, RankEvidence, healthy_level, peer_series
+from stalwart.detect.onset import (
+    born_onset,
+    born_severity,
+    changed_link_onset,
+    culprit_onset,
+    link_onset,
+    link_severity,
+)
 from stalwart.detect.outlier import MIN_SHIFT, binom_tail
 
 # confirms the rank the training-time evidence points at: throttled or starved ranks measured
@@ -83,10 +90,6 @@ LINK_RATIO = 20.0
 # profile at 2.21x (a compute straggler: the profile backs it). 70 is about the geometric
 # middle of 13 and 397.
 STARVED_LINK_PER_X = 70.0
-# a compute straggler's onset is looked for on its own series from this many steps before the
-# detected onset (the channel that fired can also place it a few steps late)
-ONSET_SLACK = 4
-BEFORE = 20  # steps of the level before an onset (profile medians, the onset's baseline)
 PROFILE_RATIO = 1.15
 PROFILE_STANDOUT = 1.3  # the profile names a rank whose compute grew this much more than any
 # what raised the alarm: a change point (the culprit must have risen over it), a rank slower
@@ -104,74 +107,6 @@ AUDIT_MILD_RANKS = 3  # the mild fallback's 7-round rule is n^-7: 1/128 at 2 ran
 # passed the sign test at 10% (31 of 41 samples, p 7e-4) on a clean script run, while a 2x
 # rank reads ~1.8x; a 2x rank's samples pass 25% in ~75% of steps
 AUDIT_SHIFT = 0.25
-# a rise of a born straggler's relative compute counts as its onset only after this many
-# samples: the first ones are the warm-up's (a 2x rank "rose" at step 3 of a run slow from 0)
-RISE_MIN_BEFORE = 10
-# a slow link the audit finds began within its window if the step time rose this much there
-# (a 10 mbit host link from step 30 raised it ~13x; healthy steps swing by 10-30%)
-LINK_RISE = 1.5
-
-
-@dataclass
-class RankEvidence:
-    """What one rank measured: its profile before/after the onset and its validation times."""
-
-    rank: int
-    compute_before: float | None = None  # median seconds per iteration
-    compute_after: float | None = None
-    comm_before: float | None = None
-    comm_after: float | None = None
-    compute_test: float | None = None  # seconds: median of the rounds
-    links: dict[str, float] = field(default_factory=dict)  # "a-b" -> round-trip seconds
-    compute_rounds: list[float] = field(default_factory=list)  # seconds of each round
-    # (step, compute seconds) of the rank's recent steps, up to the decision: where a
-    # compute straggler's own time rose relative to its peers' is its onset
-    recent: list[tuple[int, float]] = field(default_factory=list)
-    # (step, iteration seconds) over the same window: where a slow link found by the audit
-    # began, if the step time rose within it
-    steps: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class Finding:
-    """A verdict for one detected slowdown."""
-
-    kind: str  # "compute" | "link" | "unknown"
-    onset_step: int
-    step: int  # when decided
-    severity: float  # iteration-time slowdown factor (after / before, or the job's step
-    #                  time over its estimate without the straggler when it was never healthy)
-    ranks: list[int] = field(default_factory=list)
-    link: list[int] | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-    recovered_step: int | None = None
-
-    @classmethod
-    def from_event(cls, e: dict[str, Any]) -> Finding:
-        """A finding from its event fields (``straggler_detected`` in events.jsonl, or
-        ``Monitor.report()``)."""
-        link = e.get("link")
-        return cls(str(e.get("kind")), int(e.get("onset_step", 0)), int(e.get("step", 0)),
-                   float(e.get("severity", 0.0)),
-                   ranks=[int(r) for r in e.get("ranks") or []],
-                   link=[int(x) for x in link] if link is not None else None,
-                   evidence=dict(e.get("evidence") or {}),
-                   recovered_step=e.get("recovered_step"))
-
-    def event_fields(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"step": self.step, "onset_step": self.onset_step,
-                             "kind": self.kind, "ranks": self.ranks,
-                             "severity": round(self.severity, 3),
-                             "evidence": self.evidence}
-        if self.link is not None:
-            d["link"] = self.link
-        return d
-
-
-def healthy_level(values: list[float]) -> float:
-    """Median of the faster half: the level most of the job runs at."""
-    v = sorted(values)
-    return statistics.median(v[:max(1, (len(v) + 1) // 2)])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -230,25 +165,6 @@ def _mild_confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int
     misses = rounds - slowest_every_round(ev, candidate)
     return cr.get(candidate, 0.0) >= COMPUTE_MILD and (
         (rounds >= MILD_ROUNDS and misses == 0) or (rounds >= MILD_ROUNDS_LONG and misses <= 1))
-
-
-def peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """``rank``'s (keys, log of compute / the other ranks' median compute) at the steps of
-    the evidence that every rank has."""
-    by_key: dict[int, dict[int, float]] = {}
-    for e in ev:
-        for k, c in e.recent:
-            by_key.setdefault(int(k), {})[e.rank] = c
-    keys, xs = [], []
-    for k in sorted(by_key):
-        row = by_key[k]
-        if len(row) != len(ev) or rank not in row or not row[rank] > 0:
-            continue
-        peers = statistics.median(v for r, v in row.items() if r != rank) if len(row) > 1 else 0
-        if peers > 0:
-            keys.append(k)
-            xs.append(math.log(row[rank] / peers))
-    return np.asarray(keys, dtype=np.int64), np.asarray(xs)
 
 
 def sign_test(xs: np.ndarray, shift: float = MIN_SHIFT) -> tuple[int, int, float]:
@@ -320,106 +236,9 @@ def _rounds_chance(ev: list[RankEvidence], rank: int) -> float:
     return float(f"{len(ev) ** -float(slowest_every_round(ev, rank)):.3g}")
 
 
-def _step_level(ev: list[RankEvidence]) -> tuple[float, float] | None:
-    """The job's step time and communication time since the onset (medians over ranks of
-    their compute + communication, and of their communication), None without a profile."""
-    steps = [e.compute_after + e.comm_after for e in ev
-             if e.compute_after is not None and e.comm_after is not None]
-    comms = [e.comm_after for e in ev if e.comm_after is not None]
-    if not steps or not comms:
-        return None
-    return statistics.median(steps), statistics.median(comms)
-
-
-def born_severity(ev: list[RankEvidence], rank: int) -> float:
-    """A compute straggler's cost priced from its peers, for a straggler with no healthy
-    "before": the job's step time over the step time without the rank's excess compute over
-    its peers' median (every rank waits for the slowest at the collective). 1.0 without a
-    profile."""
-    level = _step_level(ev)
-    own = next((e.compute_after for e in ev if e.rank == rank), None)
-    peers = [e.compute_after for e in ev if e.rank != rank and e.compute_after is not None]
-    if level is None or own is None or not peers:
-        return 1.0
-    t = level[0]
-    excess = max(own - statistics.median(peers), 0.0)
-    return t / max(t - excess, 0.1 * t)
-
-
-def link_severity(ev: list[RankEvidence], ratio: float) -> float:
-    """A slow link's cost priced from the healthy pairs, for a link with no healthy "before":
-    the job's step time over the step time with its communication ``ratio`` times faster (the
-    healthy pairs' speed; an upper bound: communication also holds waits for peers)."""
-    level = _step_level(ev)
-    if level is None or ratio <= 1.0:
-        return 1.0
-    t, comm = level
-    return t / max(t - comm * (1.0 - 1.0 / ratio), 0.1 * t)
-
-
-def born_onset(ev: list[RankEvidence], rank: int, onset_step: int,
-               step: int) -> tuple[int, bool]:
-    """Where a straggler found by the outlier test or the audit began, and whether it was
-    never healthy: where the rank's compute over its peers' rose from below ``1 + MIN_SHIFT``
-    (``rise_onset``), if it did; else the first sample of the evidence, "never healthy" when
-    the evidence holds nothing before ``onset_step`` (the monitor's first sample: the alarm
-    put its onset there because the rank's whole history is in question); else
-    ``onset_step`` (slow since at least then)."""
-    keys, xs = peer_series(ev, rank)
-    if len(keys) == 0:
-        return onset_step, False
-    lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
-    rise = rise_onset(keys, xs, lo, step, before=BEFORE, min_rise=math.log(COMPUTE_MILD))
-    if rise is not None and float(np.median(xs[keys < rise])) < math.log1p(MIN_SHIFT):
-        return rise, False
-    if int(keys[0]) >= onset_step:
-        return int(keys[0]), True
-    return onset_step, False
-
-
-def link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> tuple[int, bool]:
-    """Where a slow link the audit found began, and whether the job never ran without it:
-    the step where the iteration time (the lowest rank's, the same for all in synchronous
-    training) rose by ``LINK_RISE`` x over the steps before, if it did; else the first
-    sample (never healthy)."""
-    keys, xs = _step_series(ev)
-    if not len(keys):
-        return onset_step, True
-    lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
-    rise = rise_onset(keys, xs, lo, step, before=BEFORE, min_rise=math.log(LINK_RISE))
-    if rise is not None:
-        return rise, False
-    return int(keys[0]), True
-
-
-def _step_series(ev: list[RankEvidence]) -> tuple[np.ndarray, np.ndarray]:
-    """The job's step times in the evidence window as (keys, log seconds): the lowest rank's
-    (the same for all in synchronous training)."""
-    series = min(ev, key=lambda e: e.rank).steps if ev else []
-    pts = [(k, t) for k, t in series if t > 0]
-    return (np.asarray([k for k, _ in pts], dtype=np.int64),
-            np.log(np.asarray([t for _, t in pts], dtype=float)))
-
-
-def changed_link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> int:
-    """A slow link's onset after a change point: where the step time rose by ``LINK_RISE`` x,
-    from ``ONSET_SLACK`` steps before the alarm's onset to the decision; the alarm's onset when
-    it shows no such rise (a milder link fault). Why: the alarm that brought the validation
-    may be another channel's, a few steps before the link fault began (seen under load: a
-    rank's compute blip at step 85 validated at 93 found a host link throttled at 90); a link
-    fault lifts every rank's step time at once, so the rise on the step-time series places it.
-    """
-    keys, xs = _step_series(ev)
-    if len(keys) < 4:
-        return onset_step
-    rise = rise_onset(keys, xs, onset_step - ONSET_SLACK, step, before=BEFORE,
-                      min_rise=math.log(LINK_RISE))
-    return onset_step if rise is None else rise
-
-
 def _born_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                   evidence: dict[str, Any], mode: str) -> Finding:
-    onset, never = born_onset(ev, rank, onset_step, step)
+    onset, never = born_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
     evidence.update(detected_by=mode, never_healthy=never)
     if onset != onset_step:
         evidence["alarm_onset_step"] = onset_step
@@ -464,43 +283,12 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
     return 0
 
 
-def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
-                  test_ratio: float = 1.0) -> int | None:
-    """A compute straggler's onset: where its own compute, relative to the median of every
-    rank's at the same step, rose by at least ``COMPUTE_MILD`` and by at least half, in log,
-    of what the compute test measures now (``test_ratio``) -- from ``ONSET_SLACK`` steps
-    before the detected onset to the decision, with two samples of the rise at least; the
-    detected onset when the evidence holds no series; None when the series shows no such
-    rise: the rank the test finds slow now was not slow over this slowdown, or far less slow
-    (seen under load: a 1.17x blip on the rank at step 33, validated at step 40 just as a 2x
-    quota began there, measured 2.28x by the test -- the fault is the channels' next find).
-
-    The channel that fired may have merged an earlier job-wide blip into the slowdown (every
-    rank's step slows in an OS hiccup), or fired on noise that validation, run while the
-    real fault had just begun, then confirmed: seen with batched exchanges, onset 16-23 for a
-    rank slowed from step 30. Compute relative to the peers' is blind to job-wide blips, and
-    the evidence is gathered at validation time, so it reaches the decision step.
-    """
-    by_key: dict[int, list[float]] = {}
-    own: dict[int, float] = {}
-    for e in ev:
-        for k, c in e.recent:
-            by_key.setdefault(int(k), []).append(c)
-            if e.rank == rank:
-                own[int(k)] = c
-    keys = [k for k in own if len(by_key[k]) == len(ev) and own[k] > 0]
-    if not keys:
-        return onset_step
-    rel = [math.log(own[k] / statistics.median(by_key[k])) for k in keys]
-    min_rise = max(math.log(COMPUTE_MILD), 0.5 * math.log(max(test_ratio, 1.0)))
-    return rise_onset(np.asarray(keys), np.asarray(rel), onset_step - ONSET_SLACK, step,
-                      before=BEFORE, min_rise=min_rise)
-
-
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                      severity: float, evidence: dict[str, Any]) -> Finding:
+    # the culprit rose by COMPUTE_MILD at least, and by half (in log) of what the test reads now
     test = (evidence.get("compute_test_ratio") or {}).get(str(rank), 1.0)
-    onset = culprit_onset(ev, rank, onset_step, step, test)
+    rise = max(math.log(COMPUTE_MILD), 0.5 * math.log(max(test, 1.0)))
+    onset = culprit_onset(ev, rank, onset_step, step, rise)
     if onset is None:
         # the test finds the rank slow now, but its own compute did not rise over this
         # slowdown (or only in the last sample): a change on noise, validated just as a real

@@ -33,14 +33,9 @@ from typing import Any
 import numpy as np
 
 from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
-from stalwart.detect.localize import (
-    BEFORE,
-    ONSET_SLACK,
-    Finding,
-    RankEvidence,
-    decide,
-    more_rounds,
-)
+from stalwart.detect.evidence import Finding, RankEvidence
+from stalwart.detect.localize import decide, more_rounds
+from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.mitigate import planner
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
 from stalwart.mitigate.policy import Policy
