@@ -7,8 +7,8 @@ for a person -- the live progress line, a script run's display and the report us
 
 Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``,
 ``RecoveryRejected``, ``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``,
-``MitigationReverted``, ``MitigationMeasured``). Torch-free; no I/O
-(``rundir.EventLog.emit`` writes one).
+``MitigationReverted``, ``MitigationMeasured``), the launcher (``RegroupFailed``).
+Torch-free; no I/O (``rundir.EventLog.emit`` writes one).
 """
 
 from __future__ import annotations
@@ -128,10 +128,27 @@ class MitigationMeasured(Event):
     step_time_after: float
 
 
+@dataclass
+class RegroupFailed(Event):
+    """An in-place regroup could not be made (mitigate/fallback.py): the launcher fell back to
+    ``fallback`` -- "restart" (every rank's state saved, the job relaunched on ``hosts`` from
+    ``resume_step``) or "none" (no usable state, or too many fallbacks: the job stops)."""
+
+    name: ClassVar[str] = "regroup_failed"
+    optional: ClassVar[tuple[str, ...]] = ("resume_step",)
+    step: int  # the launcher's step count when it gave up
+    generation: int  # the membership generation that could not be built
+    reason: str  # the first rank's own failure
+    fallback: str  # "restart" | "none"
+    hosts: list[int]  # the membership relaunched on (the generation's hosts, less the dead)
+    failed: list[int] = field(default_factory=list)  # launch ranks that failed on their own
+    resume_step: int | None = None
+
+
 TYPES: dict[str, type[Event]] = {t.name: t for t in (
     StragglerDetected, SlowdownUnexplained, StragglerRecovered, RecoveryRejected,
     MitigationApplied,
-    MitigationReverted, MitigationMeasured)}
+    MitigationReverted, MitigationMeasured, RegroupFailed)}
 
 
 def parse(rec: dict[str, Any]) -> Event | None:
@@ -153,6 +170,18 @@ def _who(ranks: list[int], link: list[int] | None) -> str:
     return f"{link[0]}-{link[1]}" if link and len(link) == 2 else f"{link}"
 
 
+def describe_regroup_failed(rec: dict[str, Any]) -> str:
+    """The line for a failed in-place regroup and the fallback taken."""
+    hosts = " ".join(str(h) for h in rec.get("hosts") or [])
+    if rec.get("fallback") == "restart":
+        done = (f"fell back to a checkpoint-and-relaunch on hosts [{hosts}] from step "
+                f"{rec.get('resume_step')}")
+    else:
+        done = "no fallback left: the job stops"
+    return (f"in-place regroup failed at step {rec.get('step')} ({rec.get('reason')}); "
+            f"{done}")
+
+
 def describe(rec: dict[str, Any], unit: str = "step") -> str | None:
     """One line for a detector event (``unit``: "step", or "iteration" for a script run whose
     steps are the monitor's iterations); None for the others. Reads the line's fields as they
@@ -165,6 +194,8 @@ def describe(rec: dict[str, Any], unit: str = "step") -> str | None:
                 f"x{rec.get('severity', 0):.2f} since {unit} {rec.get('onset_step')}")
     if ev == StragglerRecovered.name:
         return f"straggler recovered at {unit} {rec.get('step')}"
+    if ev == RegroupFailed.name:
+        return describe_regroup_failed(rec)
     if ev == RecoveryRejected.name:
         return (f"rank {','.join(map(str, rec.get('ranks') or []))} reads healthy at {unit} "
                 f"{rec.get('step')} but is still x{rec.get('compute_test_ratio', 0):.2f} "

@@ -42,6 +42,7 @@ from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
 from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
+from stalwart.mitigate.fallback import FALLBACK_EXIT
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
@@ -128,7 +129,7 @@ def culprit(procs: dict[int, subprocess.Popen], raised: Callable[[], dict[int, d
     (``raised()``: script runs) counts as failed even while it is still exiting."""
     def seen() -> list[tuple[int, int]]:
         return [(r, p.returncode) for r, p in procs.items()
-                if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
+                if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT, FALLBACK_EXIT)]
 
     failed = seen()
     if not failed:
@@ -446,6 +447,46 @@ def _left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Pa
     return probe
 
 
+def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], members: Any,
+               events: EventLog, say: Callable[[str], None], step: int) -> int:
+    """A rank's in-place regroup failed (it saved its state and exited FALLBACK_EXIT): ask
+    every rank to do the same, then relaunch from the most advanced state on the membership
+    being built (mitigate/fallback.py). RESTART_EXIT, with restart.json written for
+    ``_restart_config``; 1 when there is no usable state or no fallback left."""
+    from stalwart.events import RegroupFailed
+    from stalwart.mitigate import RESTART_FILE, fallback
+    from stalwart.rundir import atomic_write_text, read_jsonl
+
+    g = members.fall_back(step)
+    say("stalwart: an in-place regroup failed; every rank saves its state for a relaunch")
+    deadline = time.monotonic() + fallback.WAIT_S
+    while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    crashed = {r for r, p in procs.items()
+               if p.poll() not in (None, 0, LEFT_EXIT, FALLBACK_EXIT)}
+    _stop_all(procs)  # the ranks that did not save in time
+    hosts = [h for s, h in zip(g.alive, g.hosts, strict=True) if s not in crashed]
+    since = [e for e in read_jsonl(run_dir / EVENTS) if e.get("event") in (
+        "run_started", RegroupFailed.name)]
+    starts = [i for i, e in enumerate(since) if e["event"] == "run_started"]
+    done = sum(1 for e in since[(starts[-1] if starts else 0):]
+               if e.get("fallback") == "restart")
+    got = fallback.plan(run_dir, g.token, cfg.tp) \
+        if done < fallback.MAX_FALLBACKS and hosts and len(hosts) % cfg.tp == 0 else None
+    if got is None:
+        reason, failed = fallback.first_reason(fallback.saved(run_dir, g.token))
+        events.emit(RegroupFailed(step, g.gen - 1, reason, "none", hosts, failed))
+        say(f"stalwart: in-place regroup failed ({reason}) and no relaunch is possible "
+            f"({'no usable saved state' if done < fallback.MAX_FALLBACKS else 'too many'})")
+        return 1
+    events.emit(RegroupFailed(step, g.gen - 1, got["reason"], "restart", hosts, got["failed"],
+                              got["step"]))
+    atomic_write_text(run_dir / RESTART_FILE, json.dumps(
+        {"hosts": hosts, "step": got["step"], "strategy": "fallback",
+         "reason": f"in-place regroup failed: {got['reason']}"}) + "\n")
+    return RESTART_EXIT
+
+
 def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
     """While a host is excluded (S4), probe it for the way back (mitigate/probe.py)."""
     if cfg.mitigate != "auto" or not cfg.hosts:
@@ -488,6 +529,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
             if m["step"] + 1 > next_step:
                 next_step = m["step"] + 1
                 tb.on_step(next_step)
+        if members is not None and any(p.poll() == FALLBACK_EXIT for p in procs.values()):
+            return _fall_back(cfg, run_dir, procs, members, events, say, next_step)
         if any(p.poll() == LEFT_EXIT for p in procs.values()):
             got = _left(procs, members, tb, run_dir, events, say, next_step)
             if got is not None and probes is not None:
@@ -534,7 +577,7 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
                     rejoin = None  # back in the job
         progress.refresh()
         failed = [(r, p.returncode) for r, p in procs.items()
-                  if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT)]
+                  if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT, FALLBACK_EXIT)]
         if rejoin is not None and any(r == rejoin.slot for r, _ in failed):
             # a rank started to rejoin failed before it was back: the job goes on without it
             # (once asked for, the others may be waiting for it in the regroup: a generation

@@ -59,6 +59,9 @@ class Generation:
     # the host of each launch rank (a process stays on its host): how a host taken back
     # finds its launch rank again
     home: tuple[int, ...] = ()
+    # the launcher gave up on building this membership in place (a rank's regroup failed):
+    # every rank saves its state and exits; the job is relaunched on ``hosts`` (fallback.py)
+    fallback: bool = False
 
     def rank_of(self, slot: int) -> int | None:
         """The rank of launch rank ``slot`` in this generation (None: not a member)."""
@@ -72,7 +75,8 @@ class Generation:
         return json.dumps({"token": self.token, "gen": self.gen, "alive": list(self.alive),
                            "hosts": list(self.hosts), "lost": list(self.lost),
                            "step": self.step, "time": self.time, "planned": self.planned,
-                           "basis": self.basis, "home": list(self.home)})
+                           "basis": self.basis, "home": list(self.home),
+                           "fallback": self.fallback})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Generation:
@@ -80,7 +84,8 @@ class Generation:
                           tuple(int(x) for x in d["hosts"]), tuple(int(x) for x in d["lost"]),
                           int(d.get("step", 0)), float(d.get("time", 0.0)),
                           bool(d.get("planned", False)), d.get("basis"),
-                          tuple(int(x) for x in d.get("home") or ()))
+                          tuple(int(x) for x in d.get("home") or ()),
+                          bool(d.get("fallback", False)))
 
 
 def in_place_ok(cfg: Any) -> bool:
@@ -168,5 +173,17 @@ class Announcer:
         self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
                                   tuple(h for _, h in keep), tuple(sorted(slots)), step,
                                   time.time(), home=cur.home)
+        self._write()
+        return self.current
+
+    def fall_back(self, step: int) -> Generation:
+        """Give up the in-place regroup: the newest generation's members, marked
+        ``fallback`` (every rank saves its state and exits; fallback.py)."""
+        now = read(self.run_dir)
+        if now is not None and now.token == self.current.token and now.gen > self.current.gen:
+            self.current = now
+        cur = self.current
+        self.current = Generation(cur.token, cur.gen + 1, cur.alive, cur.hosts, (), step,
+                                  time.time(), home=cur.home, fallback=True)
         self._write()
         return self.current

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.mitigate import membership
+from stalwart.mitigate import fallback, membership
 from stalwart.mitigate.membership import Generation
 
 POLL_S = 0.05
@@ -64,6 +64,11 @@ _TCP_LISTEN = "0A"
 
 class NotAMember(RuntimeError):
     """This rank is not in the new generation (left out by a plan, or counted lost)."""
+
+
+class FallbackRequested(RuntimeError):
+    """The launcher gave up the in-place regroup (a rank's failed): save and exit
+    (fallback.py)."""
 
 
 class PlannedRegroup(RuntimeError):
@@ -151,6 +156,7 @@ class Regrouper:
         self.last_parts: dict[str, float] = {}  # seconds of the last regroup's phases
         self._seen = g
         self._aborted = threading.Event()
+        self._fallback = threading.Event()  # the launcher gave up regrouping in place
         if joining and g.rank_of(slot) is not None:
             self._aborted.set()  # the generation taking it back is already announced
         self._stop = threading.Event()
@@ -172,9 +178,17 @@ class Regrouper:
             if g is None or g.token != self.current.token or g.gen <= self._seen.gen:
                 continue
             self._seen = g
+            if g.fallback:
+                self._fallback.set()
             if not g.planned:  # a rank lost: wake whatever collective this rank is in
                 shutdown_tcp(self.keep_ports)
             self._aborted.set()
+            if g.fallback:
+                break
+        while self._fallback.is_set() and not self._stop.wait(POLL_S):
+            # a connection made after the first shutdown (a regroup's store, a group's
+            # pairs) must not block the rank either: it is saving its state and leaving
+            shutdown_tcp(self.keep_ports)
 
     def plan(self, hosts: list[int], step: int,
              basis: dict[str, Any] | None = None) -> Generation:
@@ -183,6 +197,10 @@ class Regrouper:
         g = membership.with_hosts(self.current, hosts, step, basis)
         membership.announce(self.run_dir, g)
         return g
+
+    def falling_back(self) -> bool:
+        """The launcher asked every rank to save its state and exit (fallback.py)."""
+        return self._fallback.is_set()
 
     def changed(self) -> bool:
         """A newer generation has been announced (and this rank's connections shut)."""
@@ -201,6 +219,8 @@ class Regrouper:
                                    f"{timeout_s:.0f} s")
         self._aborted.clear()
         g = self._seen
+        if g.fallback:
+            raise FallbackRequested(f"generation {g.gen}: the launcher falls back to a restart")
         rank = g.rank_of(self.slot)
         if rank is None and self.joining:  # a generation before the one taking it back
             return self.regroup(backend, max(deadline - time.monotonic(), POLL_S))
@@ -212,6 +232,9 @@ class Regrouper:
             dist.destroy_process_group()
         t1 = time.monotonic()
         self.last_parts = {"wait": round(t0 - t_in, 3), "destroy": round(t1 - t0, 3)}
+        if os.environ.get(fallback.TEST_FAIL_ENV) == str(self.slot) and g.gen >= 1:
+            raise RuntimeError(f"launch rank {self.slot} cannot build the groups of generation "
+                               f"{g.gen} ({fallback.TEST_FAIL_ENV} test hook)")
         dist.init_process_group(backend, store=self._store(g, rank, timeout_s), rank=rank,
                                 world_size=g.world, timeout=timedelta(seconds=timeout_s))
         self.last_parts["init"] = round(time.monotonic() - t1, 3)
@@ -230,10 +253,27 @@ class Regrouper:
                                 wait_for_workers=False)
             fs.set("tcpstore", f"{host} {tcp.port}")
         else:
-            fs.set_timeout(timeout)
+            self._wait_key(fs, "tcpstore", timeout_s)
             host, port = fs.get("tcpstore").decode().split()
             tcp = dist.TCPStore(host, int(port), g.world, is_master=False, timeout=timeout)
         return dist.PrefixStore(f"gen{g.gen}", tcp)
+
+    def _wait_key(self, store: Any, key: str, timeout_s: float) -> None:
+        """Wait for ``key`` in a file store in short slices: a fallback (or a newer
+        generation) ends the wait at once (a file store has no connection to shut)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=0.2))
+                return
+            except Exception:  # noqa: BLE001 -- the store's timeout: look again
+                if self._fallback.is_set():
+                    raise FallbackRequested("the launcher falls back to a restart") from None
+                if self._aborted.is_set():
+                    raise RuntimeError("a newer generation came during the regroup") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no store for the new generation in {timeout_s:.0f} s"
+                                       ) from None
 
     def close(self) -> None:
         self._stop.set()
@@ -259,3 +299,4 @@ def agree_state(model: torch.nn.Module, opt: Any, applied: int) -> tuple[int, in
             model.load_state_dict(box[0][0])
             opt.load_state_dict(box[0][1])
     return best, src
+

@@ -11,7 +11,9 @@ Records (written by stalwart.mitigate and the launcher; see docs/mitigate.md):
   version, strategy, predicted_gain, measured_gain, step_time_before, step_time_after) and
   ``restart`` (step, nproc, hosts, reason); ``rank_lost`` (launcher: step, rank, host,
   exit_code, error) and ``regroup`` (the new rank 0: step, generation, world, members, hosts,
-  lost, regroup_s) for a rank that died in a job that regroups in place.
+  lost, regroup_s) for a rank that died in a job that regroups in place; ``regroup_failed``
+  (launcher: step, generation, reason, fallback "restart" | "none", hosts, resume_step) when
+  an in-place regroup failed and the job fell back to a checkpoint-and-relaunch.
 
 A run without any of these has no mitigation: every function here then returns an empty result
 and the report looks as it did before mitigation existed.
@@ -27,7 +29,7 @@ from typing import Any
 from stalwart.rundir import RunData
 
 MITIGATION_EVENTS = ("mitigation_applied", "mitigation_reverted", "mitigation_measured",
-                     "restart", "host_probe", "rank_lost", "regroup")
+                     "restart", "host_probe", "rank_lost", "regroup", "regroup_failed")
 ACTIONS = ("mitigation_applied", "mitigation_reverted", "restart", "regroup")
 AROUND = 10  # steps before a lost rank and after its regroup whose step time the table shows
 
@@ -154,7 +156,8 @@ def summary_row(run: RunData) -> str | None:
                     (len(run.events_of("mitigation_reverted")), "revert"),
                     (len(run.events_of("restart")), "restart"),
                     (len(run.events_of("rank_lost")), "rank lost"),
-                    (len(run.events_of("regroup")), "in-place regroup")):
+                    (len(run.events_of("regroup")), "in-place regroup"),
+                    (len(run.events_of("regroup_failed")), "failed regroup")):
         if n:
             plural = ("ranks lost" if what == "rank lost" else f"{what}s") if n > 1 else what
             parts.append(f"{n} {plural}")
@@ -213,6 +216,16 @@ def _regroup_cells(run: RunData, e: dict[str, Any]) -> tuple[str, str, str]:
     return ("hosts [" + " ".join(map(str, hosts)) + "]", f"without {e.get('lost')}", measured)
 
 
+def _failed_row(e: dict[str, Any]) -> str:
+    """The table row of a failed in-place regroup and its fallback."""
+    hosts = "hosts [" + " ".join(map(str, e.get("hosts") or [])) + "]"
+    done = (f"relaunched from step {e.get('resume_step')}" if e.get("fallback") == "restart"
+            else "no fallback: the job stopped")
+    cells = (str(e.get("step", "")), "", "regroup_failed", f"fallback: {e.get('fallback')}",
+             hosts, f"generation {e.get('generation')}", "", done, str(e.get("reason", "")))
+    return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+
 def table_html(run: RunData) -> str:
     """The mitigation events as an HTML table ("" when the run has none)."""
     events = run.events_of(*MITIGATION_EVENTS)
@@ -229,6 +242,9 @@ def table_html(run: RunData) -> str:
             if isinstance(before, int | float) and isinstance(after, int | float):
                 measured += f" ({before * 1000:.0f} &rarr; {after * 1000:.0f} ms/step)"
         version = f" v{e['version']}" if e.get("version") is not None else ""
+        if e["event"] == "regroup_failed":
+            rows.append(_failed_row(e))
+            continue
         if e["event"] in ("rank_lost", "regroup"):
             plan, target, measured = _regroup_cells(run, e)
             reason = e.get("error", "") if e["event"] == "rank_lost" else (

@@ -55,6 +55,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def save_rank(run_dir: Path, step: int, rank: int, cfg: RunConfig, model: torch.nn.Module,
               optimizer: Any) -> Path:
+    path = step_dir(run_dir, step) / f"rank-{rank}.pt"
+    save_state(path, step, cfg, model, optimizer)
+    return path
+
+
+def save_state(path: Path, step: int, cfg: RunConfig, model: torch.nn.Module,
+               optimizer: Any) -> None:
+    """One rank's file (atomic): what ``load_rank`` reads back."""
     state = {
         "step": step,
         "world": cfg.nproc,
@@ -69,9 +77,7 @@ def save_rank(run_dir: Path, step: int, rank: int, cfg: RunConfig, model: torch.
     }
     buf = io.BytesIO()
     torch.save(state, buf)
-    path = step_dir(run_dir, step) / f"rank-{rank}.pt"
     atomic_write_bytes(path, buf.getvalue())
-    return path
 
 
 def mark_latest(run_dir: Path, step: int, world: int | None = None) -> None:

@@ -334,6 +334,8 @@ class Rank:
     regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
     joining: bool = False  # started again by the launcher to rejoin (a host taken back)
     n_params: int = 0
+    agreed: int = -1  # the steps applied that the last regroup's state agreement settled on
+    tp_index: int = 0  # the tensor-parallel shard this rank's model holds
     done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
 
     @classmethod
@@ -445,6 +447,7 @@ class Rank:
         if cfg.tp > 1:
             tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
             self.stepper = TensorParallelStep(cfg, tp_group, dp_group, self.run_dir, device)
+            self.tp_index = self.rank % cfg.tp
         else:
             self.data_rank, self.data_parts = self.rank, self.world
             self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
@@ -581,9 +584,10 @@ class Rank:
             raise RuntimeError(f"{why} ({t})") from None
         parts = {"groups": time.monotonic() - t0}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.data_rank, self.data_parts = self.rank, self.world
         cfg.nproc, cfg.hosts = self.world, list(g.hosts)
+        self.data_rank, self.data_parts = self.rank, self.world
         done, src = agree_state(model, self.opt, applied)
+        self.agreed = done
         parts["state"] = time.monotonic() - t0
         self.monitor = self._make_monitor()
         parts["monitor"] = time.monotonic() - t0
@@ -635,6 +639,27 @@ class Rank:
             self.regrouper.plan(hosts, step, self.work.basis(due))
         raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step {step}, "
                              f"hosts {hosts}")
+
+    def fall_back(self, applied: int, err: BaseException) -> int:
+        """The in-place regroup failed (or the launcher gave it up): save this rank's state
+        without any collective and exit with FALLBACK_EXIT; the launcher relaunches the job
+        from the most advanced rank's state (mitigate/fallback.py)."""
+        from stalwart.mitigate import fallback
+        from stalwart.mitigate.regroup import FallbackRequested
+
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:240]
+        print(f"stalwart: rank {self.rank} (launch rank {self.regrouper.slot}): in-place "
+              f"regroup failed ({reason}); saving state for a relaunch", file=sys.stderr)
+        token, slot = self.regrouper.current.token, self.regrouper.slot
+        step = max(applied, self.agreed)
+        ckpt.save_state(fallback.state_path(self.run_dir, token, slot), step, self.cfg,
+                        self.stepper.model, self.opt)
+        fallback.record(self.run_dir, token, fallback.Saved(
+            slot, step, self.tp_index, reason, isinstance(err, FallbackRequested), time.time()))
+        self.regrouper.close()
+        self.metrics.close()
+        self.events.close()
+        return fallback.FALLBACK_EXIT
 
     def leave(self) -> int:
         """Left out by a planned regroup (S4): exit without the job's collectives."""
@@ -707,6 +732,8 @@ def train(cfg: RunConfig) -> int:
                 applied = regroup_until_done(r, applied, why)
             except NotAMember:  # left out by the plan (S4): its host is probed from outside
                 return r.leave()
+            except Exception as e:  # noqa: BLE001 -- any failure: checkpoint-and-relaunch
+                return r.fall_back(applied, e)
     if cfg.halt_at is not None and r.rank == 0:
         r.events.log("halted", step=cfg.halt_at)
     return r.finish(0)
@@ -715,13 +742,14 @@ def train(cfg: RunConfig) -> int:
 def regroup_until_done(r: Rank, applied: int, why: str) -> int:
     """``r.regroup``, again while it fails because the membership changed meanwhile (a rank
     lost during a regroup -- one started to rejoin that died before joining): the next
-    generation is the one to join."""
-    from stalwart.mitigate.regroup import NotAMember, is_comm_error
+    generation is the one to join. Any other failure (and the launcher's fallback) reaches
+    ``train``, which saves the rank's state for a relaunch (``Rank.fall_back``)."""
+    from stalwart.mitigate.regroup import FallbackRequested, NotAMember, is_comm_error
 
     for _ in range(MAX_REGROUPS):
         try:
             return r.regroup(applied, why)
-        except NotAMember:
+        except (NotAMember, FallbackRequested):
             raise
         except Exception as e:  # noqa: BLE001 -- only a membership change is retried
             if not (r.regrouper.changed() and is_comm_error(e)):
