@@ -1,6 +1,7 @@
-"""The per-rank channels' step in C (detect/_native/channels.c) against the Python
-reference (``CusumBank._step``, ``OutlierBank._step``): the same state after every step and
-the same alarms, on random series with shifts, ties, outliers and a rank slow from the start."""
+"""The per-rank channels' step and the change detectors' pre-filter in C
+(detect/_native/channels.c) against the Python reference (``CusumBank._step``,
+``OutlierBank._step``, ``changepoint.PyGate``): the same state after every step and the same
+alarms, on random series with shifts, ties, outliers and a rank slow from the start."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.detect import cusum, outlier
+from stalwart.detect import changepoint, cusum, outlier
+from stalwart.detect.changepoint import BOCPDBank, ChangeDetector
 from stalwart.detect.cusum import CusumBank
 from stalwart.detect.outlier import OutlierBank
 
 needs_native = pytest.mark.skipif(cusum._native_step is None or outlier._native_step is None,
                                   reason="native channel steps not built")
+needs_gate = pytest.mark.skipif(changepoint._NativeGate is None, reason="native gate not built")
 
 
 def test_the_native_steps_are_built_where_required() -> None:
     """CI builds every native part (STALWART_REQUIRE_NATIVE=1, .ci/run)."""
     if os.environ.get("STALWART_REQUIRE_NATIVE") == "1":
         assert cusum._native_step is not None and outlier._native_step is not None
+        assert changepoint._NativeGate is not None
 
 
 def _series(seed: int, n: int, steps: int, ties: bool) -> np.ndarray:
@@ -99,3 +103,47 @@ def test_the_native_steps_check_their_arrays() -> None:
     o = OutlierBank(3, warmup=0)
     with pytest.raises(ValueError, match="wrong size"):
         o.add(0, [1.0, 1.0], 0.1)
+
+
+def _gate_state(d: ChangeDetector) -> tuple[object, ...]:
+    g = d._g
+    keys, vals = d._segment()
+    return (g.seen, g.pos, g.quiet, g.far, g.slept, g.model_updates, g.scale_n, bool(g.pending),
+            bool(g.live), bool(g.model), g.scale if g.scale == g.scale else None, g.centre,
+            keys.tolist(), vals.tolist())
+
+
+@needs_gate
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), gate=st.booleans(), history=st.sampled_from([16, 60, 400]),
+       shift=st.sampled_from([1.0, 1.15, 1.5, 2.0]), ranks=st.integers(1, 5))
+def test_the_native_gate_equals_the_reference(seed: int, gate: bool, history: int,
+                                              shift: float, ranks: int) -> None:
+    """The ChangeDetector's pre-filter and segment in C (``Gate``) against ``PyGate``: the
+    same changes, the same state after every sample, alone (``add``) and in a bank
+    (``add_many``), through warm-up, invalid samples, sleep, wake-ups and accepted changes."""
+    rng = np.random.default_rng(seed)
+    steps = 260
+    xs = np.exp(rng.normal(np.log(0.08), 0.1, (steps, ranks)))
+    xs[steps // 3:, 0] *= shift
+    xs[2 * steps // 3:, -1] /= shift
+    xs[rng.random((steps, ranks)) < 0.02] = 0.0  # invalid samples are skipped
+    xs[rng.random((steps, ranks)) < 0.03] *= 3.0  # spikes
+    pairs = []
+    for native in (True, False):
+        bank = BOCPDBank()
+        dets = [ChangeDetector(min_shift=0.1, history=history, gate=gate, bank=bank,
+                               native=native) for _ in range(ranks)]
+        pairs.append(dets)
+    nat, ref = pairs
+    for t in range(steps):
+        row = [float(v) for v in xs[t]]
+        if t % 2:
+            a = ChangeDetector.add_many(nat, t, row)
+            b = ChangeDetector.add_many(ref, t, row)
+        else:
+            a = [d.add(t, v) for d, v in zip(nat, row, strict=True)]
+            b = [d.add(t, v) for d, v in zip(ref, row, strict=True)]
+        assert a == b
+        for dn, dr in zip(nat, ref, strict=True):
+            assert _gate_state(dn) == _gate_state(dr)

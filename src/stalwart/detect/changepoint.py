@@ -49,6 +49,11 @@ try:  # the BOCPD step in C (detect/_native/bocpd.c); this module's update is th
     from stalwart.detect._bocpd import update as _native_update  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install: the Python reference runs
     _native_update = _native_step = None
+try:  # the pre-filter in C (detect/_native/channels.c); PyGate is the reference
+    from stalwart.detect._channels import Gate as _NativeGate  # type: ignore[import-not-found]
+    from stalwart.detect._channels import push_many as _push_many  # type: ignore[import-not-found]
+except ImportError:
+    _NativeGate = _push_many = None
 
 
 def robust_scale(x: np.ndarray) -> float:
@@ -400,6 +405,103 @@ class Change:
         return self.after / self.before
 
 
+NONE, UPDATE, START, WAKE = 0, 1, 2, 3  # what a gate's push asks of its detector
+
+
+class PyGate:
+    """A ``ChangeDetector``'s pre-filter and current segment (the module docstring): the
+    Python reference of the C ``Gate`` (detect/_native/channels.c), which tests compare with.
+
+    ``push(key, seconds)`` takes a sample and says what the model needs: NONE (nothing),
+    UPDATE (the next value, ``x``), START (a first model from the segment), WAKE (a sleeping
+    model rebuilt from the segment without its newest sample, then fed ``x``). ``scale``:
+    the series' noise scale in log space, nan until the first model (``model``) is made;
+    ``centre``: the model's level. ``x`` is winsorised to +-``clip`` scales of the centre.
+    """
+
+    def __init__(self, warmup: int, min_baseline: int, max_lag: int, history: int,
+                 min_shift: float, z_sig: float, clip: float, min_scale: float,
+                 gate: bool = True) -> None:
+        self.warmup, self.min_baseline, self.max_lag = warmup, min_baseline, max_lag
+        self.min_shift, self.z_sig, self.clip = min_shift, z_sig, clip
+        self.min_scale, self.gate = min_scale, gate
+        self.seen = self.pos = self.quiet = self.far = self.slept = 0
+        self.model_updates = self.scale_n = 0
+        self.pending, self.live, self.model = False, True, False
+        self.scale, self.centre, self.x = math.nan, 0.0, 0.0
+        self._keys: deque[int] = deque(maxlen=history)
+        self._vals: deque[float] = deque(maxlen=history)
+
+    def __len__(self) -> int:
+        return len(self._vals)
+
+    def copy(self, keys: np.ndarray, vals: np.ndarray) -> None:
+        """The segment's keys and log times, oldest first, into the two arrays."""
+        keys[:] = list(self._keys)
+        vals[:] = list(self._vals)
+
+    def keep_last(self, run: int) -> None:
+        """The newest ``run`` samples become the segment."""
+        for q in (self._keys, self._vals):
+            tail = list(q)[len(q) - run:]
+            q.clear()
+            q.extend(tail)
+
+    def push(self, key: int, seconds: float) -> int:
+        self.seen += 1
+        self.pending = False
+        if self.seen <= self.warmup or not seconds > 0 or not math.isfinite(seconds):
+            return NONE
+        x = math.log(seconds)
+        self.pos += 1
+        self._keys.append(key)
+        self._vals.append(x)
+        if not self.model:
+            return START if len(self._vals) >= self.min_baseline else NONE
+        # The noise scale first comes from min_baseline samples, too few to trust: re-estimate
+        # it each time the segment doubles, leaving out the newest samples (maybe a change).
+        n = len(self._vals) - self.max_lag
+        if n >= 2 * self.scale_n:
+            self.scale = max(robust_scale(np.asarray(self._vals)[:n]), self.min_scale)
+            self.scale_n = n
+        # Winsorise what the model sees to +-clip robust scales around the segment's level:
+        # a rare spike must not teach the model a wide variance that would then hide a real
+        # shift (a real shift still shows as a run of samples pinned at the clip).
+        centre = self.centre
+        scale = self.scale if self.scale == self.scale and self.scale else self.min_scale
+        code = UPDATE
+        if self.gate:
+            code = self._wake(x, centre, scale)
+            if code == NONE:
+                return NONE
+        self.model_updates += 1
+        c = self.clip * scale
+        self.x = min(max(x, centre - c), centre + c)
+        return code
+
+    def _wake(self, x: float, centre: float, scale: float) -> int:
+        """The pre-filter (module docstring): whether the model must see sample ``x``.
+
+        Called after ``x`` joined the segment. Far = half the least shift verification could
+        accept; two far samples of the last three wake a sleeping model (WAKE); ``max_lag``
+        quiet samples in a row put it to sleep."""
+        need = max(math.log1p(self.min_shift), self.z_sig * 1.25 * scale / math.sqrt(
+            self.max_lag))
+        far = abs(x - centre) > need
+        self.far = ((self.far << 1) | far) & 0b111
+        if self.live:
+            self.quiet = 0 if far else self.quiet + 1
+            if self.quiet > self.max_lag:
+                self.live = False  # this sample is quiet too: skip it
+                self.slept += 1
+                return NONE
+            return UPDATE
+        if self.far not in (0b011, 0b101, 0b110, 0b111):
+            self.slept += 1
+            return NONE
+        return WAKE
+
+
 class ChangeDetector:
     """Streaming BOCD+V over (key, iteration time) samples; ``add`` returns a ``Change``."""
 
@@ -407,9 +509,11 @@ class ChangeDetector:
                  min_spacing: int = 10, threshold: float = 0.9, confirm: int = 3,
                  max_lag: int = 12, hazard: float = 1 / 200, min_scale: float = 0.01,
                  history: int = 400, z_sig: float = 2.5, clip: float = 4.0,
-                 bank: BOCPDBank | None = None, gate: bool = True) -> None:
+                 bank: BOCPDBank | None = None, gate: bool = True,
+                 native: bool | None = None) -> None:
         """``bank``: detectors that share one are updated together by ``add_many``;
-        ``gate``: the pre-filter of the module docstring."""
+        ``gate``: the pre-filter of the module docstring; ``native``: its C version (the
+        default when built) or the Python reference."""
         self.bank = bank if bank is not None else BOCPDBank(hazard=hazard)
         self._row: int | None = None  # this detector's row in the bank, once it has one
         self.clip = clip
@@ -422,127 +526,116 @@ class ChangeDetector:
         self.confirm = confirm
         self.max_lag = max_lag
         self.hazard = hazard
-        self.min_scale = min_scale
-        self.seen = 0
-        self._keys: deque[int] = deque(maxlen=history)  # current segment
-        self._vals: deque[float] = deque(maxlen=history)  # log times of the current segment
+        self.gate = gate
+        native = _NativeGate is not None if native is None else native
+        cls = _NativeGate if native and _NativeGate is not None else PyGate
+        # the pre-filter's state and the current segment (log times, with their keys)
+        self._g: PyGate = cls(warmup, min_baseline, max_lag, history, min_shift, z_sig, clip,
+                              min_scale, gate)
         self._bocpd: BOCPD | None = None
-        self._scale: float | None = None  # noise scale in log space, from the first segment
-        self._scale_n = 0  # samples the scale was estimated from
         self._last_onset_pos: int | None = None  # sample position of last accepted onset
         self._last_up = False  # direction of the last accepted change
-        self._pos = 0  # position of the next sample (counts samples after warm-up)
-        self._seg_start_pos = 0
         self.changes: list[Change] = []
-        # True after a sample at which the posterior already put a change within the last
-        # ``max_lag`` samples but verification has not accepted it (yet): a cheap "something
-        # may be starting" signal, e.g. to exchange data sooner while it is confirmed
-        self.pending = False
-        self.gate = gate
-        self._live = True  # the model is updated every sample (False: asleep, see above)
-        self._quiet = 0  # samples in a row with nothing near a change, while live
-        self._far = 0  # bits: the last three samples' "far from the centre"
-        self.model_updates = 0  # samples fed to the model, replays included
-        self.slept = 0  # samples the model slept through (the pre-filter's saving)
 
-    def _start_bocpd(self, replay: int | None = None) -> None:
-        """A model for the current segment, fed its samples (only the last ``replay``)."""
-        v = np.asarray(self._vals)
-        if self._scale is None:
-            self._scale = max(robust_scale(v), self.min_scale)
-            self._scale_n = len(v)
+    # the gate's state, by its detector's names
+    @property
+    def min_scale(self) -> float:
+        return self._g.min_scale
+
+    @min_scale.setter
+    def min_scale(self, v: float) -> None:
+        self._g.min_scale = v
+
+    @property
+    def pending(self) -> bool:
+        """True after a sample at which the posterior already put a change within the last
+        ``max_lag`` samples but verification has not accepted it (yet): a cheap "something
+        may be starting" signal, e.g. to exchange data sooner while it is confirmed."""
+        return bool(self._g.pending)
+
+    @property
+    def seen(self) -> int:
+        return self._g.seen
+
+    @property
+    def slept(self) -> int:
+        """Samples the model slept through (the pre-filter's saving)."""
+        return self._g.slept
+
+    @property
+    def model_updates(self) -> int:
+        """Samples fed to the model, replays included."""
+        return self._g.model_updates
+
+    @property
+    def _scale(self) -> float | None:
+        """The noise scale in log space, from the first segment (None before it)."""
+        s = self._g.scale
+        return None if s != s else s
+
+    def _segment(self) -> tuple[np.ndarray, np.ndarray]:
+        """The current segment's keys and log times, oldest first (copies)."""
+        n = len(self._g)
+        keys, vals = np.empty(n, dtype=np.int64), np.empty(n)
+        self._g.copy(keys, vals)
+        return keys, vals
+
+    def _start_bocpd(self, replay: int | None = None, skip_last: bool = False) -> None:
+        """A model for the current segment (without its newest sample: ``skip_last``), fed
+        its samples (only the last ``replay``)."""
+        g = self._g
+        v = self._segment()[1]
+        if skip_last:
+            v = v[:-1]
+        if g.scale != g.scale:
+            g.scale = max(robust_scale(v), g.min_scale)
+            g.scale_n = len(v)
+        scale = g.scale
         centre = float(np.median(v))
-        self._bocpd = BOCPD(centre, self._scale, hazard=self.hazard, bank=self.bank,
-                            row=self._row)
+        self._bocpd = BOCPD(centre, scale, hazard=self.hazard, bank=self.bank, row=self._row)
         self._row = self._bocpd.row  # a new segment reuses the row
-        c = self.clip * self._scale
-        self._live, self._quiet = True, 0
+        g.model, g.centre = True, centre
+        c = self.clip * scale
+        g.live, g.quiet = True, 0
         for x in v if replay is None else v[-replay:]:
-            self._bocpd.update(min(max(float(x), centre - c), centre + c))
-            self.model_updates += 1
-
-    def _refresh_scale(self) -> None:
-        # The noise scale first comes from min_baseline samples, too few to trust: re-estimate
-        # it each time the segment doubles, leaving out the newest samples (maybe a change).
-        n = len(self._vals) - self.max_lag
-        if n >= 2 * self._scale_n:
-            self._scale = max(robust_scale(np.asarray(self._vals)[:n]), self.min_scale)
-            self._scale_n = n
+            self._bocpd.update_mass(min(max(float(x), centre - c), centre + c), 0)
+            g.model_updates += 1
 
     def _best_split(self, lag: int) -> int:
         """Length of the new regime (1..lag): the ``best_split`` of the segment."""
-        v = np.asarray(self._vals)
+        v = self._segment()[1]
         i = best_split(v, [len(v) - run for run in range(1, lag + 1) if len(v) - run >= 2])
         return 1 if i is None else len(v) - i
 
     def add(self, key: int, seconds: float) -> Change | None:
-        x = self._push(key, seconds)
+        x = self._after_push(self._g.push(key, seconds))
         if x is None:
             return None
         assert self._bocpd is not None
-        lag = min(self.max_lag, len(self._vals) - 1)
+        lag = min(self.max_lag, len(self._g) - 1)
         return self._verify(key, lag, self._bocpd.update_mass(x, lag))
 
-    def _push(self, key: int, seconds: float) -> float | None:
-        """Take a sample; the value the model must see next, or None (no model update)."""
-        self.seen += 1
-        self.pending = False
-        if self.seen <= self.warmup or not seconds > 0 or not math.isfinite(seconds):
+    def _after_push(self, code: int) -> float | None:
+        """What a push asked (``PyGate.push``) done; the value the model must see next, or
+        None (no model update)."""
+        if code == NONE:
             return None
-        x = math.log(seconds)
-        self._pos += 1
-        self._keys.append(key)
-        self._vals.append(x)
-        if self._bocpd is None:
-            if len(self._vals) >= self.min_baseline:
-                self._start_bocpd()
+        if code == START:
+            self._start_bocpd()
             return None
-        # Winsorise what the model sees to +-clip robust scales around the segment's level:
-        # a rare spike must not teach the model a wide variance that would then hide a real
-        # shift (a real shift still shows as a run of samples pinned at the clip).
-        self._refresh_scale()
-        centre = self._bocpd.prior[0]
-        scale = self._scale or self.min_scale
-        if self.gate and not self._wake(x, centre, scale):
-            return None
-        self.model_updates += 1
-        c = self.clip * scale
-        return min(max(x, centre - c), centre + c)
-
-    def _wake(self, x: float, centre: float, scale: float) -> bool:
-        """The pre-filter (module docstring): whether the model must see sample ``x``.
-
-        Called after ``x`` joined the segment. Far = half the least shift verification could
-        accept; two far samples of the last three wake a sleeping model, rebuilt from the
-        samples before ``x``; ``max_lag`` quiet samples in a row put it to sleep."""
-        need = max(math.log1p(self.min_shift), self.z_sig * 1.25 * scale / math.sqrt(
-            self.max_lag))
-        far = abs(x - centre) > need
-        self._far = ((self._far << 1) | far) & 0b111
-        if self._live:
-            self._quiet = 0 if far or self.pending else self._quiet + 1
-            if self._quiet > self.max_lag:
-                self._live = False  # this sample is quiet too: skip it
-                self.slept += 1
-                return False
-            return True
-        if self._far not in (0b011, 0b101, 0b110, 0b111):
-            self.slept += 1
-            return False
-        self._vals.pop()
-        self._start_bocpd(replay=REPLAY)
-        self._vals.append(x)
-        return True
+        if code == WAKE:
+            self._start_bocpd(replay=REPLAY, skip_last=True)
+        return self._g.x
 
     def _verify(self, key: int, lag: int, recent: float) -> Change | None:
         """Given the posterior mass of a change within the last ``lag`` samples (``lag`` =
         min(max_lag, segment length - 1)) after the newest sample: the change it verifies."""
-        pos = self._pos - 1
+        pos = self._g.pos - 1
         if lag < 1:
             return None
         if recent <= self.threshold:
             return None
-        self.pending = True
+        self._g.pending = True
         # The posterior says "a change within the last `lag` samples"; where exactly is left to
         # the data: short runs with uncertain variance tend to absorb the first new samples, so
         # the posterior's own argmax places the onset a few samples early.
@@ -550,7 +643,7 @@ class ChangeDetector:
         if run < self.confirm:
             return None
         onset_pos = pos - run + 1
-        vals = np.asarray(self._vals)
+        seg_keys, vals = self._segment()
         before = drop_outliers(vals[:-run])
         after = vals[-run:]
         if len(before) < 2:
@@ -576,18 +669,14 @@ class ChangeDetector:
         if self._last_onset_pos is not None and up == self._last_up and \
                 onset_pos - self._last_onset_pos < self.min_spacing:
             return None
-        keys = list(self._keys)
-        change = Change(onset=keys[-run], decided=key, before=math.exp(lb), after=math.exp(la))
-        self.pending = False
+        change = Change(onset=int(seg_keys[-run]), decided=key, before=math.exp(lb),
+                        after=math.exp(la))
+        self._g.pending = False
         self.changes.append(change)
         self._last_onset_pos = onset_pos
         self._last_up = up
         # the new regime becomes the segment; the noise scale learnt at the start is kept
-        new_keys, new_vals = keys[-run:], list(vals[-run:])
-        self._keys.clear()
-        self._vals.clear()
-        self._keys.extend(new_keys)
-        self._vals.extend(new_vals)
+        self._g.keep_last(run)
         self._start_bocpd()
         return change
 
@@ -601,14 +690,21 @@ class ChangeDetector:
         """
         if any(d.bank is not detectors[0].bank for d in detectors):
             return [d.add(key, v) for d, v in zip(detectors, values, strict=True)]
-        xs = [d._push(key, v) for d, v in zip(detectors, values, strict=True)]
-        idx = [i for i, x in enumerate(xs) if x is not None]
+        if _push_many is not None and all(type(d._g) is _NativeGate for d in detectors):
+            asked = _push_many([d._g for d in detectors], key, values)  # usually none
+        else:
+            asked = [(i, c) for i, c in enumerate(
+                d._g.push(key, v) for d, v in zip(detectors, values, strict=True)) if c]
+        if not asked:
+            return [None] * len(detectors)
+        xs = [(i, detectors[i]._after_push(code)) for i, code in asked]
+        idx = [i for i, x in xs if x is not None]
         posts = update_rows([detectors[i]._bocpd for i in idx],  # type: ignore[misc]
-                            [xs[i] for i in idx])
+                            [x for _, x in xs if x is not None])
         out: list[Change | None] = [None] * len(detectors)
         for i, post in zip(idx, posts, strict=True):
             d = detectors[i]
-            lag = min(d.max_lag, len(d._vals) - 1)
+            lag = min(d.max_lag, len(d._g) - 1)
             out[i] = d._verify(key, lag, mass(post, lag))
         return out
 

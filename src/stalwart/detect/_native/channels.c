@@ -201,11 +201,279 @@ done:
     return res;
 }
 
+/* ---- Gate: a ChangeDetector's pre-filter and segment (changepoint.py, ``PyGate`` is the
+ * reference). push(key, seconds) -> code: NONE (nothing for the model), UPDATE (``x`` is the
+ * model's next value), START (the segment is long enough for a first model), WAKE (a sleeping
+ * model must be rebuilt from the segment before its newest sample, then fed ``x``). */
+enum { G_NONE = 0, G_UPDATE = 1, G_START = 2, G_WAKE = 3 };
+
+typedef struct {
+    PyObject_HEAD
+    long long warmup, min_baseline, max_lag, cap;
+    double min_shift, z_sig, clip, min_scale;
+    char gate;
+    long long seen, pos, quiet, far, slept, model_updates, scale_n;
+    char pending, live, model;
+    double scale, centre, x;  /* scale: NaN until the first model */
+    long long *keys;
+    double *vals;
+    Py_ssize_t head, len;
+} Gate;
+
+static void gate_dealloc(Gate *g) {
+    PyMem_Free(g->keys);
+    PyMem_Free(g->vals);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
+    static char *kwl[] = {"warmup", "min_baseline", "max_lag", "history", "min_shift", "z_sig",
+                          "clip", "min_scale", "gate", NULL};
+    int gate = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLdddd|p", kwl, &g->warmup, &g->min_baseline,
+                                     &g->max_lag, &g->cap, &g->min_shift, &g->z_sig, &g->clip,
+                                     &g->min_scale, &gate))
+        return -1;
+    if (g->cap < 1 || g->max_lag < 1) {
+        PyErr_SetString(PyExc_ValueError, "Gate: history and max_lag must be >= 1");
+        return -1;
+    }
+    g->gate = (char)gate;
+    g->seen = g->pos = g->quiet = g->far = g->slept = g->model_updates = g->scale_n = 0;
+    g->pending = g->model = 0;
+    g->live = 1;
+    g->scale = NAN;
+    g->centre = g->x = 0.0;
+    PyMem_Free(g->keys);
+    PyMem_Free(g->vals);
+    g->keys = PyMem_Malloc(g->cap * sizeof(long long));
+    g->vals = PyMem_Malloc(g->cap * sizeof(double));
+    g->head = g->len = 0;
+    if (!g->keys || !g->vals) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : (x > y ? 1 : 0);
+}
+
+static double sorted_median(double *s, Py_ssize_t n) {  /* numpy's: mean of the two middle */
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2.0;
+}
+
+/* robust_scale of the segment's first n values: 1.4826 * MAD (changepoint.robust_scale) */
+static int robust_scale_first(Gate *g, Py_ssize_t n, double *out) {
+    double *t = PyMem_Malloc((n > 0 ? n : 1) * sizeof(double));
+    if (!t) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = g->vals[(g->head + i) % g->cap];
+    qsort(t, n, sizeof(double), cmp_double);
+    double med = sorted_median(t, n);
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = fabs(t[i] - med);
+    qsort(t, n, sizeof(double), cmp_double);
+    *out = 1.4826 * sorted_median(t, n);
+    PyMem_Free(t);
+    return 0;
+}
+
+static void append(Gate *g, long long key, double x) {
+    if (g->len == g->cap) { g->head = (g->head + 1) % g->cap; g->len--; }
+    Py_ssize_t i = (g->head + g->len) % g->cap;
+    g->keys[i] = key;
+    g->vals[i] = x;
+    g->len++;
+}
+
+static int push_one(Gate *g, long long key, double seconds) {
+    g->seen++;
+    g->pending = 0;
+    if (g->seen <= g->warmup || !(seconds > 0) || !isfinite(seconds)) return G_NONE;
+    double x = log(seconds);
+    g->pos++;
+    append(g, key, x);
+    if (!g->model) return g->len >= g->min_baseline ? G_START : G_NONE;
+    Py_ssize_t n = g->len - g->max_lag;  /* the noise scale, again each time the segment doubles */
+    if (n >= 2 * g->scale_n) {
+        double sc;
+        if (robust_scale_first(g, n, &sc) < 0) return -1;
+        g->scale = g->min_scale > sc ? g->min_scale : sc;  /* max(robust, min_scale) */
+        g->scale_n = n;
+    }
+    double centre = g->centre;
+    double scale = (g->scale != g->scale || g->scale == 0.0) ? g->min_scale : g->scale;
+    int code = G_UPDATE;
+    if (g->gate) {
+        double a = log1p(g->min_shift), b = g->z_sig * 1.25 * scale / sqrt((double)g->max_lag);
+        double need = b > a ? b : a;
+        int far = fabs(x - centre) > need;
+        g->far = ((g->far << 1) | far) & 7;
+        if (g->live) {
+            g->quiet = far ? 0 : g->quiet + 1;
+            if (g->quiet > g->max_lag) { g->live = 0; g->slept++; return G_NONE; }
+        } else {
+            if (g->far != 3 && g->far != 5 && g->far != 6 && g->far != 7) {
+                g->slept++;
+                return G_NONE;
+            }
+            code = G_WAKE;
+        }
+    }
+    g->model_updates++;
+    double c = g->clip * scale, lo = centre - c, hi = centre + c;
+    double v = lo > x ? lo : x;
+    g->x = hi < v ? hi : v;
+    return code;
+}
+
+static PyObject *gate_push(Gate *g, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "push(key, seconds)"); return NULL; }
+    long long key = PyLong_AsLongLong(args[0]);
+    double s = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    int code = push_one(g, key, s);
+    return code < 0 ? NULL : PyLong_FromLong(code);
+}
+
+static PyObject *gate_copy(Gate *g, PyObject *args) {
+    PyObject *o_keys, *o_vals;
+    if (!PyArg_ParseTuple(args, "OO", &o_keys, &o_vals)) return NULL;
+    Buf K = {0}, V = {0};
+    PyObject *res = NULL;
+    if (get(o_keys, &K, 1, 8, g->len, "keys") < 0 || get(o_vals, &V, 1, 8, g->len, "vals") < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < g->len; i++) {
+        Py_ssize_t j = (g->head + i) % g->cap;
+        ((int64_t *)K.b.buf)[i] = g->keys[j];
+        ((double *)V.b.buf)[i] = g->vals[j];
+    }
+    Py_INCREF(Py_None);
+    res = Py_None;
+done:
+    rel(&K);
+    rel(&V);
+    return res;
+}
+
+static PyObject *gate_keep_last(Gate *g, PyObject *arg) {
+    Py_ssize_t run = PyLong_AsSsize_t(arg);
+    if (run == -1 && PyErr_Occurred()) return NULL;
+    if (run < 0 || run > g->len) { PyErr_SetString(PyExc_ValueError, "keep_last: run"); return NULL; }
+    g->head = (g->head + g->len - run) % g->cap;
+    g->len = run;
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t gate_length(Gate *g) { return g->len; }
+
+static PyTypeObject GateType;
+
+/* push_many(gates, key, values) -> [(i, code)] for the gates whose code is not NONE */
+static PyObject *push_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "push_many(gates, key, values)"); return NULL; }
+    PyObject *gates = PySequence_Fast(args[0], "push_many: gates"), *vals = NULL, *out = NULL;
+    if (!gates) return NULL;
+    long long key = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) goto fail;
+    vals = PySequence_Fast(args[2], "push_many: values");
+    if (!vals) goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(gates);
+    if (PySequence_Fast_GET_SIZE(vals) != n) {
+        PyErr_SetString(PyExc_ValueError, "push_many: as many values as gates");
+        goto fail;
+    }
+    out = PyList_New(0);
+    if (!out) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *go = PySequence_Fast_GET_ITEM(gates, i);
+        if (!PyObject_TypeCheck(go, &GateType)) {
+            PyErr_SetString(PyExc_TypeError, "push_many: not a Gate");
+            goto fail;
+        }
+        double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(vals, i));
+        if (v == -1.0 && PyErr_Occurred()) goto fail;
+        int code = push_one((Gate *)go, key, v);
+        if (code < 0) goto fail;
+        if (code != G_NONE) {
+            PyObject *t = Py_BuildValue("(ni)", i, code);
+            if (!t || PyList_Append(out, t) < 0) { Py_XDECREF(t); goto fail; }
+            Py_DECREF(t);
+        }
+    }
+    Py_DECREF(gates);
+    Py_DECREF(vals);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(vals);
+    Py_DECREF(gates);
+    return NULL;
+}
+
+#include <structmember.h>
+static PyMemberDef gate_members[] = {
+    {"warmup", T_LONGLONG, offsetof(Gate, warmup), 0, NULL},
+    {"min_baseline", T_LONGLONG, offsetof(Gate, min_baseline), 0, NULL},
+    {"max_lag", T_LONGLONG, offsetof(Gate, max_lag), 0, NULL},
+    {"min_shift", T_DOUBLE, offsetof(Gate, min_shift), 0, NULL},
+    {"z_sig", T_DOUBLE, offsetof(Gate, z_sig), 0, NULL},
+    {"clip", T_DOUBLE, offsetof(Gate, clip), 0, NULL},
+    {"min_scale", T_DOUBLE, offsetof(Gate, min_scale), 0, NULL},
+    {"gate", T_BOOL, offsetof(Gate, gate), 0, NULL},
+    {"seen", T_LONGLONG, offsetof(Gate, seen), 0, NULL},
+    {"pos", T_LONGLONG, offsetof(Gate, pos), 0, NULL},
+    {"quiet", T_LONGLONG, offsetof(Gate, quiet), 0, NULL},
+    {"far", T_LONGLONG, offsetof(Gate, far), 0, NULL},
+    {"slept", T_LONGLONG, offsetof(Gate, slept), 0, NULL},
+    {"model_updates", T_LONGLONG, offsetof(Gate, model_updates), 0, NULL},
+    {"scale_n", T_LONGLONG, offsetof(Gate, scale_n), 0, NULL},
+    {"pending", T_BOOL, offsetof(Gate, pending), 0, NULL},
+    {"live", T_BOOL, offsetof(Gate, live), 0, NULL},
+    {"model", T_BOOL, offsetof(Gate, model), 0, NULL},
+    {"scale", T_DOUBLE, offsetof(Gate, scale), 0, NULL},
+    {"centre", T_DOUBLE, offsetof(Gate, centre), 0, NULL},
+    {"x", T_DOUBLE, offsetof(Gate, x), 0, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyMethodDef gate_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))gate_push, METH_FASTCALL, "push(key, seconds) -> code"},
+    {"copy", (PyCFunction)gate_copy, METH_VARARGS, "copy(keys, vals): the segment, oldest first"},
+    {"keep_last", (PyCFunction)gate_keep_last, METH_O, "keep only the newest run samples"},
+    {NULL, NULL, 0, NULL}};
+
+static PySequenceMethods gate_seq = {.sq_length = (lenfunc)gate_length};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stalwart.detect._channels.Gate",
+    .tp_basicsize = sizeof(Gate),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A ChangeDetector's pre-filter and segment (see channels.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)gate_init,
+    .tp_dealloc = (destructor)gate_dealloc,
+    .tp_members = gate_members,
+    .tp_methods = gate_methods,
+    .tp_as_sequence = &gate_seq,
+};
+
 static PyMethodDef methods[] = {
     {"cusum_step", cusum_step, METH_VARARGS, "One CUSUM step of every rank (see the file)."},
     {"outlier_step", outlier_step, METH_VARARGS, "One sample of every rank's window."},
+    {"push_many", (PyCFunction)(void (*)(void))push_many, METH_FASTCALL,
+     "Gate.push for each gate; the (index, code) of those not NONE."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_channels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__channels(void) { return PyModule_Create(&mod); }
+PyMODINIT_FUNC PyInit__channels(void) {
+    if (PyType_Ready(&GateType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod);
+    if (!m) return NULL;
+    Py_INCREF(&GateType);
+    if (PyModule_AddObject(m, "Gate", (PyObject *)&GateType) < 0) {
+        Py_DECREF(&GateType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
