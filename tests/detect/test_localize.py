@@ -321,3 +321,15 @@ def test_a_rank_far_slower_now_than_over_the_slowdown_is_not_its_culprit() -> No
     assert f.kind == "unknown" and f.evidence["culprit_not_slow_since_onset"] == 3
     f = decide(evidence(1.8, 2.3), onset_step=33, step=40, severity=1.8, suspect_rank=3)
     assert f.kind == "compute" and f.ranks == [3] and f.onset_step == 33
+
+
+def test_at_two_ranks_a_rank_six_times_slower_is_its_slowdowns_culprit() -> None:
+    """At 2 ranks the rank's share of an all-rank median caps its ratio at 2x; the rise the
+    test's ratio is held against is over its peer (seen: 6.8x named nobody)."""
+    def series(r: int) -> list[tuple[int, float]]:
+        return [(k, 0.02 * (6.0 if r == 1 and k >= 30 else 1.0) * (1 + 0.01 * (k % 3)))
+                for k in range(10, 34)]
+    es = [RankEvidence(r, 0.02, 0.12 if r else 0.02, 0.01, 0.01, 0.2 * (6.0 if r else 1.0),
+                       {}, [0.2 * (6.0 if r else 1.0)] * 3, recent=series(r)) for r in range(2)]
+    f = decide(es, onset_step=30, step=33, severity=6.0, suspect_rank=1)
+    assert f.kind == "compute" and f.ranks == [1] and f.onset_step == 30

@@ -58,6 +58,7 @@ from stalwart.detect.onset import (
     culprit_onset,
     link_onset,
     link_severity,
+    peer_rise,
 )
 from stalwart.detect.outlier import MIN_SHIFT, binom_tail
 
@@ -285,10 +286,13 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                      severity: float, evidence: dict[str, Any]) -> Finding:
-    # the culprit rose by COMPUTE_MILD at least, and by half (in log) of what the test reads now
+    onset = culprit_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
+    # ...and over its peers by at least half (in log) of what the compute test reads now
     test = (evidence.get("compute_test_ratio") or {}).get(str(rank), 1.0)
-    rise = max(math.log(COMPUTE_MILD), 0.5 * math.log(max(test, 1.0)))
-    onset = culprit_onset(ev, rank, onset_step, step, rise)
+    rise = None if onset is None else peer_rise(ev, rank, onset)
+    if rise is not None and rise < 0.5 * math.log(max(test, 1.0)):
+        evidence["culprit_rise"] = round(math.exp(rise), 3)
+        onset = None
     if onset is None:
         # the test finds the rank slow now, but its own compute did not rise over this
         # slowdown (or only in the last sample): a change on noise, validated just as a real

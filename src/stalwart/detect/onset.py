@@ -130,16 +130,29 @@ def changed_link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> in
     return onset_step if rise is None else rise
 
 
+def peer_rise(ev: list[RankEvidence], rank: int, onset: int) -> float | None:
+    """How much ``rank``'s compute over its peers' median rose at ``onset`` (log: the median
+    from the onset on minus the median of up to ``BEFORE`` samples before it); None with fewer
+    than 2 samples after or 1 before. On the compute test's scale (the rank against the
+    others), unlike ``culprit_onset``'s series, whose median includes the rank itself (at 2
+    ranks a rank's share of the median caps its ratio at 2x)."""
+    keys, xs = peer_series(ev, rank)
+    after = xs[keys >= onset]
+    before = xs[(keys < onset) & (keys >= onset - BEFORE)]
+    if len(after) < 2 or len(before) < 1:
+        return None
+    return float(np.median(after) - np.median(before))
+
+
 def culprit_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
                   min_rise: float) -> int | None:
     """A compute straggler's onset: where its own compute, relative to the median of every
-    rank's at the same step, rose by more than ``min_rise`` (log; localize: ``COMPUTE_MILD`` and
-    at least half of what the compute test measures now) -- from ``ONSET_SLACK`` steps
+    rank's at the same step, rose by more than ``min_rise`` (log) -- from ``ONSET_SLACK`` steps
     before the detected onset to the decision, with two samples of the rise at least; the
     detected onset when the evidence holds no series; None when the series shows no such
-    rise: the rank the test finds slow now was not slow over this slowdown, or far less slow
-    (seen under load: a 1.17x blip on the rank at step 33, validated at step 40 just as a 2x
-    quota began there, measured 2.28x by the test -- the fault is the channels' next find).
+    rise: the rank the test finds slow now was not slow over this slowdown (localize also
+    asks ``peer_rise`` for half the test's ratio: a 1.17x blip on a rank at step 33,
+    validated at 40 just as a 2x quota began there, measured 2.28x by the test).
 
     The channel that fired may have merged an earlier job-wide blip into the slowdown (every
     rank's step slows in an OS hiccup), or fired on noise that validation, run while the
