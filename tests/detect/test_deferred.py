@@ -61,3 +61,23 @@ def test_the_same_fault_seen_again_after_its_verdict_is_dropped() -> None:
                                evidence={"compute_test_ratio": {"2": 2.0}}), 2)
     core.sample(IterSample(39, 0.1, 0.1, 0.0))
     assert core.pending.action == NONE and core.active is not None
+
+
+def test_a_host_link_found_again_through_another_of_its_pairs_is_one_straggler() -> None:
+    core = DecisionCore(True)
+    core.classify(Change(160, 164, 0.05, 0.2), "iteration")
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("link", 162, 169, 4.0, ranks=[1], link=[0, 1]), None)
+    assert len(core.findings) == 1
+    core.classify(Change(203, 207, 0.2, 0.3), "rank1")
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("link", 203, 208, 1.5, ranks=[1], link=[1, 2]), 1)
+    assert len(core.findings) == 1 and core.repeats == 1
+    # a slow pair between two ranks is another straggler when the pair differs
+    core.classify(Change(230, 234, 0.3, 0.5), "iteration")
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("link", 230, 235, 1.6, ranks=[], link=[2, 3]), None)
+    assert len(core.findings) == 2

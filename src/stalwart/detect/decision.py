@@ -123,6 +123,14 @@ class _Unexplained:
     decided: int
 
 
+def same_straggler(a: Finding, b: Finding) -> bool:
+    """Whether two verdicts name the same straggler: the same kind and ranks, and for a link
+    between two ranks (no rank named) the same pair. A host's own link is named by its rank;
+    the slowest of its pairs, which the verdict also records, varies from test to test (seen:
+    host 1's link found at [0, 1], then again at [1, 2] and logged twice)."""
+    return a.kind == b.kind and a.ranks == b.ranks and (bool(a.ranks) or a.link == b.link)
+
+
 class DecisionCore:
     """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms."""
 
@@ -377,9 +385,8 @@ class DecisionCore:
                           "evidence": finding.evidence}
             if finding.kind == "unknown":
                 return  # a clean audit: nothing to report, nothing to follow
-        if self.active is not None and (finding.kind == "unknown" or (
-                finding.kind, finding.ranks, finding.link) == (
-                self.active.kind, self.active.ranks, self.active.link)):
+        if self.active is not None and (finding.kind == "unknown"
+                                        or same_straggler(finding, self.active)):
             # while a straggler is active: its own slowdown seen by a channel that lags (the
             # same verdict again), or nothing the tests confirm -- not a new finding, and the
             # active one stays followed on its channel
