@@ -33,6 +33,19 @@ def _rank(rank: int, world: int, store: str, scenario: str, out: Any) -> None:
         for seq in range(5):
             got.append(link.read(seq))
         out.put((rank, got))
+    elif scenario == "silent":  # rank 2 stays but sends nothing: rank 0's read times out
+        link.set_timeout(1.0)
+        if rank == 2:
+            time.sleep(4.0)
+            out.put((rank, "quiet"))
+        else:
+            link.issue(0, [float(rank), 0.0, 0.0])
+            t0 = time.monotonic()
+            try:
+                link.read(0) if rank == 0 else None
+                out.put((rank, "read"))
+            except RowLinkError as e:
+                out.put((rank, f"error after {time.monotonic() - t0:.1f}s: {e}"))
     else:  # rank 2 exits without a word; rank 0's read of its row must fail, not hang
         if rank == 2:
             link.close()
@@ -66,6 +79,14 @@ def test_a_peer_that_exits_makes_the_read_fail_at_once(tmp_path: Path) -> None:
     assert res[2] == "left"
     assert isinstance(res[0], str) and "rank 2 closed" in res[0]
     assert float(res[0].split("after ")[1].split("s")[0]) < 10  # not the 20 s timeout
+
+
+@pytest.mark.slow
+def test_a_silent_peer_makes_the_read_fail_after_the_timeout(tmp_path: Path) -> None:
+    res = _run(tmp_path, "silent")
+    assert res[2] == "quiet"
+    assert isinstance(res[0], str) and "no monitor row from rank 2 within 1.0 s" in res[0]
+    assert 0.9 <= float(res[0].split("after ")[1].split("s")[0]) < 3.5
 
 
 @pytest.mark.slow

@@ -45,10 +45,13 @@ from scipy.stats import rankdata
 REPLAY = 36  # samples a woken model is rebuilt from (3 x the default max_lag)
 
 try:  # the BOCPD step in C (detect/_native/bocpd.c); this module's update is the reference
-    from stalwart.detect._bocpd import step as _native_step  # type: ignore[import-not-found]
     from stalwart.detect._bocpd import update as _native_update  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install: the Python reference runs
-    _native_update = _native_step = None
+    _native_update = None
+try:  # (separately: an extension built before ``step`` existed still gives ``update``)
+    from stalwart.detect._bocpd import step as _native_step  # type: ignore[import-not-found]
+except ImportError:
+    _native_step = None
 try:  # the pre-filter in C (detect/_native/channels.c); PyGate is the reference
     from stalwart.detect._channels import Gate as _NativeGate  # type: ignore[import-not-found]
     from stalwart.detect._channels import push_many as _push_many  # type: ignore[import-not-found]
@@ -291,8 +294,7 @@ class BOCPDBank:
     def update_mass(self, row: int, x: float, lag: int) -> float:
         """``update(row, x)``, returning only the posterior mass of run lengths 1..``lag``
         summed in order (what ``ChangeDetector`` asks): in C, one call that builds no array."""
-        if self.native:
-            assert _native_step is not None
+        if self.native and _native_step is not None:
             return _native_step(self.mu, self.beta, self.log_beta, self.logpost, self.n,
                                 self._c, self._em, self._e, self._f, self._g, row, x,
                                 self._log_h, self._log_1mh, self.max_run, lag)

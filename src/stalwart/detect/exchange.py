@@ -91,6 +91,8 @@ class Exchange:
         self._exchange_costs: deque[float] = deque(maxlen=16)
         self._own_compute: deque[float] = deque(maxlen=16)
         self._own_high = False
+        # rank 0 measures costs only where it has a period to choose (max_every > 1)
+        self._measure = rank == 0 and self.auto_every and self.max_every > 1
 
     @staticmethod
     def width(max_every: int) -> int:
@@ -103,7 +105,7 @@ class Exchange:
     def check(self, c: int) -> Alarm | None:
         """Check ``c``: read the rows due now (feeding rank 0's per-rank channels), issue this
         rank's row if due; the alarm the rows read now carry, if any were due."""
-        if self.rank == 0:
+        if self._measure:
             cpu = time.process_time()
             if self._cpu_at_check is not None:
                 self._step_cpu.append(cpu - self._cpu_at_check)
@@ -129,10 +131,10 @@ class Exchange:
     def _read(self, c: int) -> list[list[float]] | None:
         if not self._inflight or self._inflight[0][1] > c:
             return None
-        t0 = time.thread_time()
+        t0 = time.thread_time() if self._measure else 0.0
         seq, _ = self._inflight.popleft()
         got = self.rows.read(seq)
-        if self.rank == 0:
+        if self._measure:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
         if self.auto_every:
             # rank 0's choice (it folds in the other ranks' requests), read by every rank at
@@ -142,11 +144,11 @@ class Exchange:
         if self.rank == 0:
             # the other ranks' requests (rank 0's own row holds its last choice, which must
             # not vote for itself: once 1, the period would stay 1)
-            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
-            n = min(int(r[4]) for r in got)  # entries every rank sent
-            for j in range(n):
-                self.core.relative(int(got[0][HEADER + 2 * j]),
-                                   [r[HEADER + 2 * j + 1] for r in got])
+            if self._measure:  # (used only to choose a period)
+                self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
+            n = int(min(r[4] for r in got))  # entries every rank sent
+            for j in range(HEADER, HEADER + 2 * n, 2):
+                self.core.relative(int(got[0][j]), [r[j + 1] for r in got])
             if got[0][0] != NONE:
                 # only now: a change found in these rows is the slowdown this decision is
                 # about, not a second one (the decision is applied right after this read)
@@ -154,7 +156,7 @@ class Exchange:
         return got
 
     def _issue(self, c: int) -> None:
-        t0 = time.thread_time()
+        t0 = time.thread_time() if self._measure else 0.0
         alarm = self.core.take_pending()
         # the same length on every rank; a rank with fewer samples sends fewer entries and
         # rank 0 uses the entries every rank has
@@ -173,7 +175,7 @@ class Exchange:
         self._last_issue = c
         self._next_issue = c + self.check_every
         self.exchanges += 1
-        if self.rank == 0:
+        if self._measure:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
 
     def _request_every(self, unsent: list[tuple[float, float]]) -> int:
@@ -196,6 +198,8 @@ class Exchange:
         the last exchanges on this thread."""
         if not self.auto_every:
             return self.check_every
+        if not self._measure:
+            return 1  # max_every 1: the only period there is
         if self.core.alert() or self._requested <= 1:
             self._alert_until = c + ALERT_CHECKS
         per_exchange = self._exchange_cpu

@@ -27,6 +27,7 @@ part in the address broadcast, and every rank then raises ``OSError``.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -42,13 +43,29 @@ class RowLinkError(RuntimeError):
     """A peer of the monitor's row link closed its connection or stayed silent."""
 
 
-def _recv_exact(sock: socket.socket, n: int, peer: int) -> bytes:
+def _wait_readable(sock: socket.socket, timeout: float | None, peer: int) -> None:
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    if not p.poll(None if timeout is None else 1000.0 * timeout):
+        raise RowLinkError(f"stalwart.detect: no monitor row from rank {peer} "
+                           f"within {timeout} s")
+
+
+def _recv_exact(sock: socket.socket, n: int, peer: int, timeout: float | None = None) -> bytes:
+    """``n`` bytes from ``sock``. A socket in blocking mode (the link's, once set up) is read
+    without waiting first -- one ``recv`` when the row is there, as it usually is -- and
+    polled up to ``timeout`` seconds when it is not; a socket with a timeout of its own
+    waits by it (Python polls before each call on such a socket: two system calls)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
+    flags = socket.MSG_DONTWAIT if sock.gettimeout() is None else 0
     while got < n:
         try:
-            k = sock.recv_into(view[got:], n - got)
+            k = sock.recv_into(view[got:], n - got, flags)
+        except BlockingIOError:
+            _wait_readable(sock, timeout, peer)
+            continue
         except TimeoutError:
             raise RowLinkError(f"stalwart.detect: no monitor row from rank {peer} "
                                f"within {sock.gettimeout()} s") from None
@@ -107,11 +124,17 @@ class StarRows:
                 listener.close()
         if rank == 0 and sorted(self._peers) != list(range(1, world)):
             raise RowLinkError(f"stalwart.detect: monitor row link got ranks {sorted(self._peers)}")
+        self._order = sorted(self._peers.items())  # peers in rank order
+        self.set_timeout(timeout)
 
     def set_timeout(self, seconds: float) -> None:
-        """Seconds a read waits for a due row before it raises."""
+        """Seconds a read (or a send to a peer whose buffer is full) waits before it raises.
+        The sockets stay in blocking mode and the wait is a ``poll`` taken only when the data
+        is not there: a socket with a timeout polls before every call (twice the system
+        calls on rank 0 per exchange)."""
+        self._timeout = seconds
         for s in self._peers.values():
-            s.settimeout(seconds)
+            s.settimeout(None)
 
     def issue(self, seq: int, row: list[float]) -> None:
         """Send this rank's row of exchange ``seq`` (never blocks on a peer in practice: a
@@ -119,9 +142,18 @@ class StarRows:
         data = self._msg.pack(seq, *row)
         if self.rank == 0:
             self._own[seq] = row
-        for peer, s in self._peers.items():
+        for peer, s in self._order:
             try:
-                s.sendall(data)
+                try:
+                    k = s.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    k = 0
+                if k < len(data):  # the peer's buffer is full: wait up to the timeout
+                    s.settimeout(self._timeout)
+                    try:
+                        s.sendall(data[k:])
+                    finally:
+                        s.settimeout(None)
             except OSError as e:  # reset or broken pipe: the peer exited
                 raise RowLinkError(f"stalwart.detect: rank {peer} closed the monitor's row "
                                    f"link ({e.strerror or e})") from None
@@ -131,9 +163,9 @@ class StarRows:
         if seq in self._got:
             return
         rows: list[list[float]] = [self._own.pop(seq)] if self.rank == 0 else []
-        for peer in sorted(self._peers):
-            got_seq, *vals = self._msg.unpack(_recv_exact(self._peers[peer], self._msg.size,
-                                                          peer))
+        for peer, sock in self._order:
+            got_seq, *vals = self._msg.unpack(_recv_exact(sock, self._msg.size, peer,
+                                                          self._timeout))
             if got_seq != seq:
                 raise RowLinkError(f"stalwart.detect: rank {peer} sent monitor row {got_seq} "
                                    f"where {seq} was due (ranks out of step)")
@@ -153,6 +185,7 @@ class StarRows:
             except OSError:
                 pass
         self._peers.clear()
+        self._order = []
 
 
 class GlooRows:
