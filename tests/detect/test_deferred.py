@@ -81,3 +81,18 @@ def test_a_host_link_found_again_through_another_of_its_pairs_is_one_straggler()
     core.alarm_read()
     core.apply_verdict(Finding("link", 230, 235, 1.6, ranks=[], link=[2, 3]), None)
     assert len(core.findings) == 2
+
+
+def test_a_slowdown_that_waited_and_began_before_the_recovery_is_not_found_again() -> None:
+    """The straggler's own slowdown seen late by another channel, held while its recovery was
+    decided: part of the episode that ended, not a new straggler (seen: rank 1 found at
+    1160 with onset 1153, recovered at 1171, found again at 1173 with onset 1153)."""
+    core = _following()
+    core.classify(Change(70, 80, 2.0, 1.0), "rank3")
+    core.take_pending()
+    core.classify(Change(42, 81, 0.05, 0.1), "iteration")  # the slowdown, seen late
+    core.alarm_read()
+    assert core.recovery_test(1.02, decided=82)
+    core.apply_recovery(70, 82, 1.0, 1.02)
+    core.sample(IterSample(83, 0.05, 0.05, 0.0))
+    assert core.pending.action == NONE

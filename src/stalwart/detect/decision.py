@@ -20,7 +20,8 @@ alarm is pending or deciding waits (up to ``DEFER_MAX``) and is classified once 
 is made, unless it began before the validation tests ran (they measured it): the channel has
 moved its baseline past it and will not report it again, so a fault that begins while a
 recovery (whose test looks at the straggler only) or another alarm is decided is not lost;
-one that is the decided fault seen again is then dropped as such (one fault, one finding).
+one that is the decided fault seen again (or began before the recovery decided) is then
+dropped as such (one fault, one finding).
 
 Stragglers with no healthy "before" (a rank slow from its first step never changes, so no
 channel above fires): every rank's compute over its peers' median goes through a sign test
@@ -535,6 +536,9 @@ class DecisionCore:
         for a compute straggler, the compute test agreed: ``test_ratio``)."""
         f, self.active = self.active, None
         self.rejections, self._recheck_at = 0, None
+        # a slowdown that waited and began before this recovery was part of the straggler's
+        # episode (another channel seeing it late): not a new one to look at
+        self._deferred = [(c, n) for c, n in self._deferred if c.onset > onset]
         if f is None:
             return
         f.recovered_step = onset
