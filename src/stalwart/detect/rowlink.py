@@ -56,13 +56,20 @@ def _recv_exact(sock: socket.socket, n: int, peer: int, timeout: float | None = 
     without waiting first -- one ``recv`` when the row is there, as it usually is -- and
     polled up to ``timeout`` seconds when it is not; a socket with a timeout of its own
     waits by it (Python polls before each call on such a socket: two system calls)."""
+    flags = socket.MSG_DONTWAIT if sock.gettimeout() is None else 0
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
-    flags = socket.MSG_DONTWAIT if sock.gettimeout() is None else 0
     while got < n:
         try:
-            k = sock.recv_into(view[got:], n - got, flags)
+            if got == 0 and flags:
+                data = sock.recv(n, flags)  # the usual case: the whole row, one call
+                if len(data) == n:
+                    return data
+                k = len(data)
+                buf[:k] = data
+            else:
+                k = sock.recv_into(view[got:], n - got, flags)
         except BlockingIOError:
             _wait_readable(sock, timeout, peer)
             continue
