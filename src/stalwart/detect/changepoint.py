@@ -688,15 +688,33 @@ class ChangeDetector:
         """``d.add(key, v)`` for each pair, the model updates done as one vector update.
 
         Same results as calling ``add`` one by one (which it does when they do not all
-        share one bank).
+        share one bank). A caller with the same detectors every step keeps a
+        ``DetectorGroup`` instead (the checks here are made once).
         """
-        if any(d.bank is not detectors[0].bank for d in detectors):
+        return DetectorGroup(detectors).add(key, values)
+
+
+class DetectorGroup:
+    """Detectors that take one sample each per step (``ChangeDetector.add_many``), with what
+    can be checked once checked once: whether they share a bank, and their C gates."""
+
+    def __init__(self, detectors: list[ChangeDetector]) -> None:
+        self.detectors = list(detectors)
+        self.shared = all(d.bank is self.detectors[0].bank for d in self.detectors)
+        self.gates = [d._g for d in self.detectors]
+        self.native = _push_many is not None and all(
+            type(g) is _NativeGate for g in self.gates)
+
+    def add(self, key: int, values: list[float]) -> list[Change | None]:
+        detectors = self.detectors
+        if not self.shared:
             return [d.add(key, v) for d, v in zip(detectors, values, strict=True)]
-        if _push_many is not None and all(type(d._g) is _NativeGate for d in detectors):
-            asked = _push_many([d._g for d in detectors], key, values)  # usually none
+        if self.native:
+            assert _push_many is not None
+            asked = _push_many(self.gates, key, values)  # usually none
         else:
             asked = [(i, c) for i, c in enumerate(
-                d._g.push(key, v) for d, v in zip(detectors, values, strict=True)) if c]
+                g.push(key, v) for g, v in zip(self.gates, values, strict=True)) if c]
         if not asked:
             return [None] * len(detectors)
         xs = [(i, detectors[i]._after_push(code)) for i, code in asked]
@@ -709,4 +727,3 @@ class ChangeDetector:
             lag = min(d.max_lag, len(d._g) - 1)
             out[i] = d._verify(key, lag, mass(post, lag))
         return out
-

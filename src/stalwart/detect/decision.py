@@ -58,7 +58,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalwart.detect.changepoint import BOCPDBank, Change, ChangeDetector, rank_sum_z
+from stalwart.detect.changepoint import (
+    BOCPDBank,
+    Change,
+    ChangeDetector,
+    DetectorGroup,
+    rank_sum_z,
+)
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.localize import AUDIT_MODE, CHANGE_MODE, COMPUTE_MILD, OUTLIER_MODE
@@ -152,7 +158,7 @@ class DecisionCore:
         self.emit = emit
         self.detector = ChangeDetector(warmup=warmup)
         self.rel_detectors: dict[int, ChangeDetector] = {}
-        self._rel_list: list[ChangeDetector] = []  # the same, in rank order
+        self._rel_group: DetectorGroup | None = None  # the same, in rank order
         self.cusum: CusumBank | None = None
         # above REF_RANKS ranks: recent cross-rank spreads of log relative compute, the noise
         # floor set from them, and the floors the channels were built with (_pool_noise)
@@ -230,11 +236,11 @@ class DecisionCore:
             if not 0.0 < c < math.inf:  # (nan fails too)
                 return
         med = _median(comps)
-        dets = self._rel_dets(len(comps))
+        group = self._rel_dets(len(comps))
         rel = [c / med for c in comps]
         if len(comps) > REF_RANKS:
-            self._pool_noise(dets, rel)
-        self._classify_ranks(ChangeDetector.add_many(dets, key, rel))
+            self._pool_noise(group.detectors, rel)
+        self._classify_ranks(group.add(key, rel))
         if self.cusum is None or self.cusum.n != len(comps):
             self.cusum = CusumBank(len(comps), warmup=self.detector.warmup)
         # small lasting shifts (a 1.3x throttle) that BOCD+V's verification lets pass; the
@@ -246,7 +252,7 @@ class DecisionCore:
         for o in self.outliers.add(key, comps, self.step_seconds):
             self._on_outlier(o)
 
-    def _rel_dets(self, n: int) -> list[ChangeDetector]:
+    def _rel_dets(self, n: int) -> DetectorGroup:
         """The per-rank relative-compute channels of ranks 0..n-1 (made at the first call)."""
         if not self.rel_detectors:
             # one bank: every rank's channel advances in one vector update per step
@@ -255,10 +261,10 @@ class DecisionCore:
             self.rel_detectors = {r: ChangeDetector(
                 warmup=self.detector.warmup, min_shift=REL_MIN_SHIFT, z_sig=z, bank=bank)
                 for r in range(n)}
-            self._rel_list = [self.rel_detectors[r] for r in range(n)]
-        if len(self._rel_list) == n:
-            return self._rel_list
-        return [self.rel_detectors[r] for r in range(n)]
+            self._rel_group = DetectorGroup([self.rel_detectors[r] for r in range(n)])
+        if self._rel_group is not None and len(self._rel_group.detectors) == n:
+            return self._rel_group
+        return DetectorGroup([self.rel_detectors[r] for r in range(n)])
 
     def _classify_ranks(self, changes: list[Change | None]) -> None:
         """Each rank's change (rank order) on its own channel."""
