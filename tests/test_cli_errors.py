@@ -55,6 +55,14 @@ def test_resume_without_a_run(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(("suite", "only"), [("mitigate", "nosuch"), ("lossy", "pairlink_tp")])
+def test_bench_only_names_a_scenario_that_runs_alone(suite: str, only: str,
+                                                      tmp_path: Path) -> None:
+    got = stalwart("bench", suite, "--only", only, "--workdir", str(tmp_path), timeout=60)
+    assert_one_line_error(got, "--only", only)
+    assert not any(tmp_path.iterdir())  # refused before any run folder is made
+
+
 def test_report_of_missing_dir(tmp_path: Path) -> None:
     assert_one_line_error(stalwart("report", str(tmp_path / "nope"), timeout=60), "nope")
 

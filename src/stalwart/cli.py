@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "nvidia-resiliency-ext, mitigate: torchft; pinned, without "
                             "touching torch)")
 
+    bench.add_argument("--only", nargs="+", default=None, metavar="SCENARIO",
+                       help="mitigate: run only these scenarios and report their figures "
+                            "(pairlink_tp)")
+
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)
 
@@ -100,6 +104,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         kw["peers"] = not args.no_peers  # suites without peers have nothing to skip
     if "install_peers" in params:
         kw["install_peers"] = args.install_peers
+    if "only" in params:
+        bad = [o for o in args.only or [] if o not in mod.ONLY]
+        if bad:
+            raise ConfigError(f"--only: bench {args.suite} runs only these by themselves: "
+                              f"{', '.join(mod.ONLY)} (got {' '.join(bad)})")
+        kw["only"] = args.only
+    elif args.only:
+        raise ConfigError(f"--only {' '.join(args.only)}: bench {args.suite} runs its whole "
+                          "suite only")
     workdir = fresh_workdir(args.workdir, args.suite)  # every invocation starts clean
     print(f"work folder: {workdir}")
     result = mod.run(quick=args.quick, workdir=workdir, **kw)

@@ -10,12 +10,13 @@ What it guarantees:
   runs here unchanged;
 - if one rank dies, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
   the launcher returns non-zero naming the rank and the last line of its error; nothing hangs.
-  Except in a job that regroups in place (``--mitigate auto``, data parallel, reliable comm:
-  mitigate/membership.py): there the launcher logs ``rank_lost``, announces a new membership
-  generation without the rank, and the survivors carry on (mitigate/regroup.py); and with
-  ``launch(..., keep_going=True)`` (ranks that handle a lost peer themselves, e.g. a peer
-  framework's replica groups in ``stalwart bench``): the launcher only logs ``rank_lost`` and
-  supervises the rest, and the job succeeds when every rank still running exits 0;
+  Except in a data-parallel job that regroups in place (``--mitigate auto``, reliable comm:
+  mitigate/membership.py ``failstop_ok``): there the launcher logs ``rank_lost``, announces
+  a new membership generation without the rank, and the survivors carry on
+  (mitigate/regroup.py); and with ``launch(..., keep_going=True)`` (ranks that handle a
+  lost peer themselves, e.g. a peer framework's replica groups in ``stalwart bench``): the
+  launcher only logs ``rank_lost`` and supervises the rest, and the job succeeds when every
+  rank still running exits 0;
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
 - the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
@@ -43,6 +44,7 @@ from typing import Any
 from stalwart.config import ConfigError, RunConfig, check_writable
 from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
 from stalwart.mitigate.fallback import FALLBACK_EXIT
+from stalwart.mitigate.membership import failstop_ok
 from stalwart.progress import Progress
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog, JsonlTail
 from stalwart.script import ITERATIONS, ScriptProgress, first_errors
@@ -601,8 +603,8 @@ def _watch(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb
                     if probes is not None:
                         probes.append(probe)
             rejoin = None
-        if failed and members is not None and _lose(failed, procs, members, run_dir, events,
-                                                    say, next_step):
+        if failed and members is not None and failstop_ok(cfg) and _lose(
+                failed, procs, members, run_dir, events, say, next_step):
             if probe is None and hasattr(tb, "hosts"):
                 # the dead rank's host is probed like a host left out: healthy (a process
                 # crash, not a bad host), its rank is started again and rejoins live

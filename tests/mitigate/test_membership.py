@@ -11,7 +11,7 @@ import pytest
 
 from stalwart.config import ConfigError, RunConfig
 from stalwart.mitigate import membership
-from stalwart.mitigate.membership import Announcer, in_place_ok
+from stalwart.mitigate.membership import Announcer, failstop_ok, in_place_ok
 from stalwart.testbed import parse_fault
 
 
@@ -53,11 +53,13 @@ def test_generations_drop_the_lost_and_renumber_the_rest(tmp_path: Path) -> None
     assert again.current.token != g0.token and membership.read(tmp_path).gen == 0
 
 
-def test_only_data_parallel_reliable_auto_jobs_regroup_in_place() -> None:
+def test_reliable_auto_jobs_regroup_in_place_and_data_parallel_ones_survive_a_death() -> None:
     assert in_place_ok(RunConfig(nproc=4, mitigate="auto"))
     assert not in_place_ok(RunConfig(nproc=4, mitigate="off"))
-    assert not in_place_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
+    assert in_place_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
     assert not in_place_ok(RunConfig(nproc=4, mitigate="auto", comm="lossy"))
+    assert failstop_ok(RunConfig(nproc=4, mitigate="auto"))
+    assert not failstop_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
 
 
 def test_shutdown_wakes_a_blocked_reader_and_spares_kept_ports() -> None:

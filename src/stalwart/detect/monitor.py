@@ -63,7 +63,8 @@ class Monitor:
                  compute_reps: int = 64, link_bytes: int = 1 << 18,
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
                  max_every: int = 1, persist: int = 20, device: Any = None,
-                 on_sample: Callable[[IterSample], None] | None = None) -> None:
+                 on_sample: Callable[[IterSample], None] | None = None,
+                 hinted: bool = False) -> None:
         """``check_every``: steps per exchange (None: chosen by rank 0 between 1 and
         ``max_every``, exchange.py); a fixed period reads each row ``lag`` exchanges later --
         what ``--comm lossy`` jobs use (8 and 2), because the monitor's TCP exchanges stall on
@@ -71,7 +72,10 @@ class Monitor:
         samples an unexplained slowdown must last to be logged (decision.py). ``device``: the
         job's compute device when the caller knows it (``stalwart run`` passes it; ranks that
         share GPUs over gloo compute on CUDA although their backend says gloo), else found
-        from the default group's backend (verify.py)."""
+        from the default group's backend (verify.py). ``hinted``: the caller hints every step
+        from the first (``step``), so tracked ops never make samples -- a monitor made again
+        mid-run (an in-place regroup) would otherwise sample its first step from the ops and
+        check (and validate) inside it."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             run_dir = Path(os.environ[RUN_DIR_ENV])  # a script's own Monitor() in a run
         ready = dist.is_available() and dist.is_initialized()
@@ -112,7 +116,7 @@ class Monitor:
             cost = exchange_cost(rows, Exchange.width(every)) if check_every is None else 0.0
             self.exchange = Exchange(self.rank, rows, self.core, check_every=check_every,
                                      max_every=max_every, lag=lag, process_cost=cost)
-        self._hinted = False
+        self._hinted = hinted
         self._last_key: int | None = None
         self._checks = 0
         self._next_check = self.check_every  # without an exchange (one process)

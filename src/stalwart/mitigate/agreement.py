@@ -42,12 +42,16 @@ class PlanChannel:
     """The per-exchange all-gather that carries measurements up and rank 0's decision down."""
 
     def __init__(self, world: int, groups: int, row_len: int, every: int = 2,
-                 group: Any = None) -> None:
+                 group: Any = None, slots: int | None = None) -> None:
+        """``slots``: the decision's room for numbers (at least ``groups``: a plan's counts;
+        ``world`` fits an S3 re-map's rank -> host map when tensor parallelism makes the
+        groups fewer than the ranks)."""
         self.world = world
         self.groups = groups
+        self.slots = max(slots or groups, groups)
         self.row_len = row_len
         self.every = every
-        self.width = _HEAD + groups + row_len
+        self.width = _HEAD + self.slots + row_len
         self.distributed = dist.is_available() and dist.is_initialized() and world > 1
         # made at construction (a collective: every rank builds its channel at the same point)
         self.group = group if group is not None or not self.distributed else \
@@ -76,10 +80,11 @@ class PlanChannel:
         got = rows[0]
         dec = None
         if int(got[0]) != NONE:
-            counts = [int(c) for c in got[_HEAD:_HEAD + self.groups]]
+            n = self.slots if int(got[0]) in (REMAP, RESTORE) else self.groups
+            counts = [int(c) for c in got[_HEAD:_HEAD + n]]
             dec = Decision(int(got[0]), int(got[1]), int(got[2]), counts, int(got[3]),
                            float(got[4]) / 1e6)
-        return [r[_HEAD + self.groups:].tolist() for r in rows], dec
+        return [r[_HEAD + self.slots:].tolist() for r in rows], dec
 
     def send(self, row: list[float], decision: Decision | None) -> None:
         """Then: this rank's row (and rank 0's decision, made from what ``receive`` gave)."""
@@ -91,7 +96,7 @@ class PlanChannel:
             if decision.counts:
                 msg[_HEAD:_HEAD + len(decision.counts)] = torch.tensor(
                     decision.counts, dtype=torch.float64)
-        msg[_HEAD + self.groups:] = torch.tensor(row[:self.row_len], dtype=torch.float64)
+        msg[_HEAD + self.slots:] = torch.tensor(row[:self.row_len], dtype=torch.float64)
         if not self.distributed:
             self._sent.append((None, [msg]))
             return

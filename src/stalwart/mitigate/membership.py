@@ -89,12 +89,18 @@ class Generation:
 
 
 def in_place_ok(cfg: Any) -> bool:
-    """Whether a job survives a dead rank by regrouping in place: ``--mitigate auto``,
-    data parallel (a tensor-parallel shard dies with its rank), the reliable transport (the
-    lossy owners' sharded state is not re-sharded yet) and stalwart's own worker (a user's
-    script owns its process groups)."""
-    return (cfg.mitigate == "auto" and cfg.tp == 1 and cfg.comm == "reliable"
-            and cfg.script is None)
+    """Whether a job regroups in place (S3/S4, a host taken back): ``--mitigate auto``, the
+    reliable transport (the lossy owners' sharded state is not re-sharded yet) and
+    stalwart's own worker (a user's script owns its process groups). Tensor-parallel jobs
+    included: their shards move between live ranks (train/worker.py)."""
+    return cfg.mitigate == "auto" and cfg.comm == "reliable" and cfg.script is None
+
+
+def failstop_ok(cfg: Any) -> bool:
+    """Whether a dead rank is left behind in place: an in-place job that is data parallel (a
+    tensor-parallel world less one rank does not divide into TP groups; such a job stops as
+    before)."""
+    return in_place_ok(cfg) and cfg.tp == 1
 
 
 def read(run_dir: Path) -> Generation | None:

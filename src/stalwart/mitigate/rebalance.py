@@ -101,7 +101,9 @@ class Rebalancer:
             Path(os.environ["STALWART_RUN_DIR"]) if "STALWART_RUN_DIR" in os.environ else None)
         self.counts = planner.uniform(micro_batches, self.groups)
         self.version = 0
-        self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every)
+        # room for a rank -> host map (S3 in place) even when TP makes fewer groups than ranks
+        self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every,
+                                   slots=self.world)
         self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every,
                              **(policy or {})) if self.rank == 0 else None
         # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
@@ -231,8 +233,8 @@ class Rebalancer:
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:
             dec.target = self.hosts[dec.target]  # the rank's host
-        if dec is not None and dec.kind == REMAP and self.in_place and self.tp == 1:
-            dec.counts = list(dec.hosts)  # one host per rank = per group: it fits the message
+        if dec is not None and dec.kind == REMAP and self.in_place:
+            dec.counts = list(dec.hosts)  # one host per rank: the channel has world slots
         return dec
 
     def _control(self, start: int) -> Decision | None:

@@ -30,6 +30,10 @@ starts its launch rank again beforehand (``joining``): it builds its model and d
 ready (``membership.ready_path``), and waits in ``regroup`` for the generation that has it;
 ``agree_state`` then gives it the current parameters and optimizer state from a peer.
 
+In a tensor-parallel job (S3 only: a dead rank still stops it) ``agree_shards`` replaces
+step 3: the trainer is rebound to the new TP and DP groups and each TP index's shard moves
+to the ranks that now hold that index and did not before.
+
 The caller then re-wraps DDP, rebuilds its work plan (the same global batch, more
 micro-batches per survivor) and its monitor, zeroes the gradients of the failed step and
 redoes it: at most the step in flight is lost.
@@ -300,3 +304,38 @@ def agree_state(model: torch.nn.Module, opt: Any, applied: int) -> tuple[int, in
             opt.load_state_dict(box[0][1])
     return best, src
 
+
+def agree_shards(model: torch.nn.Module, opt: Any, applied: int, held: int,
+                 tp: int) -> tuple[int, list[int]]:
+    """Tensor parallel: make every rank hold the shard of its new TP index (``rank % tp``) at
+    the most optimizer steps applied, from a rank that held that index before (``held``: this
+    rank's old index; data-parallel replicas of a shard are identical, so any of them is a
+    source). Returns (steps applied, the source rank of each index). One all-gather of two
+    numbers; a shard moves (one broadcast of its model and optimizer state) only when some
+    rank needs it. Raises RuntimeError when no rank holds an index at that step (the caller
+    falls back to a relaunch)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    got = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(got, torch.tensor([applied, held], dtype=torch.int64))
+    steps, idx = [int(t[0]) for t in got], [int(t[1]) for t in got]
+    best = max(steps)
+    srcs: list[int] = []
+    incoming = None
+    for i in range(tp):
+        holders = [r for r in range(world) if idx[r] == i and steps[r] == best]
+        if not holders:
+            raise RuntimeError(f"no live rank holds TP shard {i} at step {best}")
+        srcs.append(holders[0])
+        need = [r for r in range(world) if r % tp == i and (idx[r] != i or steps[r] != best)]
+        if not need:
+            continue
+        # every source sends the state it held before this agreement: loads come after
+        box: list[Any] = [(model.state_dict(), opt.state_dict())] if me == holders[0] \
+            else [None]
+        dist.broadcast_object_list(box, src=holders[0])
+        if me in need:
+            incoming = box[0]
+    if incoming is not None:
+        model.load_state_dict(incoming[0])
+        opt.load_state_dict(incoming[1])
+    return best, srcs

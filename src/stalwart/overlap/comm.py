@@ -182,6 +182,15 @@ class TPComm:
         self._inflight: Pending | None = None
         self._queued: deque[Pending] = deque()
 
+    def rebind(self, group: dist.ProcessGroup | None) -> None:
+        """Use ``group`` from now on (an in-place regroup rebuilt the TP group): every layer
+        holding this object follows. Nothing may be in flight (between two steps)."""
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self._inflight = None
+        self._queued.clear()
+
     @property
     def mode(self) -> str:
         return self._mode

@@ -55,6 +55,15 @@ class TPTrainer:
     def comm(self) -> TPComm:
         return self.model.comm
 
+    def rebind(self, tp_group: dist.ProcessGroup | None,
+               dp_group: dist.ProcessGroup | None) -> None:
+        """Run on new TP and DP groups from the next step (an in-place regroup): the layers'
+        collectives and the gradient all-reduce; the parameters stay (a shard moved here is
+        loaded into them). Its TP index (the group rank) may change with the regroup."""
+        self.comm.rebind(tp_group)
+        self.step.dp_group = dp_group
+        self.step.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
+
     def forward_backward(self, micro_batches: list[MicroBatch],
                          micro_weight: float | None = None) -> tuple[float, dict[str, float]]:
         loss, timings = self.step.forward_backward(micro_batches, micro_weight)

@@ -197,6 +197,13 @@ class TensorParallelStep:
         # the same coefficient on every TP rank or the replicas drift apart
         self.trainer.clip_grad_norm_(max_norm)
 
+    def close(self) -> None:
+        """Nothing to let go between two steps: a regroup rebinds the same trainer."""
+
+    def rebind(self, tp_group: Any, dp_group: Any) -> None:
+        """The new generation's TP and DP groups (an in-place regroup)."""
+        self.trainer.rebind(tp_group, dp_group)
+
 
 def make_groups(world: int, tp: int) -> tuple[Any, Any, int, int]:
     """TP groups of consecutive ranks, DP groups of equal TP index; (tp_g, dp_g, dp_rank, dp_n).
@@ -421,7 +428,9 @@ class Rank:
     def model_cfg(self) -> Any:
         return PRESETS[self.cfg.preset]["model"]
 
-    def _make_monitor(self) -> Any:
+    def _make_monitor(self, hinted: bool = False) -> Any:
+        """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
+        its only samples, so its first step is not sampled -- and checked -- from the ops."""
         cfg = self.cfg
         if not cfg.detect:
             return None
@@ -438,7 +447,7 @@ class Rank:
             check_every=d.lossy_check_every if lossy else None,
             lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
             persist=d.persist, history=d.history, compute_reps=d.compute_reps,
-            link_bytes=d.link_bytes, device=self.device)
+            link_bytes=d.link_bytes, device=self.device, hinted=hinted)
 
     def _plug_in(self) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
@@ -565,7 +574,7 @@ class Rank:
         the ranks now in the job). Returns the step to run next, agreed by every rank.
         Raises NotAMember when the new generation leaves this rank out."""
         from stalwart.mitigate import membership, work_plan
-        from stalwart.mitigate.regroup import agree_state
+        from stalwart.mitigate.regroup import agree_shards, agree_state
 
         t0 = time.monotonic()
         cfg, model = self.cfg, self.stepper.model
@@ -585,13 +594,23 @@ class Rank:
         parts = {"groups": time.monotonic() - t0}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.nproc, cfg.hosts = self.world, list(g.hosts)
-        self.data_rank, self.data_parts = self.rank, self.world
-        done, src = agree_state(model, self.opt, applied)
+        if cfg.tp > 1:  # new TP and DP groups; the shards follow the new TP indices
+            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world,
+                                                                              cfg.tp)
+            self.stepper.rebind(tp_group, dp_group)
+            done, src = agree_shards(model, self.opt, applied, self.tp_index, cfg.tp)
+            self.tp_index = self.rank % cfg.tp
+        else:
+            self.data_rank, self.data_parts = self.rank, self.world
+            done, src = agree_state(model, self.opt, applied)
         self.agreed = done
         parts["state"] = time.monotonic() - t0
-        self.monitor = self._make_monitor()
+        # a monitor made mid-run that sampled its first step from the ops validated a
+        # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step
+        self.monitor = self._make_monitor(hinted=True)
         parts["monitor"] = time.monotonic() - t0
-        self.stepper = DataParallelStep(model, self.device)
+        if cfg.tp == 1:
+            self.stepper = DataParallelStep(model, self.device)
         parts["ddp"] = time.monotonic() - t0
         regroup_s = time.monotonic() - t0
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
