@@ -610,12 +610,19 @@ class ChangeDetector:
         return 1 if i is None else len(v) - i
 
     def add(self, key: int, seconds: float) -> Change | None:
-        x = self._after_push(self._g.push(key, seconds))
+        g = self._g
+        code = g.push(key, seconds)
+        if code == NONE:
+            return None
+        x = g.x if code == UPDATE else self._after_push(code)
         if x is None:
             return None
-        assert self._bocpd is not None
-        lag = min(self.max_lag, len(self._g) - 1)
-        return self._verify(key, lag, self._bocpd.update_mass(x, lag))
+        assert self._row is not None
+        lag = min(self.max_lag, len(g) - 1)
+        recent = self.bank.update_mass(self._row, x, lag)  # (this detector's BOCPD's row)
+        if lag < 1 or recent <= self.threshold:
+            return None  # the common case, decided without _verify
+        return self._verify(key, lag, recent)
 
     def _after_push(self, code: int) -> float | None:
         """What a push asked (``PyGate.push``) done; the value the model must see next, or

@@ -1,0 +1,132 @@
+"""Rank 0's CPU time inside ``monitor.step``: a by-hand measurement script (not a test).
+
+``overhead``: the benchmark's own overhead job (``stalwart bench detect``'s
+``measure_overhead``: 4 gloo ranks, the tiny GPT, the monitor on and off in ABBA order), run
+``--repeat`` times; prints each run's ``monitor_step_cpu_us_median`` (rank 0's thread CPU
+time inside ``monitor.step`` on monitored steps, the figure ``monitor_step_cpu_us``) and the
+process-CPU overhead. Compare two commits in one session, alternating, on a machine this
+loaded: the figure moves by 1.5x with the load of other jobs.
+
+``cold``: one process, no torch.distributed: a rank-0 ``Monitor`` fed step hints and an
+exchange whose rows come from a stand-in link (no sockets; the other ranks' compute drawn
+around rank 0's, rank 2 2x slow from step 250 unless ``--clean``), with a training step's
+worth of other work (three 384x384 matmuls, a 4M-element numpy update) between steps so the
+caches are as cold as in training; prints the median thread CPU per ``monitor.step``.
+``--profile`` prints cProfile's top functions by own time.
+
+    python tests/detect/step_cost.py overhead --steps 200 --repeat 3
+    python tests/detect/step_cost.py cold [--clean] [--warm] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+class _Rows:
+    """A stand-in row link for rank 0: its own row back, and the other ranks' rows made
+    from it (their compute = rank 0's x lognormal noise; rank 2 x2 from ``slow_from``)."""
+
+    def __init__(self, world: int, slow_from: int) -> None:
+        import numpy as np
+
+        self.world, self.slow_from = world, slow_from
+        self.rng = np.random.default_rng(1)
+        self.own: dict[int, list[float]] = {}
+
+    def issue(self, seq: int, row: list[float]) -> None:
+        self.own[seq] = list(row)
+
+    def wait(self, seq: int) -> None:
+        pass
+
+    def read(self, seq: int) -> list[list[float]]:
+        own = self.own.pop(seq)
+        rows, n = [own], int(own[4])
+        for r in range(1, self.world):
+            row = [0.0, 0.0, 0.0, -1.0, float(n), 1.0] + [0.0] * (len(own) - 6)
+            for j in range(n):
+                key, c = own[6 + 2 * j], own[7 + 2 * j] * float(
+                    self.rng.lognormal(0.0, 0.08))
+                row[6 + 2 * j], row[7 + 2 * j] = key, c * (2.0 if r == 2 and key >=
+                                                           self.slow_from else 1.0)
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        pass
+
+
+def cold(a: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+
+    import numpy as np
+    import torch
+
+    from stalwart.detect.exchange import Exchange
+    from stalwart.detect.monitor import Monitor
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    mon = Monitor(run_dir=None, rank=0, world=1, validate_on_detect=False)
+    rows: Any = _Rows(4, 10 ** 9 if a.clean else 250)
+    mon.exchange = Exchange(0, rows, mon.core, check_every=None, max_every=1, lag=1)
+    m, big = torch.randn(384, 384), np.zeros(4_000_000)
+    prof = cProfile.Profile(time.thread_time) if a.profile else None
+    ts = []
+    for k in range(a.steps):
+        if not a.warm:
+            for _ in range(3):
+                m @ m
+            big += 1.0
+        st = float(np.exp(rng.normal(np.log(0.08), 0.09)))
+        if prof is not None and k >= 50:
+            prof.enable()
+        c0 = time.thread_time()
+        mon.step(k, {"step_time": st, "compute_time": 0.9 * st, "comm_time": 0.1 * st})
+        ts.append(time.thread_time() - c0)
+        if prof is not None:
+            prof.disable()
+    ts = ts[50:]
+    found = [(f.kind, f.step) for f in mon.core.findings]
+    print(f"{'warm' if a.warm else 'cold'}: monitor.step median {1e6 * statistics.median(ts):.1f}"
+          f" us, mean {1e6 * statistics.fmean(ts):.1f} us thread CPU over {len(ts)} steps; "
+          f"verdicts {found}")
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def overhead(a: argparse.Namespace) -> None:
+    from stalwart.bench.detect import measure_overhead
+
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(a.repeat):
+            ov = measure_overhead(Path(d), f"r{i}", a.steps)
+            print(json.dumps({k: ov.get(k) for k in (
+                "monitor_step_cpu_us_median", "monitor_step_cpu_us_quantiles", "cpu_overhead",
+                "error")}), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("overhead", "cold"))
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--clean", action="store_true")
+    ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    (cold if a.what == "cold" else overhead)(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
