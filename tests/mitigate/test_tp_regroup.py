@@ -18,14 +18,25 @@ from tests.helpers import stalwart
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
-def test_a_slow_tp_pair_is_remapped_in_place(tmp_path: Path) -> None:
-    steps = 60
+STEPS = 60
+
+
+def _run(out: Path, name: str, env: dict[str, str] | None = None) -> RunData:
     r = stalwart("run", "--testbed", "netns", "--nproc", "4", "--tp", "2", "--mitigate", "auto",
                  "--no-progress", "--eval-every", "1000", "--ckpt-every", "1000",
-                 "--steps", str(steps), "--out", str(tmp_path), "--name", "tp",
-                 "--fault", "pairlink:hosts=0-1,rate=10mbit,start=15", timeout=900)
+                 "--steps", str(STEPS), "--out", str(out), "--name", name,
+                 "--fault", "pairlink:hosts=0-1,rate=10mbit,start=15", timeout=900, env=env)
     assert r.returncode == 0, r.stderr + r.stdout
-    d = RunData.load(tmp_path / "tp")
+    return RunData.load(out / name)
+
+
+@pytest.fixture(scope="module")
+def in_place(tmp_path_factory: pytest.TempPathFactory) -> RunData:
+    return _run(tmp_path_factory.mktemp("tp"), "tp")
+
+
+def test_a_slow_tp_pair_is_remapped_in_place(in_place: RunData) -> None:
+    steps, d = STEPS, in_place
     remap = [e for e in d.events_of("mitigation_applied") if e["strategy"] == "remap"]
     assert remap, d.events_of("mitigation_applied", "straggler_detected")
     hosts = remap[0]["plan"]
@@ -52,3 +63,28 @@ def test_a_slow_tp_pair_is_remapped_in_place(tmp_path: Path) -> None:
     assert len(traffic) == 2 and traffic[1]["hosts"] == hosts
     before, after = (t["bytes_per_step"].get("0-1", 0) for t in traffic)
     assert after < 0.1 * before, traffic
+
+
+def test_a_failed_tp_regroup_falls_back_to_a_relaunch_on_the_new_map(
+        in_place: RunData, tmp_path: Path) -> None:
+    """The same run with launch rank 0 refusing the new groups (the STALWART_TEST_REGROUP_FAIL
+    hook): the ranks save their shards, the launcher relaunches the 4 ranks on the re-mapped
+    hosts from one saved file per TP index, and training ends where the in-place run ends."""
+    from stalwart.mitigate.fallback import TEST_FAIL_ENV
+
+    d = _run(tmp_path, "fb", env={TEST_FAIL_ENV: "0"})
+    remap = [e for e in d.events_of("mitigation_applied") if e["strategy"] == "remap"]
+    assert remap, d.events_of("mitigation_applied", "straggler_detected")
+    failed = d.events_of("regroup_failed")
+    assert len(failed) == 1 and failed[0]["fallback"] == "restart", failed
+    assert failed[0]["hosts"] == remap[0]["plan"] and failed[0]["failed"] == [0]
+    assert not d.events_of("regroup")
+    restart = d.events_of("restart")
+    assert len(restart) == 1 and restart[0]["hosts"] == remap[0]["plan"]
+    back = failed[0]["resume_step"]
+    assert d.events_of("resumed")[-1]["step"] == back
+    after = [m for m in d.metrics if m["step"] >= back]
+    assert len(after) == 4 * (STEPS - back)  # each step once per rank
+    assert {m["host"] for m in after if m["rank"] == 1} == {remap[0]["plan"][1]}
+    va, vb = in_place.final_val_loss(), d.final_val_loss()
+    assert va is not None and vb is not None and abs(va - vb) / va <= 1e-6, (va, vb)
