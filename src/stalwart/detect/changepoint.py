@@ -29,7 +29,9 @@ quiet again. On a clean tiny-preset run this cut the detector's per-sample CPU s
 (docs/BENCHMARKS.md); ``gate=False`` updates the model on every sample. An awake model's
 step runs in C when the extension is built (``stalwart.detect._bocpd``, the same arithmetic
 as ``BOCPDBank.update``'s numpy reference, which tests compare it with): one call instead of
-~20 numpy operations.
+~20 numpy operations. The pre-filter itself and the segment run in C too (``Gate``,
+detect/_native/channels.c; ``PyGate`` is its reference): a sample the model sleeps through
+is one C call, and a bank's detectors push in one (``DetectorGroup``).
 """
 
 from __future__ import annotations
