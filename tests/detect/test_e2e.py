@@ -66,4 +66,5 @@ def test_stragglers_present_from_the_start_of_a_users_script_are_found(
     assert first["kind"] == kind and first["ranks"] == ranks, first
     if link is not None:
         assert first["link"] == link, first
-    assert first["evidence"]["never_healthy"] is True and first["onset_step"] <= 2, first
+    assert first["evidence"]["never_healthy"] is True and first["onset_step"] <= 2, \
+        (first["onset_step"], first["evidence"])
