@@ -9,13 +9,13 @@ progress and supervision go on:
   path the training traffic takes);
 - compute: a fixed Python loop in the excluded host's CPU cgroup (its slot's limits in force)
   against the same loop in a healthy host's cgroup.
-The host is healthy after ``HEALTHY_ROUNDS`` consecutive rounds within ``TOLERANCE`` of its
-peers. It is taken back only when the predicted gain over the remaining steps -- the step
-time with G-1 hosts against G -- exceeds its price: the measured restart time, or, in a job that
-regroups in place, the last regroup's time (the launcher starts the host's rank again first and
-asks only once it is ready to join live). The request goes to rank 0 through
-``run_dir/control.json``, so the change itself is agreed and made at one step by every rank
-(agreement.py).
+The host is healthy after ``HEALTHY_ROUNDS`` consecutive rounds with its link at ``LINK_MIN`` of
+its peers' rate or better and its compute within ``TOLERANCE``. It is taken back only when the
+predicted gain over the remaining steps -- the step time with G-1 hosts against G -- exceeds its
+price: the measured restart time, or, in a job that regroups in place, the last regroup's time
+(the launcher starts the host's rank again first and asks only once it is ready to join live).
+The request goes to rank 0 through ``run_dir/control.json``, so the change itself is agreed and
+made at one step by every rank (agreement.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from stalwart.rundir import atomic_write_text
 
 PROBE_EVERY_S = 6.0
 HEALTHY_ROUNDS = 2
-TOLERANCE = 0.25  # a link at >= 75% of its peers' rate, compute within 1.25x
+TOLERANCE = 0.25  # compute within 1.25x of a healthy host's loop
+# a link at >= this fraction of its peers' rate. Noise model: both rates are bulk TCP that the
+# 2-core machine's CPU bounds (~10 Gbit/s) while the job's ranks compete for it, so a healthy
+# host read 0.48-1.51x of its peer in the rounds recorded (log sd ~0.35), and 0.75 kept it out
+# for a whole run in CI; a shaped link (10-30 mbit) reads ~0.003. 0.25 is >= 3 sd below a
+# healthy host and 80x above a shaped one (and stricter than the detector's 20x link test).
+LINK_MIN = 0.25
 
 
 class HostProbe:
@@ -68,7 +74,7 @@ class HostProbe:
         return out
 
     def ok(self, m: dict[str, float | None]) -> bool:
-        link_ok = m["link"] is None or m["link"] >= 1.0 - TOLERANCE
+        link_ok = m["link"] is None or m["link"] >= LINK_MIN
         comp_ok = m["compute"] is None or m["compute"] <= 1.0 + TOLERANCE
         return link_ok and comp_ok
 
