@@ -38,12 +38,6 @@ def _kill_first_joiner(run_dir: Path, proc: subprocess.Popen, deadline: float) -
     return False
 
 
-# Known defect (issue 25, open): in CI (2 of 2 runs on 2026-12-05, never in 3 local runs) the
-# survivors' in-place regroup after the joiner is killed fails ("Failed to recv, got 0 bytes"),
-# the job falls back to a relaunch on hosts [0, 2, 3] (regroup_failed, restart) and goes on, but
-# not in place and without host 1. Not strict: the in-place path passes where the race is lost.
-@pytest.mark.xfail(reason="a joiner killed mid-regroup can break the survivors' in-place "
-                   "regroup (falls back to a relaunch); issue 25", strict=False)
 def test_an_excluded_host_rejoins_live_and_a_joiner_lost_mid_regroup_is_survived(
         tmp_path: Path) -> None:
     # long enough for two probe rounds (6 s apart) and two cold starts of the joining rank

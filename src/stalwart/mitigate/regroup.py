@@ -38,6 +38,11 @@ The caller then re-wraps DDP, rebuilds its work plan (the same global batch, mor
 micro-batches per survivor) and its monitor, zeroes the gradients of the failed step and
 redoes it: at most the step in flight is lost.
 
+A member that dies during a regroup (a rank started to rejoin, killed as it is taken back)
+breaks the others' new connections before the launcher's word of it arrives: their regroup
+waits for that word (``await_change``, at most ``CHANGE_WAIT_S``) and regroups again to the
+generation without it, rather than counting its own regroup failed.
+
 Guarantees: no rank waits on a dead peer longer than the launcher's poll plus this thread's
 (~0.15 s) when the process died; when it did not (a host cut off), gloo's timeout bounds the
 wait. A rank that is not a member of the new generation gets ``NotAMember``. Cost in
@@ -63,6 +68,10 @@ from stalwart.mitigate.membership import Generation
 
 POLL_S = 0.05
 WAIT_S = 60.0  # longest wait for the launcher's word after a failed collective
+# a regroup that failed on a connection waits this long for the launcher's word that a member
+# died (its poll, 0.1 s, plus this thread's, 0.05 s, on a loaded machine) before it is
+# counted a failure of its own (then: checkpoint-and-relaunch, fallback.py)
+CHANGE_WAIT_S = 5.0
 _TCP_LISTEN = "0A"
 
 
@@ -159,6 +168,7 @@ class Regrouper:
         self.keep_ports = set(keep_ports or ())
         self.last_parts: dict[str, float] = {}  # seconds of the last regroup's phases
         self._seen = g
+        self._building = g.gen  # the generation this rank is in, or is building groups for
         self._aborted = threading.Event()
         self._fallback = threading.Event()  # the launcher gave up regrouping in place
         if joining and g.rank_of(slot) is not None:
@@ -207,8 +217,21 @@ class Regrouper:
         return self._fallback.is_set()
 
     def changed(self) -> bool:
-        """A newer generation has been announced (and this rank's connections shut)."""
-        return self._aborted.is_set()
+        """A generation newer than the one this rank is in (or is building) has been
+        announced. True from the moment the watcher reads it -- before it shuts this
+        process's connections, whose errors are how the step loop hears of it."""
+        return self._seen.gen > self._building or self._aborted.is_set()
+
+    def await_change(self, timeout_s: float = CHANGE_WAIT_S) -> bool:
+        """After a regroup failed on a connection: whether a newer generation comes within
+        ``timeout_s`` (a member died -- one started to rejoin, say -- and the launcher has
+        not announced it yet). The caller then regroups again, to that generation."""
+        deadline = time.monotonic() + timeout_s
+        while not self.changed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def regroup(self, backend: str, timeout_s: float = WAIT_S) -> Generation:
         """After a failed collective: wait for the next generation, rebuild the default
@@ -231,6 +254,7 @@ class Regrouper:
         if rank is None:
             raise NotAMember(f"launch rank {self.slot} is not in generation {g.gen}")
         self.joining = False
+        self._building = g.gen
         t0 = time.monotonic()
         with contextlib.suppress(Exception):  # the old groups are broken: free what we can
             dist.destroy_process_group()

@@ -771,7 +771,9 @@ def regroup_until_done(r: Rank, applied: int, why: str) -> int:
         except (NotAMember, FallbackRequested):
             raise
         except Exception as e:  # noqa: BLE001 -- only a membership change is retried
-            if not (r.regrouper.changed() and is_comm_error(e)):
+            # a member that dies mid-regroup breaks this one's connections before the
+            # launcher's word of it arrives: wait for that word, briefly
+            if not (is_comm_error(e) and r.regrouper.await_change()):
                 raise
             why = f"regroup interrupted: {(str(e).strip().splitlines() or ['?'])[0][:200]}"
     raise RuntimeError(f"{why} (membership changed {MAX_REGROUPS} times in a row)")
