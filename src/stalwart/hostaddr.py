@@ -1,5 +1,5 @@
-"""The address a rank's own sockets bind: the lossy transport's UDP socket and the straggler
-monitor's row link (detect/rowlink.py) both need it, so it lives here rather than in either
+"""The address a rank's own sockets bind: the lossy transport's UDP socket and the rank-0
+control channel (rowlink.py) both need it, so it lives here rather than in either
 capability's package (importing stalwart.comm from detect loaded the whole transport).
 
 Guarantees: no packet is sent to find an address (a UDP connect is a route lookup); an address

@@ -29,7 +29,7 @@ def exchange_worker(steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from stalwart.detect.rowlink import StarRows
+    from stalwart.rowlink import StarRows
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -24,7 +24,7 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
     from stalwart.bench.detect import abba, begin_step, end_step
     from stalwart.detect import Monitor
     from stalwart.detect.exchange import Exchange
-    from stalwart.detect.rowlink import GlooRows
+    from stalwart.rowlink import GlooRows
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)

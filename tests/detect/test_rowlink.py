@@ -14,7 +14,7 @@ from tests.helpers import spawn_ranks
 def _rank(rank: int, world: int, store: str, scenario: str, out: Any) -> None:
     import torch.distributed as dist
 
-    from stalwart.detect.rowlink import RowLinkError, StarRows
+    from stalwart.rowlink import RowLinkError, StarRows
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)

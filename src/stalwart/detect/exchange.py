@@ -2,10 +2,11 @@
 
 Protocol: every rank contributes one row -- a header (rank 0's alarm, the number of entries,
 the next exchange period) and its (step, compute) samples since the last exchange -- over the
-row link (rowlink.py: a TCP connection to rank 0, or the monitor group's all-gather if any
-rank could not set one up). A row is issued every ``check_every`` checks and read at a check
-fixed when it was issued (the next one; ``lag`` exchanges later with a fixed period), so no
-rank ever blocks on it and every rank reads the same rows at the same checks.
+rank-0 control channel (stalwart/rowlink.py: a TCP connection to rank 0, or the monitor
+group's all-gather if any rank could not set one up). A row is issued every ``check_every``
+checks and read at a check fixed when it was issued (the next one; ``lag`` exchanges later
+with a fixed period), so no rank ever blocks on it and every rank reads the same rows at the
+same checks.
 
 Exchange period: with ``check_every=None`` rank 0 chooses it each exchange -- the smallest k
 that keeps the exchange within ``EXCHANGE_BUDGET`` of the process's CPU time per step, capped
@@ -19,46 +20,19 @@ process CPU of one exchange is measured once at construction (rowlink.exchange_c
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import time
 from collections import deque
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from stalwart.detect.decision import NONE, Alarm, DecisionCore
-from stalwart.detect.rowlink import GlooRows, StarRows
-from stalwart.hostaddr import default_host
+from stalwart.rowlink import GlooRows, StarRows
 
 HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
-LINK_SETUP_S = 30.0  # seconds to set up the row link before falling back to the all-gather
-READ_TIMEOUT_S = 1800.0  # a due row this late means a peer is gone: raise, never hang
-log = logging.getLogger("stalwart.detect")
-
-
-def open_rows(rank: int, world: int, width: int, group: Any) -> StarRows | GlooRows:
-    """Collective on ``group`` (the monitor's gloo group): direct sockets to rank 0, or, if
-    any rank could not set them up, the group's all-gather (rowlink.py)."""
-    link: StarRows | None = None
-    try:
-        # the lossy transport's rule for this rank's address: rank 0's is the one used
-        link = StarRows(rank, world, width, group, default_host(), timeout=LINK_SETUP_S)
-    except OSError as e:
-        log.debug("monitor row link not set up (%s): using the gloo all-gather", e)
-    ok = torch.tensor([0.0 if link is None else 1.0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if ok.item() == 1.0 and link is not None:
-        link.set_timeout(READ_TIMEOUT_S)
-        return link
-    if link is not None:
-        link.close()
-    return GlooRows(rank, world, width, group)
 
 
 class Exchange:

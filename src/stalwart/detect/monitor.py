@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from stalwart.detect import verify
 from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
-from stalwart.detect.exchange import Exchange, open_rows
+from stalwart.detect.exchange import Exchange
 from stalwart.detect.localize import decide
-from stalwart.detect.rowlink import exchange_cost
 from stalwart.detect.sampling import Sampler, comm_busy
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 from stalwart.events import Event
+from stalwart.rowlink import exchange_cost, open_rows
 
 __all__ = ["IterSample", "Monitor", "comm_busy"]
 
