@@ -38,15 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.detect.decision import (
-    DETECTS,
-    MODES,
-    NONE,
-    RECOVER,
-    Alarm,
-    DecisionCore,
-    IterSample,
-)
+from stalwart.detect.alarms import DETECTS, MODES, NONE, RECOVER, Alarm, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.detect.localize import CHANGE_MODE, Finding
 from stalwart.errors import ConfigError
 from stalwart.events import Event

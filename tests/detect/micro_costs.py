@@ -65,7 +65,8 @@ def cold(samples: int = 300) -> None:
     import numpy as np
     import torch
 
-    from stalwart.detect.changepoint import BOCPDBank, ChangeDetector
+    from stalwart.detect.bocpd import BOCPDBank
+    from stalwart.detect.changepoint import ChangeDetector
     from stalwart.detect.cusum import CusumBank
 
     torch.set_num_threads(1)

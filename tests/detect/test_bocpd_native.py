@@ -8,17 +8,17 @@ import os
 import numpy as np
 import pytest
 
-from stalwart.detect import changepoint
-from stalwart.detect.changepoint import BOCPDBank
+from stalwart.detect import bocpd
+from stalwart.detect.bocpd import BOCPDBank
 
-needs_native = pytest.mark.skipif(changepoint._native_update is None,
+needs_native = pytest.mark.skipif(bocpd._native_update is None,
                                   reason="native step not built")
 
 
 def test_the_native_step_is_built_where_required() -> None:
     """CI builds every native part (STALWART_REQUIRE_NATIVE=1, .ci/run)."""
     if os.environ.get("STALWART_REQUIRE_NATIVE") == "1":
-        assert changepoint._native_update is not None, "stalwart.detect._bocpd was not built"
+        assert bocpd._native_update is not None, "stalwart.detect._bocpd was not built"
 
 
 def _pair(max_run: int, rows: int) -> tuple[BOCPDBank, BOCPDBank]:

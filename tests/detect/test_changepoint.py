@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stalwart.detect.changepoint import BOCPD, ChangeDetector
+from stalwart.detect.bocpd import BOCPD
+from stalwart.detect.changepoint import ChangeDetector
 
 
 def series(n: int, noise: float, seed: int, shift_at: int | None = None, factor: float = 1.0,
@@ -114,7 +115,7 @@ def test_posterior_matches_the_textbook_recursion() -> None:
 
 
 def test_detectors_sharing_a_bank_find_what_they_find_alone() -> None:
-    from stalwart.detect.changepoint import BOCPDBank
+    from stalwart.detect.bocpd import BOCPDBank
 
     xs = [series(160, 0.05, s, shift_at=60 + 10 * s, factor=1.3 + 0.2 * s,
                  end_at=120 if s == 1 else None) for s in range(4)]
@@ -132,7 +133,7 @@ def test_detectors_sharing_a_bank_find_what_they_find_alone() -> None:
 
 
 def test_a_bank_update_matches_single_updates_past_the_cap() -> None:
-    from stalwart.detect.changepoint import BOCPDBank, update_rows
+    from stalwart.detect.bocpd import BOCPDBank, update_rows
 
     rng = np.random.default_rng(4)
     bank = BOCPDBank(max_run=20)
@@ -147,7 +148,7 @@ def test_a_bank_update_matches_single_updates_past_the_cap() -> None:
 
 
 def test_absolute_deviation_from_the_median_by_halves() -> None:
-    from stalwart.detect.changepoint import _abs_dev
+    from stalwart.detect.robust import _abs_dev
 
     rng = np.random.default_rng(5)
     for n in range(1, 40):
@@ -156,7 +157,7 @@ def test_absolute_deviation_from_the_median_by_halves() -> None:
 
 
 def test_rise_onset_finds_where_a_series_rose_not_an_earlier_blip() -> None:
-    from stalwart.detect.changepoint import rise_onset
+    from stalwart.detect.robust import rise_onset
 
     rng = np.random.default_rng(3)
     keys = np.arange(60)

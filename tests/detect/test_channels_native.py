@@ -1,6 +1,6 @@
 """The per-rank channels' step and the change detectors' pre-filter in C
 (detect/_native/channels.c) against the Python reference (``CusumBank._step``,
-``OutlierBank._step``, ``changepoint.PyGate``): the same state after every step and the same
+``OutlierBank._step``, ``prefilter.PyGate``): the same state after every step and the same
 alarms, on random series with shifts, ties, outliers and a rank slow from the start."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.detect import changepoint, cusum, outlier
-from stalwart.detect.changepoint import BOCPDBank, ChangeDetector
+from stalwart.detect.bocpd import BOCPDBank
+from stalwart.detect.changepoint import ChangeDetector
 from stalwart.detect.cusum import CusumBank
 from stalwart.detect.outlier import OutlierBank
 

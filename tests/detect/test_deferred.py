@@ -4,8 +4,9 @@ decision state machine's side, torch-free)."""
 
 from __future__ import annotations
 
+from stalwart.detect.alarms import DETECT, NONE, RECOVER, IterSample
 from stalwart.detect.changepoint import Change
-from stalwart.detect.decision import DETECT, NONE, RECOVER, DecisionCore, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.detect.localize import Finding
 
 

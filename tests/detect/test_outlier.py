@@ -9,15 +9,8 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from stalwart.detect.decision import (
-    AUDIT,
-    AUDIT_AFTER,
-    AUDIT_MIN,
-    NONE,
-    OUTLIER,
-    DecisionCore,
-    IterSample,
-)
+from stalwart.detect.alarms import AUDIT, NONE, OUTLIER, IterSample
+from stalwart.detect.decision import AUDIT_AFTER, AUDIT_MIN, DecisionCore
 from stalwart.detect.localize import Finding
 from stalwart.detect.outlier import (
     MIN_SHIFT,

@@ -4,8 +4,10 @@ machine's side, torch-free."""
 
 from __future__ import annotations
 
-from stalwart.detect.decision import RECHECK, RECHECK_MAX, RECOVER, DecisionCore, IterSample
+from stalwart.detect.alarms import RECOVER, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.detect.localize import COMPUTE_MILD, Finding
+from stalwart.detect.recovery import RECHECK, RECHECK_MAX
 
 
 def _following(ratio_found: float = 2.0) -> tuple[DecisionCore, list]:

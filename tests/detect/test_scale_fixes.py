@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stalwart.detect.changepoint import BOCPDBank
+from stalwart.detect.bocpd import BOCPDBank
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.simulate.cost import _legacy_add_row
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.detect import Monitor
-from stalwart.detect.decision import DETECT, NONE, DecisionCore, IterSample
+from stalwart.detect.alarms import DETECT, NONE, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.rundir import RunData
 
 
@@ -85,7 +86,7 @@ def test_a_recorded_clean_run_with_noisy_steps_logs_nothing(tmp_path: Path) -> N
 
 
 def test_rank_sum_z_says_whether_later_samples_are_higher() -> None:
-    from stalwart.detect.changepoint import rank_sum_z
+    from stalwart.detect.robust import rank_sum_z
 
     a = np.arange(20.0)
     assert rank_sum_z(a, a + 100.0) > 5.0 and rank_sum_z(a + 100.0, a) < -5.0

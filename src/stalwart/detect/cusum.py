@@ -53,7 +53,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from stalwart.detect.changepoint import Change, robust_scale
+from stalwart.detect.changepoint import Change
+from stalwart.detect.robust import robust_scale
 
 try:  # the per-step part in C (detect/_native/channels.c); ``CusumBank._step`` is the reference
     from stalwart.detect._channels import cusum_step as _native_step  # type: ignore[import-not-found]

@@ -12,38 +12,38 @@ Channels (rank 0, the leader, decides for the job):
 
 States of one slowdown: healthy -> an alarm is pending (``pending``) -> it travels to every
 rank (``deciding``, the number of rows in flight that carry one) -> every rank validates and
-the verdict is applied (``apply_verdict``): a straggler becomes ``active`` and is followed on
-the channel that found it until a recovery alarm (``apply_recovery``); a verdict naming no
-rank or link is an unexplained slowdown, logged only if it lasts ``persist`` samples beyond
-chance (``LASTING_Z``), otherwise counted as a hiccup. A slowdown a channel reports while an
-alarm is pending or deciding waits (up to ``DEFER_MAX``) and is classified once that decision
-is made, unless it began before the validation tests ran (they measured it): the channel has
-moved its baseline past it and will not report it again, so a fault that begins while a
-recovery (whose test looks at the straggler only) or another alarm is decided is not lost;
-one that is the decided fault seen again (or began before the recovery decided) is then
-dropped as such (one fault, one finding).
+the verdict is applied (``apply_verdict``, verdicts.py): a straggler becomes ``active`` and is
+followed on the channel that found it until a recovery alarm (``apply_recovery``,
+recovery.py); a verdict naming no rank or link is an unexplained slowdown, logged only if it
+lasts ``persist`` samples beyond chance (``LASTING_Z``), otherwise counted as a hiccup. A
+slowdown a channel reports while an alarm is pending or deciding waits (up to ``DEFER_MAX``)
+and is classified once that decision is made, unless it began before the validation tests
+ran (they measured it): the channel has moved its baseline past it and will not report it
+again, so a fault that begins while a recovery (whose test looks at the straggler only) or
+another alarm is decided is not lost; one that is the decided fault seen again (or began
+before the recovery decided) is then dropped as such (one fault, one finding).
 
 Stragglers with no healthy "before" (a rank slow from its first step never changes, so no
 channel above fires): every rank's compute over its peers' median goes through a sign test
 all the time (``OutlierBank``, outlier.py: at most ``ALPHA_RANK_HOUR`` alarms per healthy
 rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per job,
 ``AUDIT_AFTER`` samples or ``AUDIT_S`` seconds after the warm-up, the validation tests run
-with no alarm
-(``AUDIT``: a link slow from the start, or a rank both the audit's sign test and the compute
-test name). Their findings are followed for recovery at the peers' level (``_follow_born``).
+with no alarm (``AUDIT``: a link slow from the start, or a rank both the audit's sign test
+and the compute test name). Their findings are followed for recovery at the peers' level
+(``_follow_born``, recovery.py).
 
-Recovery at equal load: a compute straggler's channel measures its compute per step, which
-falls when a plan gives it less work -- and a rank under a CPU quota runs a short burst at
-nearly full speed. So its recovery alarm is confirmed by the compute test (the same matmuls on
-every rank, ``recovery_test``): below ``recovery_threshold`` it is recovered; otherwise the
-recovery is rejected (``RecoveryRejected``), the straggler stays active, and the leader tests
-again ``RECHECK`` steps later (doubling to ``RECHECK_MAX``) -- a fault that ends while the plan
-is in force is found there even if the channel moves no further.
+Recovery at equal load: a compute straggler's recovery alarm is confirmed by the compute test
+before it counts (recovery.py).
+
+Layout: this module holds the channels, the classification of their changes and the alarm's
+journey (``DecisionCore``); what a validated verdict does (``VerdictMixin``, verdicts.py) and
+the followed straggler's recovery (``RecoveryMixin``, recovery.py) are its two halves over the
+same state; the alarm vocabulary is alarms.py.
 
 Guarantees: bounded memory (``history`` samples); the same inputs give the same alarms and
 verdict bookkeeping on every call order the monitor and replay use.
-Cost per sample: a few scalar operations while the channels are quiet (changepoint.py's
-pre-filter), one vector BOCPD update for the per-rank channels that are awake.
+Cost per sample: a few scalar operations while the channels are quiet (the pre-filter,
+prefilter.py), one vector BOCPD update for the per-rank channels that are awake.
 """
 
 from __future__ import annotations
@@ -53,70 +53,41 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from stalwart.detect.changepoint import (
-    BOCPDBank,
-    Change,
-    ChangeDetector,
-    DetectorGroup,
-    rank_sum_z,
+from stalwart.detect.alarms import (
+    AUDIT,
+    DETECT,
+    NONE,
+    OUTLIER,
+    QUIET,
+    RECOVER,
+    Alarm,
+    IterSample,
+    suspect_of,
 )
+from stalwart.detect.bocpd import BOCPDBank
+from stalwart.detect.changepoint import Change, ChangeDetector, DetectorGroup
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.evidence import Finding, RankEvidence
-from stalwart.detect.localize import AUDIT_MODE, CHANGE_MODE, COMPUTE_MILD, OUTLIER_MODE
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.detect.outlier import Outlier, OutlierBank
-from stalwart.events import (
-    Event,
-    RecoveryRejected,
-    SlowdownUnexplained,
-    StragglerDetected,
-    StragglerRecovered,
-)
+from stalwart.detect.recovery import RecoveryMixin
+from stalwart.detect.verdicts import VerdictMixin, _Unexplained
+from stalwart.events import Event
 
-# alarm actions: a change point (DETECT), the followed straggler's recovery (RECOVER), a rank
-# slower than its peers all along (OUTLIER, outlier.py), the one scheduled audit (AUDIT)
-NONE, DETECT, RECOVER, OUTLIER, AUDIT = 0, 1, 2, 3, 4
-DETECTS = (DETECT, OUTLIER, AUDIT)  # the actions validated by the tests
-MODES = {DETECT: CHANGE_MODE, OUTLIER: OUTLIER_MODE, AUDIT: AUDIT_MODE}  # localize.decide's
 # the audit runs once per job, after the warm-up, at AUDIT_AFTER samples or AUDIT_S seconds
 # of iterations (whichever comes first; at least AUDIT_MIN samples): a job slowed by a link
 # from its start ran 4 steps a second, and 30 samples came 10 s in
 AUDIT_AFTER = 30
 AUDIT_S = 2.0
 AUDIT_MIN = 5
-LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
-RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
-RECHECK_MAX = 64  # ...doubling per rejection up to this (one validation pause each)
 DEFER_MAX = 4  # slowdowns held while a decision is under way (bounds the pauses they cost)
 POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
 #                      the scale pooled over ranks (DecisionCore._pool_noise)
-
-
-class IterSample(NamedTuple):
-    """One iteration of one rank: its key (step, or iteration index) and seconds."""
-
-    key: int
-    seconds: float
-    compute: float | None
-    comm: float | None
-
-
-class Alarm(NamedTuple):
-    """Rank 0's decision on its way to every rank (the row header carries it)."""
-
-    action: int  # NONE | DETECT | RECOVER
-    onset: int
-    severity: float
-    suspect: int  # the rank whose own channel fired; -1 for the iteration channel
-
-
-QUIET = Alarm(NONE, 0, 0.0, -1)
 
 
 def _median(xs: list[float]) -> float:
@@ -127,27 +98,7 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-def suspect_of(channel: str) -> int:
-    """The rank a per-rank channel ("rank3") points at; -1 for the iteration-time channel."""
-    return int(channel[4:]) if channel.startswith("rank") else -1
-
-
-@dataclass
-class _Unexplained:
-    fields: dict[str, Any]  # the event it would be logged as
-    before: list[float]  # iteration times before its onset
-    decided: int
-
-
-def same_straggler(a: Finding, b: Finding) -> bool:
-    """Whether two verdicts name the same straggler: the same kind and ranks, and for a link
-    between two ranks (no rank named) the same pair. A host's own link is named by its rank;
-    the slowest of its pairs, which the verdict also records, varies from test to test (seen:
-    host 1's link found at [0, 1], then again at [1, 2] and logged twice)."""
-    return a.kind == b.kind and a.ranks == b.ranks and (bool(a.ranks) or a.link == b.link)
-
-
-class DecisionCore:
+class DecisionCore(VerdictMixin, RecoveryMixin):
     """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms."""
 
     def __init__(self, leader: bool, *, warmup: int = 10, persist: int = 20,
@@ -378,7 +329,7 @@ class DecisionCore:
             self._recover_level = ch.after / self._healthy
             self.pending = Alarm(RECOVER, ch.onset, self._recover_level, -1)
 
-    # ---- verdicts ---------------------------------------------------------------------------
+    # ---- the evidence the validation reads; events out -------------------------------------
     def evidence(self, rank: int, onset: int, decided: int) -> RankEvidence:
         """This rank's training-time profile around a detected onset (localize.py)."""
         before = [s for s in self.samples if onset - BEFORE <= s.key < onset]
@@ -394,211 +345,6 @@ class DecisionCore:
         return RankEvidence(rank, med(before, "compute"), med(after, "compute"),
                             med(before, "comm"), med(after, "comm"), recent=recent,
                             steps=[(s.key, s.seconds) for s in window])
-
-    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,
-                      action: int = DETECT) -> None:
-        """Every rank: the validated verdict on an alarm (the same on every rank);
-        ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
-        self.verdicts += 1
-        # the tests just looked at every rank and link: a slowdown that began before they ran
-        # was in what they measured; only one that began since waits on
-        self._deferred = [(c, n) for c, n in self._deferred if c.onset >= finding.step]
-        switch_to, self._switch_to = self._switch_to, None
-        outlier, self._outlier = self._outlier, None
-        if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
-                finding.kind == "compute" and finding.ranks == [suspect]):
-            self.outliers.unconfirmed(suspect)  # not paused for again at that level
-        if action == AUDIT:
-            self.audit = {"step": finding.step, "kind": finding.kind,
-                          "evidence": finding.evidence}
-            if finding.kind == "unknown":
-                return  # a clean audit: nothing to report, nothing to follow
-        if self.active is not None and (finding.kind == "unknown"
-                                        or same_straggler(finding, self.active)):
-            # while a straggler is active: its own slowdown seen by a channel that lags (the
-            # same verdict again), or nothing the tests confirm -- not a new finding, and the
-            # active one stays followed on its channel
-            if finding.kind == "unknown":
-                self._hiccup("nothing confirmed while a straggler is active",
-                             finding.event_fields())
-            else:
-                self.repeats += 1
-            return
-        if switch_to is not None:
-            self._channel, self._healthy = switch_to
-        if action != DETECT and finding.kind != "unknown":
-            self._follow_born(finding)
-        self.findings.append(finding)
-        # an unexplained slowdown has no culprit to watch for recovery
-        self.active = finding if finding.kind != "unknown" else None
-        self.rejections, self._recheck_at = 0, None
-        if self.leader:
-            self._report(finding, suspect, pause, action, outlier)
-
-    def _report(self, finding: Finding, suspect: int | None, pause: float, action: int,
-                outlier: Outlier | None) -> None:
-        """Leader: a new verdict logged (a straggler), followed (an unexplained slowdown
-        until it proves it lasts) or counted (a hiccup)."""
-        fields = finding.event_fields()
-        fields["evidence"] = dict(fields["evidence"], validation_s=pause)
-        if outlier is not None:
-            fields["evidence"]["outlier_test"] = {
-                "rank": outlier.rank, "above": outlier.count, "of": outlier.n,
-                "p": float(f"{outlier.p:.3g}"), "level": round(outlier.level, 3)}
-        if suspect is not None and self.cusum is not None and action == DETECT:
-            # a rank's own channel pointed at it: an alarm the tests did not confirm makes
-            # that rank's next CUSUM alarm need more evidence (bounded validation pauses)
-            if finding.kind == "compute" and finding.ranks == [suspect]:
-                self.cusum.confirmed(suspect)
-            else:
-                self.cusum.unconfirmed(suspect)
-        if finding.kind == "unknown" and suspect is not None:
-            # one rank's compute moved relative to its peers and the tests found nothing
-            # (load from elsewhere shifting CPU shares, or a rank that is not slow now): not
-            # a job-wide slowdown to report, a hiccup
-            what = "stood out" if action == OUTLIER else "rose"
-            self._hiccup(f"rank {suspect}'s compute {what}; the compute test did not confirm "
-                         "it", fields)
-            return
-        if finding.kind == "unknown":
-            # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
-            # or link, the job as a whole slowed (load from elsewhere) or something passed
-            # (an OS hiccup, a fault already gone). Only a slowdown that lasts is logged.
-            if self._unexplained is None:
-                # the iteration time before the onset (the channel that fired may be a
-                # per-rank ratio): what the job's speed must stay above to count as lasting
-                before = [x.seconds for x in self.samples
-                          if finding.onset_step - BEFORE <= x.key < finding.onset_step]
-                self._unexplained = _Unexplained(fields, before, finding.step)
-            return
-        if self._unexplained is not None:
-            # a culprit was found after all: the earlier slowdown was its start or a hiccup
-            self._hiccup("unexplained slowdown, then a culprit found", self._unexplained.fields)
-            self._unexplained = None
-        self._emit(StragglerDetected(**fields))
-
-    # ---- recovery -----------------------------------------------------------------------------
-    def needs_recovery_test(self) -> bool:
-        """Whether a recovery alarm must be confirmed by the compute test (every rank asks
-        the same state: the verdicts are applied everywhere)."""
-        f = self.active
-        return f is not None and f.kind == "compute" and len(f.ranks) == 1
-
-    def request_recovery_test(self, key: int) -> bool:
-        """Leader: the mitigation policy sees the followed compute straggler healthy on the
-        reduced share its plan gave it, and asks for the compute test (a recovery alarm now).
-        Ignored while a decision is under way or a rejected recovery's wait
-        (``RECHECK``..``RECHECK_MAX``) runs: the tests' pauses stay bounded."""
-        if (not self.leader or not self.needs_recovery_test() or self._recheck_at is not None
-                or self.pending.action != NONE or self.deciding):
-            return False
-        self.pending = Alarm(RECOVER, key, self._recover_level, -1)
-        return True
-
-    def recovery_threshold(self) -> float:
-        """The compute-test ratio below which the straggler counts as recovered: the
-        geometric midpoint between its ratio when it was found and healthy (1.0), at least
-        ``COMPUTE_MILD`` (below which the compute test calls no rank slow)."""
-        f = self.active
-        found = None
-        if f is not None and f.ranks:
-            found = (f.evidence.get("compute_test_ratio") or {}).get(str(f.ranks[0]))
-        if not found or found <= 1.0:
-            return COMPUTE_MILD
-        return max(COMPUTE_MILD, math.sqrt(float(found)))
-
-    def recovery_test(self, ratio: float | None, decided: int) -> bool:
-        """Every rank: the compute test's verdict on a recovery alarm (``ratio``: the
-        straggler's test time over its peers' median; None = no test ran, believed). On a
-        rejection the straggler stays active and the leader schedules the next test."""
-        if ratio is None or ratio < self.recovery_threshold():
-            return True
-        f = self.active
-        assert f is not None
-        self.rejections += 1
-        wait = min(RECHECK << (self.rejections - 1), RECHECK_MAX)
-        if self.leader:
-            self._recheck_at = decided + wait
-            self._emit(RecoveryRejected(step=decided, kind=f.kind, ranks=list(f.ranks),
-                                        compute_test_ratio=round(ratio, 3),
-                                        threshold=round(self.recovery_threshold(), 3),
-                                        next_check_step=decided + wait))
-        return False
-
-    def _follow_born(self, f: Finding) -> None:
-        """A straggler found by the outlier test or the audit is followed for its recovery
-        at its peers' level, since it has no healthy level of its own: a rank on its own
-        relative-compute channel back to 1 (the job's median), a link on the iteration time
-        back to the step time priced without it (``severity``)."""
-        if f.kind == "compute" and len(f.ranks) == 1:
-            self._channel, self._healthy = f"rank{f.ranks[0]}", 1.0
-        else:
-            self._channel = "iteration"
-            self._healthy = self.step_seconds() / max(f.severity, 1.0)
-
-    def apply_recovery(self, onset: int, decided: int, level: float,
-                       test_ratio: float | None = None) -> None:
-        """Every rank: the followed straggler's channel is back to its healthy level (and,
-        for a compute straggler, the compute test agreed: ``test_ratio``)."""
-        f, self.active = self.active, None
-        self.rejections, self._recheck_at = 0, None
-        # a slowdown that waited and began before this recovery was part of the straggler's
-        # episode (another channel seeing it late): not a new one to look at
-        self._deferred = [(c, n) for c, n in self._deferred if c.onset > onset]
-        if f is None:
-            return
-        f.recovered_step = onset
-        if f.kind != "unknown":
-            fields: dict[str, Any] = {
-                "step": decided, "onset_step": onset, "kind": f.kind, "ranks": f.ranks,
-                "detected_step": f.step, "detected_onset_step": f.onset_step,
-                "severity": round(level, 3)}
-            if f.link is not None:
-                fields["link"] = f.link
-            if test_ratio is not None:
-                fields["compute_test_ratio"] = round(test_ratio, 3)
-            self._emit(StragglerRecovered(**fields))
-
-    def close(self) -> None:
-        """The run ended: settle an unexplained slowdown still waiting to prove it lasts."""
-        if self._unexplained is not None:
-            last = self.samples[-1].key if self.samples else self._unexplained.decided
-            self._settle_unexplained(last, final=True)
-
-    # ---- unexplained slowdowns and hiccups --------------------------------------------------
-    def _settle_unexplained(self, key: int, final: bool = False) -> None:
-        """Leader: log an unexplained slowdown that lasted, count one that did not.
-
-        Validation found no culprit; whether the job as a whole stays slower is what tells a
-        real job-wide slowdown (load from elsewhere) from an OS hiccup of a few steps: the
-        iteration times since the decision must be above those before the onset by
-        ``min_shift`` in the median and beyond chance in their ranks (a level ratio alone swung
-        by 10-30% on a machine whose step time swings 17-48 ms from step to step).
-        """
-        u = self._unexplained
-        assert u is not None
-        if key - u.decided < self.persist and not final:
-            return
-        self._unexplained = None
-        after = [x.seconds for x in self.samples if u.decided < x.key <= key]
-        healthy = statistics.median(u.before) if u.before else math.inf
-        ratio = statistics.median(after) / healthy if after else 0.0
-        z = rank_sum_z(np.asarray(u.before), np.asarray(after))
-        lasting = ratio >= 1.0 + self.detector.min_shift and z >= LASTING_Z
-        fields = u.fields
-        if lasting and key - u.decided >= self.persist:
-            self.unexplained_logged += 1
-            fields["evidence"] = dict(fields["evidence"],
-                                      persisted_steps=key - fields["onset_step"],
-                                      level_ratio=round(ratio, 3), rank_sum_z=round(z, 2))
-            self._emit(SlowdownUnexplained(**fields))
-        else:
-            self._hiccup("job-wide slowdown that did not last", fields)
-
-    def _hiccup(self, why: str, fields: dict[str, Any]) -> None:
-        self.hiccups += 1
-        self.hiccup_log.append({"why": why, **{k: fields.get(k) for k in (
-            "step", "onset_step", "severity", "evidence")}})
 
     def _emit(self, ev: Event) -> None:
         if self.emit is not None:

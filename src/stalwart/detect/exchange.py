@@ -26,7 +26,8 @@ import time
 from collections import deque
 from typing import Any
 
-from stalwart.detect.decision import NONE, Alarm, DecisionCore
+from stalwart.detect.alarms import NONE, Alarm
+from stalwart.detect.decision import DecisionCore
 from stalwart.rowlink import GlooRows, StarRows
 
 HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period

@@ -38,7 +38,8 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.detect import verify
-from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.alarms import DETECTS, MODES, NONE, Alarm, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.detect.exchange import Exchange
 from stalwart.detect.localize import decide
 from stalwart.detect.sampling import Sampler, comm_busy

@@ -1,6 +1,6 @@
 """Where a verdict's slowdown began and what it costs: onset placement and pricing.
 
-Mechanism: a change-point split (``changepoint.rise_onset``) on the series the evidence carries
+Mechanism: a change-point split (``robust.rise_onset``) on the series the evidence carries
 -- a compute straggler's compute relative to its peers' (``culprit_onset``, ``born_onset``), the
 job's step time for a link (``changed_link_onset``, ``link_onset``); a straggler with no
 healthy "before" is priced from its peers (``born_severity``) or the healthy pairs
@@ -16,9 +16,9 @@ import statistics
 
 import numpy as np
 
-from stalwart.detect.changepoint import rank_sum_z, rise_onset
 from stalwart.detect.evidence import RankEvidence, peer_series
 from stalwart.detect.outlier import MIN_SHIFT
+from stalwart.detect.robust import rank_sum_z, rise_onset
 
 # a compute straggler's onset is looked for on its own series from this many steps before the
 # detected onset (the channel that fired can also place it a few steps late)

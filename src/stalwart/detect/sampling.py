@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stalwart.detect.decision import IterSample
+from stalwart.detect.alarms import IterSample
 from stalwart.detect.period import PeriodTracker
 from stalwart.detect.tracking import OpRecord, Tracker
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect.decision import DETECTS, MODES, NONE, Alarm, DecisionCore, IterSample
+from stalwart.detect.alarms import DETECTS, MODES, NONE, Alarm, IterSample
+from stalwart.detect.decision import DecisionCore
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.localize import decide, more_rounds
 from stalwart.detect.onset import BEFORE, ONSET_SLACK

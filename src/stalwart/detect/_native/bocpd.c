@@ -1,4 +1,4 @@
-/* One BOCPD step for rows of a BOCPDBank (stalwart.detect.changepoint), in C.
+/* One BOCPD step for rows of a BOCPDBank (stalwart.detect.bocpd), in C.
  *
  * The arithmetic of ``BOCPDBank.update`` (the Python reference, kept for tests): Normal-Gamma
  * model with the per-run-length terms tabulated (c, e - 1/2, e, f, g), the run-length

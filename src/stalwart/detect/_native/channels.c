@@ -201,7 +201,7 @@ done:
     return res;
 }
 
-/* ---- Gate: a ChangeDetector's pre-filter and segment (changepoint.py, ``PyGate`` is the
+/* ---- Gate: a ChangeDetector's pre-filter and segment (prefilter.py, ``PyGate`` is the
  * reference). push(key, seconds) -> code: NONE (nothing for the model), UPDATE (``x`` is the
  * model's next value), START (the segment is long enough for a first model), WAKE (a sleeping
  * model must be rebuilt from the segment before its newest sample, then fed ``x``). */
@@ -262,7 +262,7 @@ static double sorted_median(double *s, Py_ssize_t n) {  /* numpy's: mean of the 
     return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2.0;
 }
 
-/* robust_scale of the segment's first n values: 1.4826 * MAD (changepoint.robust_scale) */
+/* robust_scale of the segment's first n values: 1.4826 * MAD (robust.robust_scale) */
 static int robust_scale_first(Gate *g, Py_ssize_t n, double *out) {
     double *t = PyMem_Malloc((n > 0 ? n : 1) * sizeof(double));
     if (!t) { PyErr_NoMemory(); return -1; }
