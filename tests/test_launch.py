@@ -158,7 +158,7 @@ def _is_zombie(pid: int) -> bool:
 
 
 def test_the_launcher_blames_the_rank_that_died_not_the_peers_that_aborted() -> None:
-    from stalwart.launch import _blame_order
+    from stalwart.rankexits import _blame_order
 
     assert min([(0, -signal.SIGABRT), (1, -signal.SIGKILL)], key=_blame_order)[0] == 1
     assert min([(0, -signal.SIGABRT), (2, 1)], key=_blame_order)[0] == 2
@@ -177,7 +177,7 @@ def _ranks(*codes_after: tuple[float, str]) -> dict[int, subprocess.Popen]:
 
 def test_the_rank_that_died_is_named_even_when_its_peers_abort_before_it_exits() -> None:
     # rank 1 aborts at once (a gloo peer of a dead rank); rank 2, the cause, exits 0.6 s later
-    from stalwart.launch import culprit
+    from stalwart.rankexits import culprit
 
     procs = _ranks((30, "0"), (0, "abort"), (0.6, "1"))
     try:
@@ -192,7 +192,7 @@ def test_the_rank_that_died_is_named_even_when_its_peers_abort_before_it_exits()
 
 
 def test_a_rank_that_recorded_its_raise_is_blamed_while_it_still_exits() -> None:
-    from stalwart.launch import culprit
+    from stalwart.rankexits import culprit
 
     procs = _ranks((30, "0"), (0, "abort"), (30, "0"))
     try:

@@ -199,7 +199,7 @@ class _Proc:
 
 
 def test_keep_going_logs_a_lost_rank_and_keeps_the_others(tmp_path: Path) -> None:
-    from stalwart.launch import _drop_lost
+    from stalwart.rankexits import drop_lost
     from stalwart.rundir import EventLog, read_jsonl
 
     (tmp_path / "logs").mkdir()
@@ -207,10 +207,10 @@ def test_keep_going_logs_a_lost_rank_and_keeps_the_others(tmp_path: Path) -> Non
     procs: dict[int, Any] = {0: _Proc(None), 1: _Proc(1), 2: _Proc(-signal.SIGKILL)}
     said: list[str] = []
     with EventLog(tmp_path) as ev:
-        assert _drop_lost([(1, 1), (2, -signal.SIGKILL)], procs, tmp_path, ev, said.append, 7)
+        assert drop_lost([(1, 1), (2, -signal.SIGKILL)], procs, tmp_path, ev, said.append, 7)
         assert list(procs) == [0]
         # bad input (exit 2) stops the job as usual
-        assert not _drop_lost([(0, 2)], {0: _Proc(2)}, tmp_path, ev, said.append, 7)
+        assert not drop_lost([(0, 2)], {0: _Proc(2)}, tmp_path, ev, said.append, 7)
     lost = read_jsonl(tmp_path / "events.jsonl")
     assert [(e["rank"], e["exit_code"], e["error"]) for e in lost] == [
         (1, 1, "AssertionError"), (2, -9, "")]

@@ -154,7 +154,7 @@ def test_host_staging_round_trips_cuda_parameters_exactly() -> None:
 
 def test_the_step_clock_reads_device_times_without_a_sync() -> None:
     from stalwart.train.model import GPT, GPTConfig
-    from stalwart.train.worker import LocalComputeClock
+    from stalwart.train.steps import LocalComputeClock
 
     dev = torch.device("cuda", 0)
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=256)).to(dev)

@@ -17,7 +17,7 @@ import torch
 
 from stalwart.mitigate import membership
 from stalwart.mitigate.regroup import Regrouper, agree_state
-from stalwart.train.worker import regroup_until_done
+from stalwart.train.inplace import regroup_until_done
 
 LAUNCHER_LATE_S = 1.0  # the launcher's word comes this long after the death
 

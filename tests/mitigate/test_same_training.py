@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, mode: str, counts: list[int], tp: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from stalwart.train.worker import DataParallelStep, make_groups
+        from stalwart.train.steps import DataParallelStep, make_groups
 
         groups, m = len(counts), sum(counts)
         batches = _batches(counts, rank // tp)

@@ -48,7 +48,7 @@ def _worker(p: int, world: int, port: int, store: str, mode: str, out: object) -
     dist.init_process_group("gloo", rank=p, world_size=world, timeout=timedelta(seconds=60))
     from stalwart.mitigate.regroup import agree_shards
     from stalwart.overlap import build_tp_trainer
-    from stalwart.train.worker import make_groups
+    from stalwart.train.steps import make_groups
 
     torch.manual_seed(0)
     tp_g, dp_g, _, _ = make_groups(world, TP)

@@ -92,7 +92,7 @@ def in_place_ok(cfg: Any) -> bool:
     """Whether a job regroups in place (S3/S4, a host taken back): ``--mitigate auto``, the
     reliable transport (the lossy owners' sharded state is not re-sharded yet) and
     stalwart's own worker (a user's script owns its process groups). Tensor-parallel jobs
-    included: their shards move between live ranks (train/worker.py)."""
+    included: their shards move between live ranks (train/inplace.py)."""
     return cfg.mitigate == "auto" and cfg.comm == "reliable" and cfg.script is None
 
 

@@ -48,7 +48,7 @@ from stalwart.config import RunConfig
 from stalwart.rundir import LOGS, METRICS, EventLog, JsonlWriter
 from stalwart.train.data import load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
-from stalwart.train.worker import lr_at
+from stalwart.train.rank import lr_at
 
 MODES = ("ddp", "allreduce")
 LIGHTHOUSE_PORT = 29510  # torchft's default

@@ -1,0 +1,180 @@
+"""What a rank's exit means to the launcher, and how it answers: whom to blame for a failed
+job, how the other ranks are stopped, and how a rank lost or left is dropped from a job that
+goes on without it.
+
+What it guarantees:
+- ``culprit`` names the likely cause of a failure, not the first rank seen dead: a rank
+  killed by an outside signal first, then one that exited with an error (the one whose
+  script raised first when that is known), and last a SIGABRT, which is how gloo peers of a
+  dead rank end; while only such aborts are seen it waits up to ABORT_SETTLE_S for the rank
+  that caused them;
+- ``stop_all`` ends every live rank: SIGTERM, then SIGKILL after GRACE_S;
+- a rank lost (``lose_ranks``: a job that regroups in place; ``drop_lost``: ``keep_going``)
+  is logged as ``rank_lost`` with its exit and the last line of its error, and dropped; a
+  rank that exited 2 (bad input: every rank would hit it) is never dropped, the job stops;
+- a rank that left (S4, ``ranks_left``) is logged as ``rank_left`` and its host probed for
+  the way back (mitigate/probe.py).
+
+Cost: reading exit statuses and, per failed rank, its log file's last line; ``culprit``
+sleeps in 0.05 s steps for at most ABORT_SETTLE_S, ``stop_all`` waits at most GRACE_S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
+from stalwart.mitigate.fallback import FALLBACK_EXIT
+from stalwart.rundir import LOGS, EventLog
+
+GRACE_S = 3.0
+# When only aborted ranks (SIGABRT: how gloo peers of a dead rank end) have failed so far, how
+# long to wait for the rank that caused it: it may still be unwinding its own error
+ABORT_SETTLE_S = 3.0
+
+
+def rank_log(run_dir: Path, r: int) -> Path:
+    """Rank ``r``'s stdout and stderr (launch.py)."""
+    return run_dir / LOGS / f"rank-{r}.log"
+
+
+def last_error_line(log: Path) -> str:
+    """The last non-blank line of a rank's log: its error, when it raised."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _blame_order(failure: tuple[int, int],
+                 raised_at: float | None = None) -> tuple[bool, bool, float, int]:
+    """Sort key over (rank, exit code): a rank killed by an outside signal first, then one that
+    exited with an error -- the one whose script raised first when that is known (a script
+    run's ranks record it) -- and last a SIGABRT, which is how peers of a dead rank usually
+    end."""
+    rank, code = failure
+    return (code == -signal.SIGABRT, code > 0,
+            raised_at if raised_at is not None else float("inf"), rank)
+
+
+def failures(procs: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
+    """(rank, exit code) of each rank that exited, other than with success or to leave."""
+    return [(r, p.returncode) for r, p in procs.items()
+            if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT, FALLBACK_EXIT)]
+
+
+def culprit(procs: dict[int, subprocess.Popen], raised: Callable[[], dict[int, dict]],
+            settle_s: float = ABORT_SETTLE_S) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank to blame for a failed job, or None while none failed.
+
+    The peers of a rank that dies abort within milliseconds (gloo: "connection closed by
+    peer"), often before the dead rank itself has exited: while every failure seen is such an
+    abort, wait up to ``settle_s`` for another failure; a rank whose script recorded a raise
+    (``raised()``: script runs) counts as failed even while it is still exiting."""
+    failed = failures(procs)
+    if not failed:
+        return None
+    deadline = time.monotonic() + settle_s
+    errs = raised()
+    while all(code == -signal.SIGABRT for _, code in failed) and time.monotonic() < deadline:
+        if any(r not in dict(failed) for r in errs):
+            break
+        time.sleep(0.05)
+        failed, errs = failures(procs), raised()
+    codes = dict(failed)
+    for r in errs:  # raised, maybe still exiting: an error exit, by its own account
+        codes.setdefault(r, procs[r].poll() or 1)
+    return min(codes.items(), key=lambda f: _blame_order(f, errs.get(f[0], {}).get("time")))
+
+
+def stop_all(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGTERM every live rank, then SIGKILL what is left after GRACE_S."""
+    live = [p for p in procs.values() if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+
+def lose_ranks(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
+               members: Any, run_dir: Path, events: EventLog, say: Callable[[str], None],
+               step: int) -> bool:
+    """Ranks died in a job that regroups in place: log each (``rank_lost``), drop it, and
+    announce the next generation to the survivors. False (the job stops as before) when no
+    rank is left running, or a rank exited 2 (bad input: every rank would hit it)."""
+    alive = [r for r, p in procs.items() if p.poll() is None]
+    if not alive or any(code == 2 for _, code in failed):
+        return False
+    for r, code in failed:
+        # a signal leaves no error of the rank's own (its last line is whatever came before)
+        why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
+        host = members.current.hosts[members.current.alive.index(r)]
+        events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
+                   world_after=len(alive))
+        say(f"stalwart: rank {r} (host {host}) lost ({describe_exit(code)}); the other "
+            f"{len(alive)} regroup in place")
+        del procs[r]
+    members.lose([r for r, _ in failed], step)
+    return True
+
+
+def drop_lost(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
+              run_dir: Path, events: EventLog, say: Callable[[str], None], step: int) -> bool:
+    """``keep_going``: ranks died; log each (``rank_lost``, with its exit and last error line)
+    and stop supervising it. False (the job stops as usual) when a rank exited 2: bad input,
+    which every rank would hit."""
+    if any(code == 2 for _, code in failed):
+        return False
+    for r, code in failed:
+        why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
+        events.log("rank_lost", step=step, rank=r, host=r, exit_code=code, error=why,
+                   world_after=len(procs) - 1)
+        say(f"stalwart: rank {r} lost ({describe_exit(code)}); the other {len(procs) - 1} go on")
+        del procs[r]
+    return True
+
+
+def ranks_left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Path,
+               events: EventLog, say: Callable[[str], None], step: int) -> Any:
+    """Ranks that an in-place regroup left out (S4) exited: log each (``rank_left``) and
+    probe its host for the way back (probe.py); returns the probe (or None)."""
+    from stalwart.mitigate import membership
+    from stalwart.mitigate.probe import HostProbe
+
+    probe = None
+    g = membership.read(run_dir)
+    for r in [r for r, p in procs.items() if p.poll() == LEFT_EXIT]:
+        host = tb.host(r)
+        del procs[r]
+        events.log("rank_left", step=step, rank=r, host=host)
+        say(f"stalwart: rank {r} left; host {host} is out of the job and probed for the way "
+            "back")
+        if g is not None and probe is None and hasattr(tb, "hosts"):
+            probe = HostProbe(tb, host, list(g.hosts), run_dir)
+    if members is not None and g is not None and g.token == members.current.token:
+        members.current = g if g.gen > members.current.gen else members.current
+    return probe
+

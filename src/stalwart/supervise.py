@@ -1,0 +1,398 @@
+"""Supervise a job's running ranks until they all finish, one fails, or they leave to restart.
+
+Mechanism: one poll loop (``Supervisor.run``), every POLL_S seconds, one method per concern.
+It reads what metrics.jsonl (for a script: the monitor's iterations, iterations.jsonl) and
+events.jsonl gained, for the progress display and for the testbed's fault schedule, which
+follows training progress and the clock (seconds since launch.py first started the ranks);
+then each rank's exit status, whose meaning rankexits.py gives.
+
+What it guarantees:
+- if one rank dies, the others are stopped and the job returns non-zero, naming the rank
+  to blame (rankexits.py ``culprit``) and the last line of its error: 2 when that rank hit
+  bad input, else 1; nothing hangs. Except in a data-parallel job that regroups in place
+  (``--mitigate auto``, reliable comm: mitigate/membership.py ``failstop_ok``): there it
+  logs ``rank_lost``, announces a new membership generation without the rank, and the
+  survivors carry on (mitigate/regroup.py); and with ``keep_going`` (ranks that handle a
+  lost peer themselves, e.g. a peer framework's replica groups in ``stalwart bench``): it
+  only logs ``rank_lost`` and supervises the rest, and the job succeeds when every rank
+  still running exits 0;
+- a host an in-place regroup left out (S4), or the host of a rank lost in place, is probed
+  for the way back (mitigate/probe.py); once healthy and worth it, its rank is started
+  again and joins live (at most REJOIN_TRIES starts), or, in a job that cannot regroup in
+  place, the ranks are asked to take it back by a restart;
+- a failed in-place regroup (a rank exits FALLBACK_EXIT) falls back to checkpoint and
+  relaunch (mitigate/fallback.py): RESTART_EXIT, as when every rank left for a planned
+  restart (launch.py starts the next incarnation); 0 when every rank exited 0.
+
+Cost: a poll reads only what the two files gained and each rank's exit status, then sleeps
+POLL_S; a rank's death is seen within POLL_S (plus rankexits.py's settle time while only
+peers that aborted have exited).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.config import RunConfig
+from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
+from stalwart.mitigate.fallback import FALLBACK_EXIT
+from stalwart.mitigate.membership import failstop_ok
+from stalwart.progress import Progress
+from stalwart.rankexits import (
+    culprit,
+    describe_exit,
+    drop_lost,
+    failures,
+    last_error_line,
+    lose_ranks,
+    rank_log,
+    ranks_left,
+    stop_all,
+)
+from stalwart.rundir import EVENTS, METRICS, EventLog, JsonlTail
+from stalwart.script import ITERATIONS, first_errors
+
+POLL_S = 0.1
+
+# starts a rank again inside its host: (rank, extra environment) -> its process (launch.py)
+StartRank = Callable[[int, dict[str, str]], subprocess.Popen]
+
+
+# the least a live rejoin is priced at (seconds): its regroup moves the model and optimizer
+# state to the joining rank and rebuilds the monitor (measured ~0.3-3 s on the testbed)
+REJOIN_PRICE_S = 2.0
+REJOIN_TRIES = 2  # starts of a host's rank to rejoin before the job stops trying
+
+
+@dataclass
+class _Rejoin:
+    """A launch rank started again to take its excluded host back live (membership.py)."""
+
+    slot: int
+    host: int
+    reason: str
+    ready: Path
+    t0: float
+    tries: int = 1  # this host's starts so far
+    asked: bool = False
+
+
+def _rejoin(start_rank: StartRank, tb: Any, run_dir: Path, probe: Any,
+            procs: dict[int, subprocess.Popen], reason: str, events: EventLog,
+            say: Callable[[str], None], step: int) -> _Rejoin | None:
+    """Start the excluded host's launch rank again, to join in place once rank 0 agrees (it
+    asks only when the rank is ready: its start-up is off the job's critical path)."""
+    from stalwart.mitigate import membership
+
+    g = membership.read(run_dir)
+    if g is None or probe.host not in g.home or probe.host in g.hosts:
+        return None
+    slot = g.home.index(probe.host)
+    if slot in procs:
+        return None
+    probe.tries += 1
+    if probe.tries > REJOIN_TRIES:
+        return None
+    ready = membership.ready_path(run_dir, g.token, slot)
+    ready.unlink(missing_ok=True)  # an earlier try's: this start says it anew
+    p = start_rank(slot, {membership.JOIN_ENV: "1"})
+    procs[slot] = p
+    tb.attach_ranks({slot: p.pid})
+    events.log("rank_rejoining", step=step, rank=slot, host=probe.host, reason=reason)
+    say(f"stalwart: host {probe.host} is healthy again; its rank {slot} starts to rejoin live")
+    return _Rejoin(slot, probe.host, reason, ready, time.monotonic(), probe.tries)
+
+
+def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], members: Any,
+               events: EventLog, say: Callable[[str], None], step: int) -> int:
+    """A rank's in-place regroup failed (it saved its state and exited FALLBACK_EXIT): ask
+    every rank to do the same, then relaunch from the most advanced state on the membership
+    being built (mitigate/fallback.py). RESTART_EXIT, with restart.json written for
+    launch.py's ``_restart_config``; 1 when there is no usable state or no fallback left."""
+    from stalwart.events import RegroupFailed
+    from stalwart.mitigate import RESTART_FILE, fallback
+    from stalwart.rundir import atomic_write_text, read_jsonl
+
+    g = members.fall_back(step)
+    say("stalwart: an in-place regroup failed; every rank saves its state for a relaunch")
+    deadline = time.monotonic() + fallback.WAIT_S
+    while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    crashed = {r for r, p in procs.items()
+               if p.poll() not in (None, 0, LEFT_EXIT, FALLBACK_EXIT)}
+    stop_all(procs)  # the ranks that did not save in time
+    hosts = [h for s, h in zip(g.alive, g.hosts, strict=True) if s not in crashed]
+    since = [e for e in read_jsonl(run_dir / EVENTS) if e.get("event") in (
+        "run_started", RegroupFailed.name)]
+    starts = [i for i, e in enumerate(since) if e["event"] == "run_started"]
+    done = sum(1 for e in since[(starts[-1] if starts else 0):]
+               if e.get("fallback") == "restart")
+    got = fallback.plan(run_dir, g.token, cfg.tp) \
+        if done < fallback.MAX_FALLBACKS and hosts and len(hosts) % cfg.tp == 0 else None
+    if got is None:
+        reason, failed = fallback.first_reason(fallback.saved(run_dir, g.token))
+        events.emit(RegroupFailed(step, g.gen - 1, reason, "none", hosts, failed))
+        say(f"stalwart: in-place regroup failed ({reason}) and no relaunch is possible "
+            f"({'no usable saved state' if done < fallback.MAX_FALLBACKS else 'too many'})")
+        return 1
+    events.emit(RegroupFailed(step, g.gen - 1, got["reason"], "restart", hosts, got["failed"],
+                              got["step"]))
+    atomic_write_text(run_dir / RESTART_FILE, json.dumps(
+        {"hosts": hosts, "step": got["step"], "strategy": "fallback",
+         "reason": f"in-place regroup failed: {got['reason']}"}) + "\n")
+    return RESTART_EXIT
+
+
+def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
+    """While a host is excluded (S4), probe it for the way back (mitigate/probe.py)."""
+    if cfg.mitigate != "auto" or not cfg.hosts:
+        return None
+    missing = [h for h in range(max(cfg.hosts) + 1) if h not in cfg.hosts]
+    if not missing:
+        return None
+    from stalwart.mitigate.probe import HostProbe
+
+    return HostProbe(tb, missing[0], list(cfg.hosts), run_dir)
+
+
+def supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
+              progress: Progress, events: EventLog, say: Callable[[str], None],
+              start_rank: StartRank, first_step: int = 0, restart_t0: float | None = None,
+              clock0: float | None = None, members: Any = None,
+              keep_going: bool = False) -> int:
+    """Supervise the started ranks ``procs`` until the job's outcome is known: 0, 1, 2 (a
+    rank hit bad input) or RESTART_EXIT (launch.py relaunches)."""
+    tb.on_step(first_step)
+    sv = Supervisor(cfg, run_dir, procs, tb, progress, events, say, start_rank, first_step,
+                    restart_t0, time.monotonic() if clock0 is None else clock0, members,
+                    keep_going)
+    try:
+        return sv.run()
+    finally:
+        sv.close()
+
+
+class Supervisor:
+    """The poll loop over one incarnation's ranks, and what it keeps between polls."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen],
+                 tb: Any, progress: Progress, events: EventLog, say: Callable[[str], None],
+                 start_rank: StartRank, first_step: int, restart_t0: float | None,
+                 clock0: float, members: Any, keep_going: bool) -> None:
+        self.cfg, self.run_dir, self.procs, self.tb = cfg, run_dir, procs, tb
+        self.progress, self.events, self.say = progress, events, say
+        self.start_rank, self.members, self.keep_going = start_rank, members, keep_going
+        self.first_step, self.restart_t0, self.clock0 = first_step, restart_t0, clock0
+        self.probe = _start_probe(cfg, tb, run_dir)  # the host probed for the way back
+        self.probes = [self.probe] if self.probe is not None else []  # closed at the end
+        # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
+        self.metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
+        self.events_tail = JsonlTail(run_dir / EVENTS)
+        self.next_step = first_step
+        self.restart_s: float | None = None  # a restart's exit to its first step back
+        self.recent: list[float] = []  # rank 0's last step times
+        self.declined_logged = False
+        self.watch_t0 = time.monotonic()
+        self.startup_s: float | None = None  # spawn to the first step: what a restart would cost
+        self.rejoin: _Rejoin | None = None
+        self.regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
+
+    def run(self) -> int:
+        while True:
+            self.tb.on_time(time.monotonic() - self.clock0)
+            self._read_metrics()
+            if self.members is not None and self._any_exited(FALLBACK_EXIT):
+                return _fall_back(self.cfg, self.run_dir, self.procs, self.members, self.events,
+                                  self.say, self.next_step)
+            if self._any_exited(LEFT_EXIT):
+                self._take_leavers()
+            self._take_back()  # a probed host is healthy again: its rank rejoins, or a restart
+            self._ask_for_rejoin()  # the rank started to rejoin is ready
+            self._log_declined()
+            self._read_events()
+            self.progress.refresh()
+            failed = self._rejoin_failed(failures(self.procs))
+            if failed and (self._lose_in_place(failed) or self._go_on_without(failed)):
+                continue  # the survivors regroup in place, or go on by themselves
+            if self.keep_going and not self.procs:
+                return 1  # every rank died
+            code = self._blame()
+            if code is not None:
+                return code
+            if all(p.poll() == RESTART_EXIT for p in self.procs.values()):
+                return RESTART_EXIT
+            if all(p.poll() == 0 for p in self.procs.values()):
+                self._finish()
+                return 0
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        for p in self.probes:
+            p.close()
+
+    def _any_exited(self, code: int) -> bool:
+        return any(p.poll() == code for p in self.procs.values())
+
+    def _read_metrics(self) -> None:
+        """Progress, the testbed's view and fault schedule, rank 0's step times."""
+        for m in self.metrics_tail.poll():
+            self.progress.on_metric(m)
+            self.tb.observe(m)
+            if m["step"] >= self.first_step and m.get("rank") == 0:
+                self._timed(float(m["step_time"]))
+            if m["step"] + 1 > self.next_step:
+                self.next_step = m["step"] + 1
+                self.tb.on_step(self.next_step)
+
+    def _timed(self, step_time: float) -> None:
+        self.recent = (self.recent + [step_time])[-20:]
+        if self.startup_s is None:
+            self.startup_s = time.monotonic() - self.watch_t0
+        if self.restart_s is None and self.restart_t0 is not None:
+            self.restart_s = time.monotonic() - self.restart_t0  # exit to first step back
+
+    def _step_time(self) -> float:
+        return sorted(self.recent)[len(self.recent) // 2]
+
+    def _take_leavers(self) -> None:
+        """Ranks an in-place regroup left out (S4) exited: the first host's probe starts."""
+        got = ranks_left(self.procs, self.members, self.tb, self.run_dir, self.events, self.say,
+                    self.next_step)
+        if got is not None:
+            self.probes.append(got)
+            if self.probe is None:
+                self.probe = got
+                self.restart_s = self.restart_s or self.startup_s  # taking it back is a restart
+        if self.rejoin is not None and self.rejoin.slot not in self.procs:
+            self.rejoin = None  # the rank started to rejoin was not taken back, and left
+
+    def _take_back(self) -> None:
+        """The probed host is healthy again and taking it back pays: in place, its rank starts
+        again and joins live (price: a regroup); otherwise the ranks are asked to restart."""
+        probe = self.probe
+        if probe is None or not self.recent:
+            return
+        if self.members is not None:
+            if self.rejoin is None:
+                self._start_rejoin(probe)
+        elif self.restart_s is not None and probe.request_restore(
+                self.cfg.steps - self.next_step, self._step_time(), len(self.procs),
+                self.restart_s):
+            self.say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take "
+                     "it back")
+
+    def _start_rejoin(self, probe: Any) -> None:
+        why = probe.restore_reason(self.cfg.steps - self.next_step, self._step_time(),
+                                   len(self.procs), max(self.regroup_s or 0.0, REJOIN_PRICE_S),
+                                   how="live rejoin")
+        if why is None:
+            return
+        self.rejoin = _rejoin(self.start_rank, self.tb, self.run_dir, probe, self.procs, why,
+                              self.events, self.say, self.next_step)
+        if self.rejoin is None and probe.tries > REJOIN_TRIES:
+            probe.stop()  # its rank failed to rejoin each time: the host stays out
+            self.probe = None
+
+    def _ask_for_rejoin(self) -> None:
+        """The rank started to rejoin is ready: rank 0 is asked to take it in."""
+        rj, probe = self.rejoin, self.probe
+        if rj is None or rj.asked or not rj.ready.exists() or probe is None:
+            return
+        rj.asked = True
+        probe.request(rj.reason, len(self.procs) - 1, live=True)
+        probe.stop()  # the host is no longer probed: its rank is about to use it
+        self.events.log("rank_ready", step=self.next_step, rank=rj.slot, host=rj.host,
+                        start_s=round(time.monotonic() - rj.t0, 3))
+        self.probe = None
+
+    def _log_declined(self) -> None:
+        if self.probe is not None and self.probe.declined and not self.declined_logged:
+            self.declined_logged = True
+            self.events.log("host_probe", step=self.next_step, host=self.probe.host,
+                            restore=False, reason=self.probe.declined)
+
+    def _read_events(self) -> None:
+        for e in self.events_tail.poll():
+            self.progress.on_event(e)
+            if e.get("event") == "regroup":
+                self.regroup_s = float(e.get("regroup_s") or 1.0)
+                if hasattr(self.tb, "regrouped"):
+                    self.tb.regrouped(list(e.get("hosts") or []))  # traffic per membership
+                if self.rejoin is not None and self.rejoin.slot in (e.get("joined") or []):
+                    self.rejoin = None  # back in the job
+
+    def _rejoin_failed(self, failed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A rank started to rejoin failed before it was back: the job goes on without it
+        (once asked for, the others may be waiting for it in the regroup: a generation without
+        it wakes them); its host is probed again for the next try. The other failures."""
+        rj = self.rejoin
+        if rj is None or not any(r == rj.slot for r, _ in failed):
+            return failed
+        if rj.asked and self.members is not None:
+            self.members.lose([rj.slot], self.next_step)
+        code = self.procs.pop(rj.slot).returncode
+        self.events.log("rejoin_failed", step=self.next_step, rank=rj.slot, host=rj.host,
+                        exit_code=code, error=last_error_line(rank_log(self.run_dir, rj.slot)))
+        self.say(f"stalwart: rank {rj.slot} could not rejoin ({describe_exit(code)}); "
+                 f"the job goes on without host {rj.host}")
+        if self.probe is None and rj.tries < REJOIN_TRIES and hasattr(self.tb, "hosts") \
+                and self.members is not None:
+            self.probe = self._new_probe(rj.host)
+            self.probe.tries = rj.tries  # probed again for the next try
+        self.rejoin = None
+        return [(r, c) for r, c in failed if r != rj.slot]
+
+    def _lose_in_place(self, failed: list[tuple[int, int]]) -> bool:
+        """Fail-stop in a job that regroups in place (``lose_ranks``); the dead rank's host is
+        probed like a host left out: healthy (a process crash, not a bad host), its rank is
+        started again and rejoins live."""
+        if self.members is None or not failstop_ok(self.cfg) or not lose_ranks(
+                failed, self.procs, self.members, self.run_dir, self.events, self.say,
+                self.next_step):
+            return False
+        if self.probe is None and hasattr(self.tb, "hosts"):
+            self.probe = self._new_probe(self.tb.host(failed[0][0]))
+        return True
+
+    def _go_on_without(self, failed: list[tuple[int, int]]) -> bool:
+        return self.keep_going and drop_lost(failed, self.procs, self.run_dir, self.events,
+                                              self.say, self.next_step)
+
+    def _new_probe(self, host: int) -> Any:
+        from stalwart.mitigate.probe import HostProbe
+
+        probe = HostProbe(self.tb, host, list(self.members.current.hosts), self.run_dir)
+        self.probes.append(probe)
+        return probe
+
+    def _blame(self) -> int | None:
+        """A failed job: stop every rank and name the likely cause, not the first rank seen
+        dead (``culprit``); 2 when it hit a bad-input error (e.g. corrupt checkpoint), else 1."""
+        script = self.cfg.script
+        blamed = culprit(self.procs, lambda: first_errors(self.run_dir) if script else {})
+        if blamed is None:
+            return None
+        r, code = blamed
+        raised = first_errors(self.run_dir) if script else {}
+        stop_all(self.procs)
+        self.progress.close()
+        log = rank_log(self.run_dir, r)
+        why = raised.get(r, {}).get("error") or last_error_line(log)
+        self.events.log("rank_failed", rank=r, exit_code=code, error=why, step=self.next_step)
+        self.say(f"stalwart: rank {r} failed ({describe_exit(code)}): {why or 'no output'} "
+                 f"[log: {log}]")
+        return 2 if code == 2 else 1
+
+    def _finish(self) -> None:
+        for m in self.metrics_tail.poll():
+            self.progress.on_metric(m)
+        for e in self.events_tail.poll():
+            self.progress.on_event(e)
+        self.progress.finish()
+

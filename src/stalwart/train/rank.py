@@ -1,0 +1,362 @@
+"""One rank's job as an object: ``Rank.start`` builds it once -- devices, the process group,
+the run directory and logs, then each capability plugged in as an object -- and the loop
+(train/worker.py) calls its steps: ``enter``, ``set_lr``, ``train_step``, ``record``,
+``after`` (evaluation, checkpoint), ``finish``. The in-place membership side (``join``,
+``regroup``, ``restart_due``, ``fall_back``, ``leave``) is ``InPlaceMembership``
+(train/inplace.py).
+
+The capabilities and their seams: the step (``stepper``, train/steps.py: DDP or tensor
+parallel, on its device), the optimizer (``opt``: AdamW, or the loss-tolerant one of
+``stalwart.comm``), the straggler monitor (``monitor``, ``stalwart.detect``), the work plan
+(``work``, ``stalwart.mitigate``) and, in a job that regroups in place, the ``regrouper``
+(mitigate/regroup.py).
+
+Guarantees:
+- deterministic: the same seed gives the same losses (model init from the seed, batches a pure
+  function of (seed, step, rank), dropout off); a run resumed from a checkpoint reproduces the
+  uninterrupted run's losses;
+- per step and rank one metrics line: loss, step time split into compute time and
+  communication/wait time, samples, tokens, tokens/s (plus what the comm layer reports);
+- each evaluation and checkpoint is done once per step boundary, even when a regroup brings
+  the loop back to one it has passed; a checkpoint is LATEST only once every rank's file is
+  on disk.
+
+Cost: per step, the batches built on the host and moved to the device, one metrics line, the
+monitor's hint and the work plan's step end; a checkpoint adds one barrier.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from stalwart.config import ConfigError, RunConfig
+from stalwart.rundir import METRICS, EventLog, JsonlWriter
+from stalwart.train import checkpoint as ckpt
+from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
+from stalwart.train.inplace import REGROUP_PRICE_S, InPlaceMembership
+from stalwart.train.model import GPT, PRESETS
+from stalwart.train.steps import (
+    DataParallelStep,
+    DetachedStep,
+    TensorParallelStep,
+    evaluate,
+    make_groups,
+)
+from stalwart.train.torchrun import prepare_run_dir_for_torchrun
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
+    peak = cfg.resolved_lr()
+    if step < cfg.warmup:
+        return peak * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / span, 1.0)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: nn.Module,
+                    opt: Any, events: EventLog) -> None:
+    """Every rank saves its file; LATEST moves only once every rank's file is on disk."""
+    ckpt.save_rank(run_dir, done, rank, cfg, model, opt)
+    dist.barrier()
+    if rank == 0:
+        ckpt.mark_latest(run_dir, done, world=cfg.nproc)
+        events.log("checkpoint", step=done)
+
+
+@dataclass
+class Rank(InPlaceMembership):
+    """One rank's job, built once by ``Rank.start``: the process group and run directory, and
+    each capability plugged in as an object -- the step (DDP or tensor parallel, on its
+    device), the optimizer (AdamW, or the loss-tolerant one of ``stalwart.comm``), the
+    straggler monitor (``stalwart.detect``), the work plan (``stalwart.mitigate``) and the
+    regrouper (in place; its rank side is ``InPlaceMembership``)."""
+
+    cfg: RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    devices: Any  # the device plan (stalwart.devices.DevicePlan)
+    run_dir: Path
+    launched: bool  # started by `stalwart run` (else by torchrun)
+    events: EventLog
+    metrics: JsonlWriter
+    corpus: Corpus
+    monitor: Any = None
+    stepper: Any = None
+    opt: Any = None
+    work: Any = None
+    val: list = field(default_factory=list)
+    data_rank: int = 0
+    data_parts: int = 1
+    lr: float = 0.0  # this step's learning rate
+    regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
+    joining: bool = False  # started again by the launcher to rejoin (a host taken back)
+    n_params: int = 0
+    agreed: int = -1  # the steps applied that the last regroup's state agreement settled on
+    tp_index: int = 0  # the tensor-parallel shard this rank's model holds
+    done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
+
+    @classmethod
+    def start(cls, cfg: RunConfig) -> Rank:
+        """Devices, the process group, the run directory and logs, then the capabilities."""
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != cfg.nproc:
+            cfg.nproc = world  # torchrun decides the world size
+        cfg.validate()
+        torch.set_num_threads(cfg.threads)
+        from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
+
+        slot, slots = rank_slot()
+        try:
+            dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
+        device = torch.device(dplan.device_of(slot))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        from stalwart.mitigate.membership import JOIN_ENV
+
+        if os.environ.get(JOIN_ENV) == "1":
+            return cls._rejoiner(cfg, rank, device, dplan)
+        dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
+        launched = "STALWART_RUN_DIR" in os.environ
+        if not launched and cfg.faults:
+            raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
+        if launched:
+            run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        else:
+            run_dir = prepare_run_dir_for_torchrun(cfg, rank)
+        dist.barrier()
+        r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
+                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+        r._plug_in()
+        return r
+
+    @classmethod
+    def _rejoiner(cls, cfg: RunConfig, slot: int, device: torch.device, dplan: Any) -> Rank:
+        """Launch rank ``slot`` started again by the launcher to take its host back in place:
+        everything a rank holds but its process groups (those come with the generation that
+        takes it back: ``join``)."""
+        from stalwart.mitigate.regroup import Regrouper
+
+        run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        r = cls(cfg, slot, 0, device, dplan, run_dir, True, EventLog(run_dir),
+                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+        r.joining = True
+        torch.manual_seed(cfg.seed)
+        r.stepper = DetachedStep(GPT(r.model_cfg).to(device))
+        r.opt = torch.optim.AdamW(r.stepper.model.parameters(), lr=cfg.resolved_lr(),
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        with torch.device("meta"):
+            r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
+        r.regrouper = Regrouper(run_dir, slot, set(), joining=True)
+        # what joining builds, imported now: the detector's imports (scipy) took 2.7 s of a
+        # live rejoin's regroup on a loaded machine when left to the regroup itself
+        import stalwart.detect  # noqa: F401
+        import stalwart.mitigate.rebalance  # noqa: F401
+        r.val = [(x.to(device), y.to(device)) for x, y in val_batches(
+            r.corpus, cfg.eval_batches, cfg.resolved_batch_size(), r.model_cfg.block_size,
+            cfg.seed)]
+        return r
+
+    def enter(self) -> int | None:
+        """The step to run next: 0 or a checkpoint's (``resume``), or for a rank started to
+        rejoin the step agreed by the generation that takes it back (``join``); None when no
+        generation took it back (the caller makes it ``leave``)."""
+        if self.joining:  # started again to take its host back: in at the agreed step, or out
+            try:
+                start = self.join()
+            except RuntimeError as e:
+                print(f"stalwart: rank {self.rank} was not taken back: {e}", file=sys.stderr)
+                return None
+        else:
+            start = self.resume()
+        if start > 0:  # what the resumed checkpoint already holds is not redone
+            self.done_at.update({("eval", start), ("ckpt", start)})
+        return start
+
+    @property
+    def model_cfg(self) -> Any:
+        return PRESETS[self.cfg.preset]["model"]
+
+    def _make_monitor(self, hinted: bool = False) -> Any:
+        """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
+        its only samples, so its first step is not sampled -- and checked -- from the ops."""
+        cfg = self.cfg
+        if not cfg.detect:
+            return None
+        from stalwart.detect import Monitor
+
+        d = cfg.detection
+        lossy = cfg.comm == "lossy"
+        # no DDP tracking: every step's hint carries its compute and comm times, so the
+        # tracker would record nothing, and its Python comm hook would still take DDP off
+        # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
+        return Monitor(
+            run_dir=self.run_dir, rank=self.rank, world=self.world, track_ddp=False,
+            # lossy: the monitor's gloo ops must not pace the job (monitor.py)
+            check_every=d.lossy_check_every if lossy else None,
+            lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
+            persist=d.persist, history=d.history, compute_reps=d.compute_reps,
+            link_bytes=d.link_bytes, device=self.device, hinted=hinted)
+
+    def _plug_in(self) -> None:
+        cfg, mcfg, device = self.cfg, self.model_cfg, self.device
+        self.monitor = self._make_monitor()
+        torch.manual_seed(cfg.seed)
+        if cfg.tp > 1:
+            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
+            self.stepper = TensorParallelStep(cfg, tp_group, dp_group, self.run_dir, device)
+            self.tp_index = self.rank % cfg.tp
+        else:
+            self.data_rank, self.data_parts = self.rank, self.world
+            self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
+        opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
+                  "weight_decay": cfg.weight_decay}
+        if cfg.comm == "lossy":
+            from stalwart.comm import attach
+
+            # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
+            self.opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
+                              **opt_kw)
+        else:
+            self.opt = torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+        from stalwart.mitigate import work_plan
+
+        with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
+            self.n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+        # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
+        from stalwart.mitigate.membership import in_place_ok
+
+        if self.launched and self.world > 1 and in_place_ok(cfg):
+            from stalwart.mitigate.regroup import Regrouper
+
+            # the first generation's rendezvous store (launch rank 0's TCPStore) is left
+            # alone: a regroup never needs it, and shutting its connections would add errors
+            self.regrouper = Regrouper(self.run_dir, self.rank,
+                                       {int(os.environ.get("MASTER_PORT", "0"))})
+        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
+                              self.n_params,
+                              REGROUP_PRICE_S if self.regrouper is not None else None)
+        self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
+            self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
+            cfg.seed)]
+
+    def resume(self) -> int:
+        """The step to start at: 0, or a checkpoint's (``--resume``, a restart)."""
+        start = 0
+        if self.cfg.resume:
+            state = ckpt.load_rank(self.run_dir, self.rank, self.cfg, self.device)
+            self.stepper.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            ckpt.restore_rng(state)
+            start = state["step"]
+            if self.rank == 0:
+                self.events.log("resumed", step=start, world=self.world,
+                                saved_world=state["world"])
+        if self.rank == 0 and start == 0:
+            self.events.log("devices", plan=self.devices.describe(), device=self.devices.kind,
+                            backend=self.devices.backend)
+        return start
+
+    def train_step(self, step: int, share: Any, t0: float) -> tuple[dict[str, Any], float]:
+        """Forward/backward over this rank's share of the step, the optimizer step; the
+        metrics line and the forward/backward seconds."""
+        cfg, mcfg = self.cfg, self.model_cfg
+        mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
+        starts = step_starts(self.corpus, gb, mcfg.block_size, cfg.seed, step)
+        batches = [micro_batch(self.corpus, starts, mbs, mcfg.block_size, g)
+                   for g in share.indices]
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        loss, timing = self.stepper.forward_backward(batches, share.micro_weight)
+        t_opt = time.perf_counter()
+        if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
+            self.stepper.clip_grad_norm_(cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        extra: dict[str, Any] = self.opt.stats() if hasattr(self.opt, "stats") else {}
+        opt_comm = float(extra.pop("comm_time", 0.0))
+        tokens = mbs * len(batches) * mcfg.block_size
+        step_time = t1 - t0
+        fb = timing["compute_time"]  # forward/backward: the part that scales with the plan
+        rec = {
+            "step": step, "rank": self.rank, "time": time.time(), "loss": loss,
+            "lr": self.lr, "step_time": step_time,
+            "compute_time": fb + (t1 - t_opt) - opt_comm,
+            # replay rebuilds the detector's and the policy's per-micro-batch inputs from it
+            "fb_time": fb,
+            "comm_time": timing["comm_time"] + opt_comm,
+            "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
+            "micro_batches": len(batches), "plan_version": share.version,
+            "host": cfg.hosts[self.rank] if cfg.hosts else self.rank, "world": self.world,
+            **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
+            **extra,
+        }
+        return rec, fb
+
+    def record(self, step: int, rec: dict[str, Any], fb: float) -> None:
+        """The metrics line; the monitor's hint (per unit of work: a plan must not look like a
+        recovery) and the work plan's measurements."""
+        self.metrics.write(rec)
+        if self.monitor is not None:
+            self.monitor.step(step, {**rec, "compute_time": rec["compute_time"] - fb
+                                     + self.work.normalised(fb)})
+        self.work.end_step(step, fb, rec["step_time"])
+
+    def set_lr(self, step: int) -> None:
+        self.lr = lr_at(step, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+
+    def evaluate(self, step: int) -> None:
+        t = time.perf_counter()
+        v = evaluate(self.stepper.model, self.val, self.data_rank, self.data_parts)
+        if self.rank == 0:
+            self.events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
+                        self.events)
+
+    def after(self, done: int) -> None:
+        """The evaluation and checkpoint due after ``done`` steps, each once (a regroup can
+        bring the loop back to a step boundary it has passed)."""
+        cfg = self.cfg
+        if (done == 0 or done % cfg.eval_every == 0 or done == cfg.steps) \
+                and ("eval", done) not in self.done_at:
+            self.evaluate(done)
+            self.done_at.add(("eval", done))
+        if (done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at) \
+                and done > 0 and ("ckpt", done) not in self.done_at:
+            self.checkpoint(done)
+            self.done_at.add(("ckpt", done))
+
+    def finish(self, code: int) -> int:
+        for part in (self.monitor, self.work, self.opt, self.regrouper):
+            if hasattr(part, "close"):
+                part.close()
+        dist.barrier()
+        if self.rank == 0 and not self.launched and code == 0:
+            self.events.log("run_finished", ok=True)
+            from stalwart.report import build_report
+
+            build_report(self.run_dir)
+        self.metrics.close()
+        self.events.close()
+        dist.destroy_process_group()
+        return code
