@@ -121,23 +121,30 @@ def stop_all(procs: dict[int, subprocess.Popen]) -> None:
 
 def lose_ranks(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
                members: Any, run_dir: Path, events: EventLog, say: Callable[[str], None],
-               step: int) -> bool:
+               step: int, tp: int = 1) -> bool:
     """Ranks died in a job that regroups in place: log each (``rank_lost``), drop it, and
-    announce the next generation to the survivors. False (the job stops as before) when no
-    rank is left running, or a rank exited 2 (bad input: every rank would hit it)."""
-    alive = [r for r, p in procs.items() if p.poll() is None]
+    announce the next generation to the survivors (with tensor parallelism, without the rest
+    of the dead rank's TP group, which leaves: membership.survivors). False (the job stops as
+    before) when no rank would be left, or a rank exited 2 (bad input: every rank would hit
+    it)."""
+    from stalwart.mitigate.membership import survivors
+
+    dead = [r for r, _ in failed]
+    kept, left = survivors(members.current, dead, tp)
+    alive = [r for r, p in procs.items() if p.poll() is None and r in kept]
     if not alive or any(code == 2 for _, code in failed):
         return False
+    with_it = f" ({len(left)} more of its tensor-parallel group leave)" if left else ""
     for r, code in failed:
         # a signal leaves no error of the rank's own (its last line is whatever came before)
         why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
         host = members.current.hosts[members.current.alive.index(r)]
         events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
-                   world_after=len(alive))
-        say(f"stalwart: rank {r} (host {host}) lost ({describe_exit(code)}); the other "
-            f"{len(alive)} regroup in place")
+                   world_after=len(alive), left=left)
+        say(f"stalwart: rank {r} (host {host}) lost ({describe_exit(code)}){with_it}; the "
+            f"other {len(alive)} regroup in place")
         del procs[r]
-    members.lose([r for r, _ in failed], step)
+    members.lose(dead, step, tp)
     return True
 
 
@@ -158,9 +165,11 @@ def drop_lost(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
 
 
 def ranks_left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Path,
-               events: EventLog, say: Callable[[str], None], step: int) -> Any:
-    """Ranks that an in-place regroup left out (S4) exited: log each (``rank_left``) and
-    probe its host for the way back (probe.py); returns the probe (or None)."""
+               events: EventLog, say: Callable[[str], None], step: int,
+               probe_hosts: bool = True) -> Any:
+    """Ranks that an in-place regroup left out (S4, or a dead rank's TP group) exited: log
+    each (``rank_left``) and, with ``probe_hosts``, probe its host for the way back
+    (probe.py); returns the probe (or None)."""
     from stalwart.mitigate import membership
     from stalwart.mitigate.probe import HostProbe
 
@@ -170,9 +179,9 @@ def ranks_left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_di
         host = tb.host(r)
         del procs[r]
         events.log("rank_left", step=step, rank=r, host=host)
-        say(f"stalwart: rank {r} left; host {host} is out of the job and probed for the way "
-            "back")
-        if g is not None and probe is None and hasattr(tb, "hosts"):
+        say(f"stalwart: rank {r} left; host {host} is out of the job"
+            + (" and probed for the way back" if probe_hosts else ""))
+        if g is not None and probe is None and hasattr(tb, "hosts") and probe_hosts:
             probe = HostProbe(tb, host, list(g.hosts), run_dir)
     if members is not None and g is not None and g.token == members.current.token:
         members.current = g if g.gen > members.current.gen else members.current

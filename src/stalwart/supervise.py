@@ -9,14 +9,16 @@ then each rank's exit status, whose meaning rankexits.py gives.
 What it guarantees:
 - if one rank dies, the others are stopped and the job returns non-zero, naming the rank
   to blame (rankexits.py ``culprit``) and the last line of its error: 2 when that rank hit
-  bad input, else 1; nothing hangs. Except in a data-parallel job that regroups in place
-  (``--mitigate auto``, reliable comm: mitigate/membership.py ``failstop_ok``): there it
-  logs ``rank_lost``, announces a new membership generation without the rank, and the
-  survivors carry on (mitigate/regroup.py); and with ``keep_going`` (ranks that handle a
+  bad input, else 1; nothing hangs. Except in a job that regroups in place (``--mitigate
+  auto``, reliable comm: mitigate/membership.py ``failstop_ok``): there it logs
+  ``rank_lost``, announces a new membership generation without the rank (with tensor
+  parallelism, without its whole TP group), and the survivors carry on
+  (mitigate/regroup.py); and with ``keep_going`` (ranks that handle a
   lost peer themselves, e.g. a peer framework's replica groups in ``stalwart bench``): it
   only logs ``rank_lost`` and supervises the rest, and the job succeeds when every rank
   still running exits 0;
-- a host an in-place regroup left out (S4), or the host of a rank lost in place, is probed
+- a host an in-place regroup left out (S4), or the host of a rank lost in place (data
+  parallel only: a TP group would need all its ranks back at once), is probed
   for the way back (mitigate/probe.py); once healthy and worth it, its rank is started
   again and joins live (at most REJOIN_TRIES starts), or, in a job that cannot regroup in
   place, the ranks are asked to take it back by a restart;
@@ -263,7 +265,7 @@ class Supervisor:
     def _take_leavers(self) -> None:
         """Ranks an in-place regroup left out (S4) exited: the first host's probe starts."""
         got = ranks_left(self.procs, self.members, self.tb, self.run_dir, self.events, self.say,
-                    self.next_step)
+                         self.next_step, probe_hosts=self.cfg.tp == 1)
         if got is not None:
             self.probes.append(got)
             if self.probe is None:
@@ -354,9 +356,9 @@ class Supervisor:
         started again and rejoins live."""
         if self.members is None or not failstop_ok(self.cfg) or not lose_ranks(
                 failed, self.procs, self.members, self.run_dir, self.events, self.say,
-                self.next_step):
+                self.next_step, self.cfg.tp):
             return False
-        if self.probe is None and hasattr(self.tb, "hosts"):
+        if self.probe is None and hasattr(self.tb, "hosts") and self.cfg.tp == 1:
             self.probe = self._new_probe(self.tb.host(failed[0][0]))
         return True
 

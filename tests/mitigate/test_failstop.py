@@ -63,3 +63,31 @@ def test_without_mitigation_a_killed_rank_still_stops_the_job(tmp_path: Path) ->
     run = RunData.load(tmp_path / "off")
     assert [e["rank"] for e in run.events_of("rank_failed")] == [1]
     assert not run.events_of("regroup")
+
+
+def test_a_killed_tensor_parallel_rank_takes_its_group_out_and_the_job_trains_on(
+        tmp_path: Path) -> None:
+    # 4 ranks as 2 TP groups of 2: (0, 1) and (2, 3); rank 3 dies, rank 2 cannot compute its
+    # group's shards alone and leaves, and (0, 1) train every later step's whole global batch
+    tp = [a if a != "3" else "4" for a in RUN] + ["--tp", "2"]
+    ok = stalwart(*tp, "--out", str(tmp_path), "--name", "ok")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    cut = stalwart(*tp, "--out", str(tmp_path), "--name", "cut", "--fault", "kill:rank=3,at=6")
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    a, b = RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+    lost = b.events_of("rank_lost")
+    assert [(e["rank"], e["left"]) for e in lost] == [(3, [2])]
+    assert [e["rank"] for e in b.events_of("rank_left")] == [2]
+    regroup = b.events_of("regroup")
+    assert [(e["world"], e["members"], e["lost"]) for e in regroup] == [(2, [0, 1], [3])]
+    back = regroup[0]["step"]
+    assert 6 <= back <= 8  # at most the step in flight is redone
+    assert {m["world"] for m in b.metrics if m["step"] >= back} == {2}
+    assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1}
+    # the same samples every step (counted once per TP group: its ranks share a micro-batch)
+    per_step = {s: n // 2 for s, n in _samples_per_step(b).items()}
+    assert sorted(per_step) == list(range(14)) and len(set(per_step.values())) == 1, per_step
+    va, vb = a.final_val_loss(), b.final_val_loss()
+    assert va is not None and vb is not None
+    assert abs(va - vb) / va <= 1e-3, (va, vb)
+    assert b.events_of("run_finished")[-1]["ok"] is True

@@ -53,13 +53,26 @@ def test_generations_drop_the_lost_and_renumber_the_rest(tmp_path: Path) -> None
     assert again.current.token != g0.token and membership.read(tmp_path).gen == 0
 
 
-def test_reliable_auto_jobs_regroup_in_place_and_data_parallel_ones_survive_a_death() -> None:
+def test_reliable_auto_jobs_regroup_in_place_and_survive_a_death() -> None:
     assert in_place_ok(RunConfig(nproc=4, mitigate="auto"))
     assert not in_place_ok(RunConfig(nproc=4, mitigate="off"))
     assert in_place_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
     assert not in_place_ok(RunConfig(nproc=4, mitigate="auto", comm="lossy"))
     assert failstop_ok(RunConfig(nproc=4, mitigate="auto"))
-    assert not failstop_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
+    assert failstop_ok(RunConfig(nproc=4, mitigate="auto", tp=2))
+    assert not failstop_ok(RunConfig(nproc=4, mitigate="off", tp=2))
+
+
+def test_a_dead_rank_takes_its_tensor_parallel_group_out_with_it(tmp_path: Path) -> None:
+    ann = Announcer(tmp_path, [0, 1, 2, 3, 4, 5])
+    # TP groups of 2 are runs of consecutive ranks: (0, 1), (2, 3), (4, 5)
+    assert membership.survivors(ann.current, [3], tp=2) == ([0, 1, 4, 5], [2])
+    assert membership.survivors(ann.current, [3], tp=1) == ([0, 1, 2, 4, 5], [])
+    assert membership.survivors(ann.current, [0, 5], tp=3) == ([], [1, 2, 3, 4])
+    g1 = ann.lose([3], step=4, tp=2)
+    assert (g1.alive, g1.hosts, g1.lost) == ((0, 1, 4, 5), (0, 1, 4, 5), (3,))
+    # the groups of the next generation are taken in its own order: (0, 1), (4, 5)
+    assert membership.survivors(g1, [4], tp=2) == ([0, 1], [5])
 
 
 def test_shutdown_wakes_a_blocked_reader_and_spares_kept_ports() -> None:

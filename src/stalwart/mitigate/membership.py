@@ -97,10 +97,27 @@ def in_place_ok(cfg: Any) -> bool:
 
 
 def failstop_ok(cfg: Any) -> bool:
-    """Whether a dead rank is left behind in place: an in-place job that is data parallel (a
-    tensor-parallel world less one rank does not divide into TP groups; such a job stops as
-    before)."""
-    return in_place_ok(cfg) and cfg.tp == 1
+    """Whether a dead rank is left behind in place: every in-place job. A tensor-parallel
+    job leaves the dead rank's whole TP group (``survivors``); its hosts are not taken back
+    (a rank rejoins one at a time, and a TP group needs all of its ranks)."""
+    return in_place_ok(cfg)
+
+
+def survivors(g: Generation, slots: list[int], tp: int = 1) -> tuple[list[int], list[int]]:
+    """The launch ranks that go on when ``slots`` die, and those left out with them. With
+    tensor parallelism (TP groups are runs of ``tp`` consecutive ranks of ``g``) a group that
+    lost a rank cannot compute its shards' share: its other ranks leave too, and the rest
+    stay whole TP groups, so no shard has to move. (kept, left); kept may be empty."""
+    gone = set(slots)
+    kept: list[int] = []
+    left: list[int] = []
+    for i in range(0, len(g.alive), tp):
+        group = list(g.alive[i:i + tp])
+        if gone.isdisjoint(group):
+            kept += group
+        else:
+            left += [s for s in group if s not in gone]
+    return kept, left
 
 
 def read(run_dir: Path) -> Generation | None:
@@ -169,13 +186,15 @@ class Announcer:
     def _write(self) -> None:
         announce(self.run_dir, self.current)
 
-    def lose(self, slots: list[int], step: int) -> Generation:
-        """The next generation without launch ranks ``slots``."""
+    def lose(self, slots: list[int], step: int, tp: int = 1) -> Generation:
+        """The next generation without launch ranks ``slots`` (and, with tensor parallelism,
+        without the rest of their TP groups: ``survivors``)."""
         now = read(self.run_dir)  # rank 0 may have made planned changes since
         if now is not None and now.token == self.current.token and now.gen > self.current.gen:
             self.current = now
         cur = self.current
-        keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s not in slots]
+        kept, _ = survivors(cur, slots, tp)
+        keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s in kept]
         self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
                                   tuple(h for _, h in keep), tuple(sorted(slots)), step,
                                   time.time(), home=cur.home)
