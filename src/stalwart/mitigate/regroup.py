@@ -31,8 +31,9 @@ ready (``membership.ready_path``), and waits in ``regroup`` for the generation t
 ``agree_state`` then gives it the current parameters and optimizer state from a peer.
 
 In a tensor-parallel job (S3; and fail-stop, where the dead rank's TP group leaves whole:
-membership.survivors) ``agree_shards`` replaces step 3: the trainer is rebound to the new TP and DP groups and each TP index's shard moves
-to the ranks that now hold that index and did not before.
+membership.survivors) ``agree_shards`` replaces step 3: the trainer is rebound to the new
+TP and DP groups and each TP index's shard moves to the ranks that now hold that index and
+did not before.
 
 The caller then re-wraps DDP, rebuilds its work plan (the same global batch, more
 micro-batches per survivor) and its monitor, zeroes the gradients of the failed step and
