@@ -58,3 +58,20 @@ def test_a_failed_regroup_falls_back_to_a_relaunch(tmp_path: Path) -> None:
     assert abs(va - vb) / va <= 1e-3, (va, vb)
     assert b.events_of("run_finished")[-1]["ok"] is True
     assert "in-place regroup failed" in got.stdout + got.stderr
+
+
+def test_a_failed_regroup_of_a_lossy_job_stops_with_the_reason(tmp_path: Path) -> None:
+    # --comm lossy: each rank saved only its own shard of the optimizer state, which a
+    # relaunch at another world size cannot load (and the broken groups cannot re-shard):
+    # the job stops, saying why, instead of relaunching from a state it cannot read
+    got = stalwart(*RUN, "--comm", "lossy", "--out", str(tmp_path), "--name", "fb",
+                   "--fault", "kill:rank=1,at=6", env={TEST_FAIL_ENV: "0"})
+    assert got.returncode == 1, got.stdout + got.stderr
+    b = RunData.load(tmp_path / "fb")
+    assert [e["rank"] for e in b.events_of("rank_lost")] == [1]
+    assert not b.events_of("regroup") and not b.events_of("restart")
+    failed = b.events_of("regroup_failed")
+    assert len(failed) == 1 and failed[0]["fallback"] == "none", failed
+    assert "cannot build the groups" in failed[0]["reason"], failed
+    assert "--comm lossy" in failed[0]["reason"], failed
+    assert "no relaunch is possible" in got.stdout + got.stderr

@@ -53,7 +53,7 @@ from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.layout import Layout
 
 # re-exported: the collective's public names (tests, ddp.py and users import them from here)
-from stalwart.comm.phase import GIVE_UP_S, PeerLost, Phases  # noqa: F401
+from stalwart.comm.phase import GIVE_UP_S, Interrupted, PeerLost, Phases  # noqa: F401
 from stalwart.comm.receiving import (  # noqa: F401
     MAX_HANDLER_ERRORS,
     ReceiveFailed,
@@ -174,6 +174,7 @@ class LossyCollective(Receiving, Sending, Phases):
         self._rounds = [self._new_round(i) for i in range(ROUNDS_OPEN)]
         self.round = -1
         self.silent: set[int] = set()
+        self.interrupted: str | None = None  # why: every wait for packets raises Interrupted
         # perf_counter of each peer's latest packet (start: now, so a peer that never speaks
         # is given up on after one cap like any other)
         self._heard = np.full(self.world, time.perf_counter())
@@ -347,6 +348,14 @@ class LossyCollective(Receiving, Sending, Phases):
 
     def rejected_counts(self) -> dict[str, int]:
         return {REASONS[i]: int(v) for i, v in enumerate(self.rejected) if i and v}
+
+    def interrupt(self, why: str) -> None:
+        """From any thread: the phase this rank waits in (or its next one) raises
+        ``Interrupted`` -- the job knows a peer is gone (its membership changed), so waiting
+        for the peer's packets up to a deadline cap would only delay the regroup. Sticky:
+        the collective is not used again."""
+        self.interrupted = why
+        self._wake()
 
     def close(self) -> None:
         if self._eng is not None:

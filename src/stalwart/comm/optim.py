@@ -26,13 +26,36 @@ rx_errors (receive-handler failures this step; past a bound the step raises inst
 landed, the gap between the stale local copy and the owner's value that replaced it (with no
 loss: one step's update);
 ``stale_max`` is the age in steps of this replica's oldest chunk.
+
+Re-sharding (an in-place regroup, train/inplace.py): ``full_state()`` is a collective over a
+process group in which every rank that holds a shard contributes it (and any ``piece`` it was
+handed: a leaving rank's shard); every rank of the group -- one that holds nothing too, e.g. a
+rank that joins -- gets the whole optimizer as ``FullState``: the flat parameter vector with
+each element's OWNER's value (replicas may be stale: the owners' values are the truth), the
+per-element state over the whole vector (AdamW's exp_avg and exp_avg_sq; a tensor is
+per-element when it has the dimension and size of its segment) and the scalar state (AdamW's
+step; identical across owners: the first one's). A lossy optimizer built for another world
+takes its own shard of it with ``load_full_state``. Elements no piece owns (a dead owner's
+shard) get their parameter values from one named rank's replica and their per-element state
+restarts from zero (``FullState.reset`` counts them). Generic over the inner optimizer: only
+its state's shapes are read. Cost: one all-gather of a few hundred bytes (who owns what, the
+state's keys, the scalar state) and one all-reduce of (1 + per-element keys) x 4 bytes per
+parameter (AdamW: 12; per further dtype of state one more all-reduce).
+
+The step in flight: with ``keep_undo`` (set in jobs that regroup in place) the owner keeps
+its shard's values and optimizer state from before its last update (a copy of 3 x 4 bytes
+per owned parameter per step with AdamW), so that a step that raises after the update --
+the collective was interrupted (``interrupt``: a member was lost) -- leaves the owner's shard
+as it was, and an owner one committed step ahead of the others can go back (``undo_last``).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -135,12 +158,14 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
             base = 0
         # each group's segment of the shard: [seg_lo, seg_hi) in shard coordinates
         self._segs: list[tuple[int, int]] = []
+        self._bounds: list[tuple[int, int]] = []  # each group's range of the flat vector
         at = 0
         for g in groups:
             n = sum(p.numel() for p in g["params"])
             lo = min(max(at - base, 0), self.shard.numel())
             hi = min(max(at + n - base, 0), self.shard.numel())
             self._segs.append((lo, hi))
+            self._bounds.append((at, at + n))
             at += n
         self._views = [torch.nn.Parameter(self.shard.detach()[lo:hi].clone())
                        for lo, hi in self._segs]
@@ -160,6 +185,10 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
                  for g, ig in zip(groups, inner.param_groups, strict=True)]
         super().__init__(outer, dict(inner.defaults))
         self._stats: dict[str, Any] = {}
+        # the owner's shard before its last update: (values, inner state), while keep_undo
+        self.keep_undo = False
+        self._undo: tuple[np.ndarray, dict[Any, dict[str, Any]]] | None = None
+        self.committed = 0  # steps this optimizer completed (its update and broadcast)
 
     # ---- optimizer surface ----------------------------------------------------------------
     def _sync_hyper(self) -> None:
@@ -253,9 +282,17 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
         if self.mode == "params":
             # the owner's shard is authoritative: the model's copy of it equals self.shard
             # unless the caller reloaded the model, which this picks up
-            new = self._inner_step(self.flat_model_shard(), avg)
+            cur = self.flat_model_shard()
+            if self.keep_undo:
+                self._undo = (cur, _clone_state(self.inner.state))  # (cur: a fresh copy)
+            new = self._inner_step(cur, avg)
             before = self.flat.copy()
-            mask, p2 = coll.broadcast(new, self.flat)
+            try:
+                mask, p2 = coll.broadcast(new, self.flat)
+            except BaseException:
+                if self._undo is not None:  # the step did not complete: nor does its update
+                    self.undo_last()
+                raise
             phases.append(p2)
             landed = mask.copy()
             landed[self.lo: self.hi] = False
@@ -267,6 +304,7 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
             phases.append(p2)
             self.flat = self._inner_step(self._gather_params(), full)
             drift = float("nan")  # unobservable locally: the benchmark measures it exactly
+        self.committed += 1
         if self.mode == "params":
             self._refresh(mask)
         else:
@@ -330,3 +368,232 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         self.coll.close()
+
+    # ---- in-place regroups: the step in flight, re-sharding ------------------------------
+    def interrupt(self, why: str) -> None:
+        """Make the step in progress (or the next one) raise ``collective.Interrupted`` at
+        its next wait for packets (from any thread: a membership change was announced)."""
+        self.coll.interrupt(why)
+
+    def can_undo(self) -> bool:
+        """Whether the owner's last update can be undone (``keep_undo``, not undone yet)."""
+        return self._undo is not None
+
+    def undo_last(self) -> None:
+        """Put the owner's shard -- its values in the model and the inner optimizer's state --
+        back to what it was before its last update."""
+        if self._undo is None:
+            raise RuntimeError("no update to undo")
+        values, state = self._undo
+        self._undo = None
+        self.inner.state.clear()
+        self.inner.state.update(state)
+        self._set_shard(values)
+        full = self._gather_params()
+        full[self.lo: self.hi] = values
+        self.flat[self.lo: self.hi] = values
+        self.staging.put_values(full)
+
+    def _set_shard(self, values: np.ndarray) -> None:
+        with torch.no_grad():
+            self.shard.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+            for v, (lo, hi) in zip(self._views, self._segs, strict=True):
+                v.copy_(self.shard[lo:hi])
+
+    def piece(self) -> dict[str, Any]:
+        """This rank's shard as a self-contained piece of the whole optimizer (what
+        ``gather_full_state`` takes; a rank leaving the job sends its piece to one that
+        stays): its range of the flat vector and its owner's values there, per group the
+        per-element state of its segment (global start, tensor) and the scalar state, the
+        groups' ranges and hyper-parameters. Copies: the optimizer may go on."""
+        if self.mode != "params":
+            raise ValueError("only mode='params' has owners' state to re-shard")
+        elem, scalar = [], []
+        for v, (lo, hi) in zip(self._views, self._segs, strict=True):
+            st = self.inner.state.get(v, {})
+            elem.append({k: (self.lo + lo, _clone(t).reshape(-1)) for k, t in st.items()
+                         if _per_element(t, hi - lo)})
+            scalar.append({k: _clone(t) for k, t in st.items() if not _per_element(t, hi - lo)})
+        return {"range": (self.lo, self.hi), "values": self.flat_model_shard(),
+                "numel": self.numel, "bounds": list(self._bounds), "elem": elem,
+                "scalar": scalar,
+                "hyper": [{k: v for k, v in g.items() if k != "params"}
+                          for g in self.param_groups]}
+
+    def full_state(self, values_from: int | None = None, group: Any = None,
+                   extra: list[dict[str, Any]] | None = None) -> FullState:
+        """The whole optimizer, gathered from the owners over ``group`` (see the module's
+        docstring; every rank of the group calls it: ``gather_full_state``)."""
+        return gather_full_state(self, values_from, group, extra)
+
+    def load_full_state(self, full: FullState) -> None:
+        """Become this rank's shard of ``full``: the parameters (all of them, into the model
+        and this replica), this shard's per-element state, the scalar state and the groups'
+        hyper-parameters. Local: no communication."""
+        if self.mode != "params":
+            raise ValueError("only mode='params' has owners' state to re-shard")
+        if full.numel != self.numel or [tuple(b) for b in full.bounds] != self._bounds:
+            raise ValueError("full state of another model or parameter grouping")
+        self.flat = np.array(full.values, np.float32, copy=True)
+        self.staging.put_values(self.flat)
+        self.age[:] = 0
+        self.last_true = self.flat.copy()
+        self.vel[:] = 0
+        self._set_shard(self.flat[self.lo: self.hi])
+        self.inner.state.clear()
+        for gi, (v, (slo, shi)) in enumerate(zip(self._views, self._segs, strict=True)):
+            a = self.lo + slo - full.bounds[gi][0]
+            st: dict[str, Any] = {k: t[a: a + shi - slo].clone().to(v.device)
+                                  for k, t in full.elem[gi].items()}
+            st.update({k: _clone(t) for k, t in full.scalar[gi].items()})
+            if st:
+                self.inner.state[v] = st
+        for g, h in zip(self.param_groups, full.hyper, strict=False):
+            g.update(h)
+        self._sync_hyper()
+        self._undo = None
+
+
+# ---- the whole optimizer, for re-sharding --------------------------------------------------
+@dataclass
+class FullState:
+    """A lossy optimizer's state over the whole flat vector (``full_state``)."""
+
+    numel: int
+    bounds: list[tuple[int, int]]  # each parameter group's range of the flat vector
+    values: np.ndarray  # float32: each element's owner's parameter value
+    elem: list[dict[str, torch.Tensor]]  # per group: per-element state over its range
+    scalar: list[dict[str, Any]]  # per group: scalar state (the owners', identical)
+    hyper: list[dict[str, Any]]  # per group: hyper-parameters
+    reset: int = 0  # elements of no contributing owner: their per-element state restarted
+
+
+def _per_element(t: Any, n: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() == n
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _clone(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+def _clone_state(state: Any) -> dict[Any, dict[str, Any]]:
+    return {p: {k: _clone(v) for k, v in s.items()} for p, s in state.items()}
+
+
+def _packing(numel: int, bounds: list[tuple[int, int]],
+             schema: list[dict[str, str]]) -> tuple[dict[str, int], dict[Any, int]]:
+    """Sizes of the packed buffers (one per dtype; "float32" starts with the values) and
+    where each group's per-element key starts in its buffer."""
+    size = {"float32": numel}
+    at: dict[Any, int] = {}
+    for gi, keys in enumerate(schema):
+        n = bounds[gi][1] - bounds[gi][0]
+        for k in sorted(keys):
+            name = keys[k]
+            at[(gi, k)] = size.get(name, 0)
+            size[name] = size.get(name, 0) + n
+    return size, at
+
+
+def _buffers(size: dict[str, int]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(n, dtype=getattr(torch, name)) for name, n in size.items()}
+
+
+def _uncovered(numel: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [0, numel) outside ``ranges``; RuntimeError when two ranges overlap."""
+    out, at = [], 0
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if lo < at:
+            raise RuntimeError(f"two ranks own overlapping shards of the optimizer ({lo} < {at})")
+        if lo > at:
+            out.append((at, lo))
+        at = hi
+    if at < numel:
+        out.append((at, numel))
+    return out
+
+
+def _meta(p: dict[str, Any]) -> dict[str, Any]:
+    """A piece without its data: what the ranks tell each other before the all-reduce."""
+    return {"range": tuple(p["range"]), "numel": p["numel"], "bounds": p["bounds"],
+            "elem": [{k: _dtype_name(t) for k, (_, t) in e.items()} for e in p["elem"]],
+            "scalar": p["scalar"], "hyper": p["hyper"]}
+
+
+def _fill(p: dict[str, Any], bounds: list[tuple[int, int]], bufs: dict[str, torch.Tensor],
+          at: dict[Any, int]) -> None:
+    """Write piece ``p`` (its owner's values and per-element state) into the packed buffers."""
+    lo, hi = p["range"]
+    bufs["float32"][lo:hi] = torch.from_numpy(np.ascontiguousarray(p["values"]))
+    for gi, e in enumerate(p["elem"]):
+        for k, (start, t) in e.items():
+            o = at[(gi, k)] + start - bounds[gi][0]
+            bufs[_dtype_name(t)][o: o + t.numel()] = t.detach().reshape(-1).cpu()
+
+
+def _union(pieces: list[dict[str, Any]], groups: int
+           ) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+    """Per group: every piece's per-element keys (with their dtypes), the first piece's
+    scalar state."""
+    schema: list[dict[str, str]] = [{} for _ in range(groups)]
+    scalar: list[dict[str, Any]] = [{} for _ in range(groups)]
+    for m in pieces:
+        for gi, (elem, sc) in enumerate(zip(m["elem"], m["scalar"], strict=True)):
+            for k, name in elem.items():
+                schema[gi].setdefault(k, name)
+            for k, v in sc.items():
+                scalar[gi].setdefault(k, v)
+    return schema, scalar
+
+
+def gather_full_state(opt: ShardedLossyOptimizer | None, values_from: int | None = None,
+                      group: Any = None, extra: list[dict[str, Any]] | None = None
+                      ) -> FullState:
+    """Collective over ``group`` (every rank calls it): the whole optimizer from the shards
+    the ranks hold -- ``opt``'s (None: a rank that holds none, e.g. one that joins) and the
+    ``extra`` pieces it was given (``piece``: a leaving rank's). Each element is filled by
+    the one piece that owns it -- zeros elsewhere and a SUM all-reduce, so every rank gets it
+    bit for bit. Elements no piece owns take their values from the replica of rank
+    ``values_from`` (of ``group``) and zero per-element state (``reset`` counts them). The
+    scalar state is the first piece's, in rank order. RuntimeError when no rank holds a
+    shard, two overlap, or elements are left without values."""
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    mine = ([opt.piece()] if opt is not None else []) + list(extra or [])
+    metas: list[Any] = [None] * world
+    dist.all_gather_object(metas, ([_meta(p) for p in mine], opt is not None), group=group)
+    pieces = [m for ms, _ in metas for m in ms]
+    if not pieces:
+        raise RuntimeError("no rank holds a shard of the lossy optimizer")
+    ref = pieces[0]
+    if any(m["numel"] != ref["numel"] or m["bounds"] != ref["bounds"] for m in pieces):
+        raise RuntimeError("the ranks' lossy optimizers cover different parameters")
+    numel, bounds = int(ref["numel"]), [tuple(b) for b in ref["bounds"]]
+    schema, scalar = _union(pieces, len(bounds))
+    gaps = _uncovered(numel, [m["range"] for m in pieces])
+    if gaps and (values_from is None or not metas[values_from][1]):
+        raise RuntimeError(f"elements {gaps} have no owner and no replica was named for them")
+    size, at = _packing(numel, bounds, schema)
+    bufs = _buffers(size)
+    for p in mine:
+        _fill(p, bounds, bufs, at)
+    if me == values_from and gaps:
+        assert opt is not None
+        replica = torch.from_numpy(opt._gather_params())
+        for a, b in gaps:
+            bufs["float32"][a:b] = replica[a:b]
+    for name in sorted(bufs):
+        dist.all_reduce(bufs[name], op=dist.ReduceOp.SUM, group=group)
+    full = FullState(numel, bounds, bufs["float32"][:numel].numpy().copy(),
+                     [{} for _ in bounds], scalar, ref["hyper"],
+                     sum(b - a for a, b in gaps) if any(schema) else 0)
+    for gi, keys in enumerate(schema):
+        n = bounds[gi][1] - bounds[gi][0]
+        full.elem[gi] = {k: bufs[name][at[(gi, k)]: at[(gi, k)] + n].clone()
+                         for k, name in keys.items()}
+    return full

@@ -39,6 +39,11 @@ class PeerLost(RuntimeError):
     """A peer sent nothing for ``give_up_s``: dead, or its packets cannot reach this rank."""
 
 
+class Interrupted(RuntimeError):
+    """The collective was interrupted (``LossyCollective.interrupt``: the job's membership
+    changed, a peer is known to be gone): the phase in progress stops waiting."""
+
+
 WAITING, LATE, GRACE = "waiting", "late", "grace"  # running states
 COMPLETE, ENDED, DEADLINE = "complete", "ended", "deadline"  # final states
 
@@ -115,6 +120,8 @@ class Phases:
         with self._cond:
             while True:
                 self._check_handler()
+                if self.interrupted is not None:
+                    raise Interrupted(f"stalwart.comm: rank {self.rank}: {self.interrupted}")
                 self._sync()
                 now = time.perf_counter()
                 live = [s for s in exp if s not in self.silent]

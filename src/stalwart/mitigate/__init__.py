@@ -41,9 +41,13 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
     groups = world // cfg.tp
     if cfg.mitigate == "off" or groups < 2:
         return StaticPlan(micro, groups, rank // cfg.tp)
-    # S4 restarts need a checkpoint that resumes at another world size (train/checkpoint.py):
-    # not yet for the lossy optimizer's sharded state, nor (in the policy) for TP
-    mode = "rebalance" if cfg.comm == "lossy" else cfg.mitigate
+    # a lossy job's S4 regroups in place, re-sharding the owners' optimizer state; as a
+    # restart it would need a checkpoint that resumes at another world size, which the lossy
+    # optimizer's sharded state does not (train/checkpoint.py): then S2 only. S3 stays off
+    # for lossy jobs in any case (``_traffic``: their all-to-all is not a ring)
+    from stalwart.mitigate.membership import in_place_ok
+
+    mode = "rebalance" if cfg.comm == "lossy" and not in_place_ok(cfg) else cfg.mitigate
     traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
     pc = cfg.policy
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,

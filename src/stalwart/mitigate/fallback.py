@@ -19,6 +19,13 @@ Mechanism:
    generation's hosts from it: the same global batch, at most the step in flight redone.
    ``regroup_failed`` (events.py) says why and what was done.
 
+A ``--comm lossy`` job cannot be relaunched this way: each rank holds only its own shard of
+the optimizer state (its owner's), which a relaunch at another world size cannot load
+(train/checkpoint.py), and the ranks' groups are broken, so nothing can be re-sharded. Its
+ranks still save their state (``sharded`` in the sidecar); ``plan`` then finds no usable
+state and the job stops with ``regroup_failed`` (fallback "none") and the reason, which says
+so -- the simpler of the two correct choices (the other: re-shard the saved files at load).
+
 Guarantees: nothing is lost that the ranks had applied (the most advanced state wins); a
 rank that cannot save (killed meanwhile) is simply not a source. At most
 ``MAX_FALLBACKS`` relaunches per launch, so a failure that repeats does not loop. Cost: a
@@ -56,6 +63,7 @@ class Saved:
     reason: str
     requested: bool  # it fell back because another rank had (not on its own failure)
     time: float
+    sharded: bool = False  # its optimizer state is its own shard only (--comm lossy)
 
 
 def folder(run_dir: Path, token: str) -> Path:
@@ -70,7 +78,7 @@ def record(run_dir: Path, token: str, s: Saved) -> None:
     """The sidecar, written after the state file: its presence means the state is whole."""
     atomic_write_text(folder(run_dir, token) / f"slot-{s.slot}.json", json.dumps(
         {"slot": s.slot, "step": s.step, "tp_index": s.tp_index, "reason": s.reason,
-         "requested": s.requested, "time": s.time}) + "\n")
+         "requested": s.requested, "time": s.time, "sharded": s.sharded}) + "\n")
 
 
 def saved(run_dir: Path, token: str) -> list[Saved]:
@@ -81,7 +89,7 @@ def saved(run_dir: Path, token: str) -> list[Saved]:
             d = json.loads(p.read_text())
             out.append(Saved(int(d["slot"]), int(d["step"]), int(d["tp_index"]),
                              str(d.get("reason", "")), bool(d.get("requested")),
-                             float(d.get("time", 0.0))))
+                             float(d.get("time", 0.0)), bool(d.get("sharded"))))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out
@@ -91,14 +99,19 @@ def first_reason(states: list[Saved]) -> tuple[str, list[int]]:
     """Why the regroup failed (the earliest rank that failed on its own) and which launch
     ranks failed on their own."""
     own = sorted((s for s in states if not s.requested), key=lambda s: s.time)
-    if not own:
-        return ("every rank was asked to fall back", [])
-    return own[0].reason, [s.slot for s in own]
+    why = own[0].reason if own else "every rank was asked to fall back"
+    if any(s.sharded for s in states):
+        why += (" (--comm lossy: each rank saved only its shard of the optimizer state, "
+                "which a relaunch at another world size cannot load)")
+    return why, [s.slot for s in own]
 
 
 def choose(states: list[Saved], tp: int) -> dict[int, Saved] | None:
     """The state to resume from: for each tensor-parallel index, a rank with the most steps
-    applied among those that have every index at that step; None when there is none."""
+    applied among those that have every index at that step; None when there is none, or
+    when the states are sharded (a lossy job's: see the module's docstring)."""
+    if any(s.sharded for s in states):
+        return None
     for step in sorted({s.step for s in states}, reverse=True):
         at = {s.tp_index: s for s in sorted(states, key=lambda s: s.slot) if s.step == step}
         if all(i in at for i in range(tp)):

@@ -89,17 +89,20 @@ class Generation:
 
 
 def in_place_ok(cfg: Any) -> bool:
-    """Whether a job regroups in place (S3/S4, a host taken back): ``--mitigate auto``, the
-    reliable transport (the lossy owners' sharded state is not re-sharded yet) and
+    """Whether a job regroups in place (S3/S4, a host taken back): ``--mitigate auto`` and
     stalwart's own worker (a user's script owns its process groups). Tensor-parallel jobs
-    included: their shards move between live ranks (train/inplace.py)."""
-    return cfg.mitigate == "auto" and cfg.comm == "reliable" and cfg.script is None
+    included: their shards move between live ranks (train/inplace.py); and ``--comm lossy``
+    ones: the owners' optimizer state is re-sharded between the live ranks
+    (comm/optim.py ``full_state``)."""
+    return cfg.mitigate == "auto" and cfg.script is None
 
 
 def failstop_ok(cfg: Any) -> bool:
     """Whether a dead rank is left behind in place: every in-place job. A tensor-parallel
     job leaves the dead rank's whole TP group (``survivors``); its hosts are not taken back
-    (a rank rejoins one at a time, and a TP group needs all of its ranks)."""
+    (a rank rejoins one at a time, and a TP group needs all of its ranks). In a lossy job
+    the dead owner's shard of the optimizer state is lost: its per-element state restarts
+    from zero (the ``regroup`` event's ``state_reset``)."""
     return in_place_ok(cfg)
 
 

@@ -4,7 +4,9 @@ Mechanism, per rank:
 1. A background thread polls ``membership.json`` (every 50 ms). When the launcher announces a
    new generation (a rank lost), the thread *shuts down this process's TCP connections*
    (gloo's pairs and the monitor's row links; not listening sockets, not the old rendezvous
-   store's). That is what wakes a rank blocked in a collective: in a ring all-reduce only
+   store's) and calls ``on_abort`` (a lossy job interrupts its UDP collective there: a
+   phase would otherwise wait for the dead owner up to its deadline cap, then train on
+   without it). That is what wakes a rank blocked in a collective: in a ring all-reduce only
    the dead rank's two neighbours get "connection reset"; the others wait on a live
    neighbour that has given up, until gloo's timeout (measured, torch 2.13: 30 s of a 30 s
    timeout). gloo's own
@@ -16,7 +18,9 @@ Mechanism, per rank:
    store per generation: the old TCPStore lived in launch rank 0, which may be the dead one),
    with rank ``alive.index(slot)`` in a world of ``len(alive)``.
 3. ``agree_state``: every rank says how many optimizer steps it has applied; the most advanced
-   rank's model and optimizer state go to everyone (a live transfer, not a checkpoint). Ranks
+   rank's model and optimizer state go to everyone (a live transfer, not a checkpoint). A
+   ``--comm lossy`` job re-shards its owners' optimizer state instead (train/inplace.py
+   ``_regroup_lossy``; comm/optim.py ``gather_full_state``). Ranks
    of a data-parallel job that lost a peer mid-step usually all stopped before ``opt.step``
    of that step; but a shutdown can catch a rank still receiving the last chunk of an
    all-reduce its peers have finished (measured on the testbed), and then it adopts their
@@ -57,6 +61,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -175,6 +180,10 @@ class Regrouper:
         if joining and g.rank_of(slot) is not None:
             self._aborted.set()  # the generation taking it back is already announced
         self._stop = threading.Event()
+        # called (from the watcher thread) when a member is lost: what else this rank may
+        # wait in and must stop waiting in -- the lossy transport's phases (UDP: no
+        # connection to shut)
+        self.on_abort: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._watch, daemon=True, name="stw-members")
         self._thread.start()
 
@@ -196,6 +205,9 @@ class Regrouper:
             if g.fallback:
                 self._fallback.set()
             if not g.planned:  # a rank lost: wake whatever collective this rank is in
+                for fn in list(self.on_abort):
+                    with contextlib.suppress(Exception):
+                        fn()
                 shutdown_tcp(self.keep_ports)
             self._aborted.set()
             if g.fallback:

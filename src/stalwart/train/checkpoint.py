@@ -11,8 +11,11 @@ over reliable collectives every rank holds the same model and AdamW state, so a 
 world reads the file of rank ``rank % tp`` of the saved world (tensor-parallel shards follow
 their TP index; the DP replica does not matter). RNG states come with it: training draws no
 random numbers after initialisation (batches are indexed, dropout is off). The lossy
-optimizer's state is sharded by owner and does not reshard yet: resuming it at another world
-size is refused with a clear error (and mitigation does not restart lossy jobs).
+optimizer's state is sharded by owner and a checkpoint holds each rank's shard only:
+resuming it at another world size is refused with a clear error. A lossy job changes its
+world in place instead (S4, a host taken back, a dead rank: the live ranks re-shard the
+owners' state between them, comm/optim.py ``full_state``), and a lossy job whose in-place
+regroup fails stops rather than relaunch (mitigate/fallback.py).
 
 Each file is written to a temporary name, fsynced and renamed; ``LATEST`` is rewritten the same
 way by rank 0 only after every rank has saved, so a crash at any moment leaves the previous

@@ -8,11 +8,16 @@ agree on the model and optimizer state, and go on at the agreed step.
 started again to take its host back), ``regroup``, ``restart_due`` (an S3/S4 decision: a
 restart, or in such a job a planned regroup), ``fall_back`` and ``leave``. It reads and
 rebinds the rank's cfg, rank, world, run_dir, device, devices, events, metrics, stepper, opt,
-monitor, work, regrouper, data_rank, data_parts, tp_index, agreed, n_params and done_at.
+monitor, work, regrouper, data_rank, data_parts, tp_index, agreed, n_params and done_at;
+in a ``--comm lossy`` job also planned_change, opt_gen, lossy_prev and lossy_extra: there
+the owners' optimizer state is re-sharded over the new group (``_regroup_lossy``, with a
+leaving member's shard handed over first, ``_hand_over``) and a new lossy optimizer made.
 
 Guarantees:
 - every member resumes at the same step, the most advanced state any member holds: at most
-  the step in flight is redone;
+  the step in flight is redone (lossy: the fewest steps any member applied, a member one
+  step ahead undoing its shard's last update; a dead owner's per-element optimizer state
+  restarts from zero);
 - a regroup broken by a further membership change (a member lost during it) is redone on the
   next generation, up to MAX_REGROUPS times in a row (``regroup_until_done``);
 - any other failure of a regroup saves the rank's own state without a collective and exits
@@ -31,7 +36,9 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from stalwart.train import checkpoint as ckpt
@@ -60,6 +67,15 @@ class InPlaceMembership:
         from stalwart.mitigate.regroup import is_comm_error
 
         return self.regrouper is not None and (self.regrouper.changed() or is_comm_error(err))
+
+    def interrupt_comm(self) -> None:
+        """The membership watcher's word that a member is lost (its thread): a lossy
+        optimizer's collective stops waiting for the dead owner's packets, so the step in
+        progress fails now, before its update (or with it undone) -- not a deadline cap later,
+        having trained on without the dead rank's share of the batch."""
+        opt = self.opt
+        if hasattr(opt, "interrupt"):
+            opt.interrupt("the job's membership changed (a member was lost)")
 
     def join(self) -> int:
         """Say this rank is ready, wait for the generation that takes it back, and regroup
@@ -94,6 +110,9 @@ class InPlaceMembership:
                     part.close()
         self.monitor = self.work = None
         before = self.regrouper.current
+        lossy = cfg.comm == "lossy"
+        if lossy:
+            self._hand_over()
         try:
             g = self.regrouper.regroup(self.devices.backend, **(
                 {"timeout_s": timeout_s} if timeout_s is not None else {}))
@@ -108,6 +127,9 @@ class InPlaceMembership:
             self.stepper.rebind(tp_group, dp_group)
             done, src = agree_shards(model, self.opt, applied, self.tp_index, cfg.tp)
             self.tp_index = self.rank % cfg.tp
+        elif lossy:  # the owners' state re-sharded; a new optimizer (and DDP) for the world
+            self.data_rank, self.data_parts = self.rank, self.world
+            done, src, reset = self._regroup_lossy(applied, g.gen)
         else:
             self.data_rank, self.data_parts = self.rank, self.world
             done, src = agree_state(model, self.opt, applied)
@@ -117,7 +139,7 @@ class InPlaceMembership:
         # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step
         self.monitor = self._make_monitor(hinted=True)
         parts["monitor"] = time.monotonic() - t0
-        if cfg.tp == 1:
+        if cfg.tp == 1 and not lossy:  # (lossy: made with its optimizer, _regroup_lossy)
             self.stepper = DataParallelStep(model, self.device)
         parts["ddp"] = time.monotonic() - t0
         regroup_s = time.monotonic() - t0
@@ -130,11 +152,86 @@ class InPlaceMembership:
                             members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
                             joined=membership.joined(before, g),
                             state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
+                            # lossy: elements whose optimizer state restarted from zero (a
+                            # dead owner's shard)
+                            **({"state_reset": reset} if lossy else {}),
                             # cumulative seconds at the end of each part
                             parts={k: round(v, 3) for k, v in parts.items()},
                             group_parts=self.regrouper.last_parts,
                             since_announce_s=round(time.time() - g.time, 3), error=why)
         return done
+
+    def _hand_over(self) -> None:
+        """A lossy job's planned change (S4): every member of the old generation is alive and
+        between two steps, so before the old groups go each member the new generation leaves
+        out sends its shard of the optimizer (``piece``) to the lowest rank that stays, over
+        its own link only; the new group then gathers everything (``_regroup_lossy``).
+        Nothing moves when nobody leaves (a host taken back)."""
+        hosts, self.planned_change = self.planned_change, None
+        if hosts is None or not hasattr(self.opt, "piece"):
+            return
+        g = self.regrouper.current  # the old generation: rank r on host g.hosts[r]
+        leaving = [r for r, h in enumerate(g.hosts) if h not in hosts]
+        staying = [r for r, h in enumerate(g.hosts) if h in hosts]
+        if not leaving or not staying:
+            return
+        if self.rank in leaving:
+            dist.send_object_list([(self.opt_gen, self.opt.piece())], dst=staying[0])
+        elif self.rank == staying[0]:
+            for r in leaving:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=r)
+                self.lossy_extra.append(box[0])
+
+    def _regroup_lossy(self, applied: int, gen: int) -> tuple[int, int, int]:
+        """The lossy optimizer for the new world (generation ``gen``): agree on the step,
+        gather the whole optimizer over the new group (``gather_full_state``: every member's
+        shard and the pieces handed over by members that left, ``_hand_over``; a rank that
+        joins gets it the same way), close the old optimizer's transport, make DDP and a new
+        lossy optimizer (``_make_optimizer``) and load its shard. Returns (the step to run
+        next, the rank whose replica filled unowned elements, elements whose per-element
+        state restarted from zero).
+
+        The step: the fewest any shard holder applied (``agree_lossy_step``) -- after a
+        planned change every member's; after a lost member, a survivor one step ahead (it
+        finished a step its peers did not) undoes its last update. A dead owner's elements
+        (nobody handed them over) take their parameter values from the lowest such rank's
+        replica and restart their per-element state from zero (their scalar state, AdamW's
+        step, is the survivors'). Every shard comes from optimizers of one generation: a
+        regroup broken off after some ranks had made their new optimizer exports the one
+        before, which every rank keeps until the new one completes a step. RuntimeError
+        (then: fallback.py) when none of that is possible."""
+        from stalwart.comm.optim import ShardedLossyOptimizer, gather_full_state
+
+        cands = {}  # generation -> this rank's optimizer of that generation
+        if isinstance(self.opt, ShardedLossyOptimizer):
+            cands[self.opt_gen] = self.opt
+        if self.lossy_prev is not None:
+            cands.setdefault(*self.lossy_prev)
+        cur = max(cands, default=-1)
+        mine = [applied, cur, int(cur in cands and cands[cur].can_undo()), min(cands, default=-1)]
+        got = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(got, torch.tensor(mine, dtype=torch.int64))
+        rows = [[int(x) for x in t] for t in got]
+        # the oldest generation any rank still has as its newest optimizer
+        export = min((r[1] for r in rows if r[1] >= 0), default=-1)
+        old = cands.get(export)
+        done, src = agree_lossy_step([[r[0], int(export in (r[1], r[3])),
+                                       r[2] if r[1] == export else 0] for r in rows])
+        if old is not None and applied == done + 1:
+            old.undo_last()  # its peers did not finish that step: nor does its shard
+        full = gather_full_state(old, src, extra=[p for g, p in self.lossy_extra if g == export])
+        self.lossy_extra = []
+        if old is not None:
+            self.lossy_prev = (export, old)
+        with contextlib.suppress(Exception):  # its transport (the old world's peers)
+            if isinstance(self.opt, ShardedLossyOptimizer):
+                self.opt.close()
+        self.stepper = DataParallelStep(self.stepper.model, self.device)
+        self.opt = self._make_optimizer()
+        self.opt_gen = gen
+        self.opt.load_full_state(full)
+        return done, src, full.reset
 
     def restart_due(self, step: int) -> bool:
         """Whether an S3/S4 decision starts at ``step`` and takes a restart. In a job that
@@ -151,6 +248,7 @@ class InPlaceMembership:
 
         if self.rank == 0:
             self.regrouper.plan(hosts, step, self.work.basis(due))
+        self.planned_change = hosts  # every member is here, between two steps
         raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step {step}, "
                              f"hosts {hosts}")
 
@@ -169,7 +267,8 @@ class InPlaceMembership:
         ckpt.save_state(fallback.state_path(self.run_dir, token, slot), step, self.cfg,
                         self.stepper.model, self.opt)
         fallback.record(self.run_dir, token, fallback.Saved(
-            slot, step, self.tp_index, reason, isinstance(err, FallbackRequested), time.time()))
+            slot, step, self.tp_index, reason, isinstance(err, FallbackRequested), time.time(),
+            self.cfg.comm == "lossy"))
         self.regrouper.close()
         self.metrics.close()
         self.events.close()
@@ -183,6 +282,24 @@ class InPlaceMembership:
         self.metrics.close()
         self.events.close()
         return LEFT_EXIT
+
+
+def agree_lossy_step(rows: list[list[int]]) -> tuple[int, int]:
+    """A lossy job's regroup: the step the members resume at and the rank whose replica
+    gives a dead owner's parameter values. ``rows``: per rank (steps applied, holds a shard
+    of the generation exported, can undo its last update). The fewest steps any shard holder
+    applied: one step more is undone (a survivor that finished a step the others did not),
+    more cannot be; RuntimeError then, or when nobody holds a shard."""
+    owners = [i for i, r in enumerate(rows) if r[1]]
+    if not owners:
+        raise RuntimeError("no rank holds a shard of the lossy optimizer")
+    done = min(rows[i][0] for i in owners)
+    for i in owners:
+        ahead = rows[i][0] - done
+        if ahead > 1 or (ahead == 1 and not rows[i][2]):
+            raise RuntimeError(f"rank {i} applied {rows[i][0]} steps, its peers {done}, and "
+                               f"cannot undo them")
+    return done, min(i for i in owners if rows[i][0] == done)
 
 
 def regroup_until_done(r: InPlaceMembership, applied: int, why: str) -> int:

@@ -108,6 +108,13 @@ class Rank(InPlaceMembership):
     agreed: int = -1  # the steps applied that the last regroup's state agreement settled on
     tp_index: int = 0  # the tensor-parallel shard this rank's model holds
     done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
+    planned_change: Any = None  # the hosts of a planned regroup due now (between two steps)
+    opt_gen: int = 0  # the membership generation the (lossy) optimizer was made for
+    # lossy, after a regroup: (generation, the optimizer exported from) until the new one has
+    # completed a step (a regroup broken off half-way exports it again: train/inplace.py)
+    lossy_prev: Any = None
+    # lossy: (generation, shard) handed over by ranks a planned change leaves out
+    lossy_extra: list = field(default_factory=list)
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Rank:
@@ -164,6 +171,7 @@ class Rank(InPlaceMembership):
         with torch.device("meta"):
             r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
         r.regrouper = Regrouper(run_dir, slot, set(), joining=True)
+        r.regrouper.on_abort.append(r.interrupt_comm)
         # what joining builds, imported now: the detector's imports (scipy) took 2.7 s of a
         # live rejoin's regroup on a loaded machine when left to the regroup itself
         import stalwart.detect  # noqa: F401
@@ -225,16 +233,7 @@ class Rank(InPlaceMembership):
         else:
             self.data_rank, self.data_parts = self.rank, self.world
             self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
-        opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
-                  "weight_decay": cfg.weight_decay}
-        if cfg.comm == "lossy":
-            from stalwart.comm import attach
-
-            # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-            self.opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
-                              **opt_kw)
-        else:
-            self.opt = torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+        self.opt = self._make_optimizer()
         from stalwart.mitigate import work_plan
 
         with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
@@ -249,12 +248,33 @@ class Rank(InPlaceMembership):
             # alone: a regroup never needs it, and shutting its connections would add errors
             self.regrouper = Regrouper(self.run_dir, self.rank,
                                        {int(os.environ.get("MASTER_PORT", "0"))})
+            self.regrouper.on_abort.append(self.interrupt_comm)
+            if hasattr(self.opt, "keep_undo"):  # the step in flight can be taken back
+                self.opt.keep_undo = True
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
                               self.n_params,
                               REGROUP_PRICE_S if self.regrouper is not None else None)
         self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
             self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
             cfg.seed)]
+
+    def _make_optimizer(self) -> Any:
+        """AdamW on the step's model, or with ``--comm lossy`` the loss-tolerant optimizer
+        attached to its DDP wrapper (a collective over the current process group): at start
+        and after an in-place regroup (train/inplace.py), the same way. In a job that
+        regroups in place the lossy optimizer keeps its last update's undo record."""
+        cfg = self.cfg
+        opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
+                  "weight_decay": cfg.weight_decay}
+        if cfg.comm != "lossy":
+            return torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+        from stalwart.comm import attach
+
+        # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
+        opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
+                     **opt_kw)
+        opt.keep_undo = self.regrouper is not None
+        return opt
 
     def resume(self) -> int:
         """The step to start at: 0, or a checkpoint's (``--resume``, a restart)."""
@@ -288,6 +308,8 @@ class Rank(InPlaceMembership):
             self.stepper.clip_grad_norm_(cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.lossy_prev is not None:  # every rank has made the new optimizer: not needed
+            self.lossy_prev = None
         t1 = time.perf_counter()
         extra: dict[str, Any] = self.opt.stats() if hasattr(self.opt, "stats") else {}
         opt_comm = float(extra.pop("comm_time", 0.0))
