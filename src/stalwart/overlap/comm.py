@@ -40,6 +40,18 @@ import torch
 import torch.distributed as dist
 
 MODES = ("sync", "async")
+ABANDON_POLL_S = 0.05  # an interruptible wait looks for ``interrupt`` this often
+# Process groups replaced by an in-place regroup, kept for the life of the process: a gloo
+# group whose abandoned op is still stuck blocks in its destructor (it drains its work
+# queue) until that op's timeout -- minutes -- so it must never be freed. Cost: its threads
+# and sockets, per regroup.
+_RETIRED: list[Any] = []
+
+
+def retire(group: Any) -> None:
+    """Keep ``group`` alive for good (see ``_RETIRED``)."""
+    if group is not None:
+        _RETIRED.append(group)
 MAX_INTERVALS = 4096  # completed intervals a ledger keeps before folding (a few steps' worth)
 
 # The strand (if any) that runs on the current thread; set by stalwart.overlap.strands.
@@ -181,15 +193,40 @@ class TPComm:
         self.serial = False
         self._inflight: Pending | None = None
         self._queued: deque[Pending] = deque()
+        # In a job that regroups in place (``interruptible``): why the collectives in flight
+        # were abandoned (``interrupt``, from the membership watcher's thread), else None.
+        # A gloo op on a pair its peer shut down before the op was issued can wait out the
+        # group's timeout (minutes; seen when a TP partner regrouped first): waits there are
+        # taken in slices that give up once a member is known lost.
+        self.interruptible = False
+        self.abandoned: str | None = None
 
     def rebind(self, group: dist.ProcessGroup | None) -> None:
         """Use ``group`` from now on (an in-place regroup rebuilt the TP group): every layer
         holding this object follows. Nothing may be in flight (between two steps)."""
+        retire(self.group)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self._inflight = None
         self._queued.clear()
+        self.abandoned = None
+
+    def interrupt(self, why: str) -> None:
+        """A member of the job was lost: the collectives in flight and any issued before the
+        next ``rebind`` raise RuntimeError instead of waiting (any thread may call this)."""
+        self.abandoned = why
+
+    def await_work(self, work: Any) -> None:
+        """``work.wait()``; when ``interruptible``, in slices that raise once ``interrupt``
+        was called. Cost there: one completion callback and event per collective."""
+        if self.interruptible:
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _fut: done.set())
+            while not done.wait(ABANDON_POLL_S):
+                if self.abandoned is not None:
+                    raise RuntimeError(f"tensor-parallel collective abandoned: {self.abandoned}")
+        work.wait()
 
     @property
     def mode(self) -> str:
@@ -228,6 +265,8 @@ class TPComm:
         return p
 
     def _issue(self, p: Pending) -> None:
+        if self.abandoned is not None:
+            raise RuntimeError(f"tensor-parallel collective not issued: {self.abandoned}")
         p.t_issue = time.perf_counter()
         p.queued = False
         p.work = dist.all_reduce(p.tensor, group=self.group, async_op=True)
@@ -253,7 +292,7 @@ class TPComm:
         """Block until the collective on the wire completes; issue the next queued one."""
         cur = self._inflight
         assert cur is not None, "a queued collective with nothing in flight ahead of it"
-        cur.work.wait()
+        self.await_work(cur.work)
         self._record_done(cur)
         self._inflight = None
         if self._queued:
@@ -325,7 +364,7 @@ class TPComm:
         while p.queued:  # those ahead of it first, in order
             self._advance()
         if p.work is not None:
-            p.work.wait()
+            self.await_work(p.work)
             self._record_done(p)
             if self._inflight is p:
                 self.pump()  # p was on the wire: the next queued one goes now

@@ -368,7 +368,7 @@ class Interleaved:
         t0 = time.perf_counter()
         params = [p for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.dp_group)
+        self.comm.await_work(dist.all_reduce(flat, group=self.dp_group, async_op=True))
         flat /= self.dp_world
         off = 0
         for p in params:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stalwart.overlap.comm import TPComm
+from stalwart.overlap.comm import TPComm, retire
 from stalwart.overlap.executor import SCHEDULES, Interleaved, MicroBatch
 from stalwart.overlap.layers import is_sharded
 from stalwart.overlap.tpgpt import TPGPT
@@ -61,6 +61,7 @@ class TPTrainer:
         collectives and the gradient all-reduce; the parameters stay (a shard moved here is
         loaded into them). Its TP index (the group rank) may change with the regroup."""
         self.comm.rebind(tp_group)
+        retire(self.step.dp_group)
         self.step.dp_group = dp_group
         self.step.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
 

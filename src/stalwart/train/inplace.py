@@ -72,10 +72,12 @@ class InPlaceMembership:
         """The membership watcher's word that a member is lost (its thread): a lossy
         optimizer's collective stops waiting for the dead owner's packets, so the step in
         progress fails now, before its update (or with it undone) -- not a deadline cap later,
-        having trained on without the dead rank's share of the batch."""
-        opt = self.opt
-        if hasattr(opt, "interrupt"):
-            opt.interrupt("the job's membership changed (a member was lost)")
+        having trained on without the dead rank's share of the batch; a tensor-parallel step's
+        collectives stop waiting on pairs a peer may have shut first (overlap/comm.py)."""
+        why = "the job's membership changed (a member was lost)"
+        for part in (self.opt, self.stepper):  # the lossy transport; tensor-parallel steps
+            if hasattr(part, "interrupt"):
+                part.interrupt(why)
 
     def join(self) -> int:
         """Say this rank is ready, wait for the generation that takes it back, and regroup

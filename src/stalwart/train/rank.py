@@ -251,6 +251,8 @@ class Rank(InPlaceMembership):
             self.regrouper.on_abort.append(self.interrupt_comm)
             if hasattr(self.opt, "keep_undo"):  # the step in flight can be taken back
                 self.opt.keep_undo = True
+            if hasattr(self.stepper, "interruptible"):  # TP waits give up on a lost member
+                self.stepper.interruptible()
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
                               self.n_params,
                               REGROUP_PRICE_S if self.regrouper is not None else None)

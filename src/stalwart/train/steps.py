@@ -181,6 +181,14 @@ class TensorParallelStep:
         """The new generation's TP and DP groups (an in-place regroup)."""
         self.trainer.rebind(tp_group, dp_group)
 
+    def interruptible(self) -> None:
+        """Its collectives' waits give up when ``interrupt`` is called (a job that regroups
+        in place; overlap/comm.py ``TPComm.await_work``)."""
+        self.trainer.comm.interruptible = True
+
+    def interrupt(self, why: str) -> None:
+        self.trainer.comm.interrupt(why)
+
 
 def make_groups(world: int, tp: int) -> tuple[Any, Any, int, int]:
     """TP groups of consecutive ranks, DP groups of equal TP index; (tp_g, dp_g, dp_rank, dp_n).
