@@ -74,10 +74,16 @@ def test_a_slow_link_in_a_users_script_is_found_and_named(tmp_path: Path) -> Non
     assert [(e["kind"], e["hosts"], e["start_s"]) for e in applied] == [("link", [1], 18.0)]
     assert applied[0]["elapsed_s"] >= 18.0
     found = _events(run, "straggler_detected")
-    assert found, out
-    f = found[0]
+    # before the fault only a real slowdown may be reported: a rank the compute test at equal
+    # load found slowest in every round (CPU taken by jobs outside this one, as when the
+    # suite shares its cores: seen 1.7x at equal load); the fault is the first link finding
+    before = [e for e in found if e["time"] <= applied[0]["time"]]
+    assert all(e["kind"] == "compute" and e["evidence"]["slowest_rounds"]
+               == e["evidence"]["compute_test_rounds"] for e in before), before
+    after = [e for e in found if e["time"] > applied[0]["time"]]
+    assert after, out
+    f = after[0]
     assert f["kind"] == "link" and (1 in (f.get("ranks") or []) or 1 in f.get("link", [])), f
-    assert f["time"] > applied[0]["time"]
     assert "<b>found</b> link straggler: " in (run / "report.html").read_text()
     assert not any(owned_by(pid).values())
 
