@@ -36,6 +36,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from stalwart.detect.alarms import DETECTS, MODES, NONE, RECOVER, Alarm, IterSample
@@ -45,6 +46,7 @@ from stalwart.errors import ConfigError
 from stalwart.events import Event
 from stalwart.mitigate import planner, remap
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
+from stalwart.mitigate.membership import in_place_ok
 from stalwart.mitigate.policy import Policy
 from stalwart.presets import PRESETS, n_params
 from stalwart.rundir import CONFIG, EVENTS, ITERATIONS, METRICS, read_jsonl
@@ -245,7 +247,11 @@ class PolicyReplay:
     def __init__(self, cfg: dict[str, Any], world: int, micro_total: int) -> None:
         tp = int(cfg.get("tp", 1))
         self.tp, self.groups, self.micro = tp, world // tp, micro_total
-        mode = "rebalance" if cfg.get("comm") == "lossy" else str(cfg.get("mitigate"))
+        # the run's own rule (mitigate.work_plan): a lossy job that cannot regroup in place
+        # gets S2 only
+        run = SimpleNamespace(**{k: cfg.get(k) for k in ("mitigate", "comm", "script")})
+        mode = "rebalance" if cfg.get("comm") == "lossy" and not in_place_ok(run) \
+            else str(cfg.get("mitigate"))
         pc = dict(cfg.get("policy") or {})  # the run's policy settings (config.json)
         self.every = int(pc.pop("every", EVERY))
         self.policy = Policy(self.groups, micro_total, tp=tp, mode=mode, every=self.every,

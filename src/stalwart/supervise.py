@@ -10,7 +10,7 @@ What it guarantees:
 - if one rank dies, the others are stopped and the job returns non-zero, naming the rank
   to blame (rankexits.py ``culprit``) and the last line of its error: 2 when that rank hit
   bad input, else 1; nothing hangs. Except in a job that regroups in place (``--mitigate
-  auto``, reliable comm: mitigate/membership.py ``failstop_ok``): there it logs
+  auto``, stalwart's own worker: mitigate/membership.py ``failstop_ok``): there it logs
   ``rank_lost``, announces a new membership generation without the rank (with tensor
   parallelism, without its whole TP group), and the survivors carry on
   (mitigate/regroup.py); and with ``keep_going`` (ranks that handle a
