@@ -333,3 +333,20 @@ def test_at_two_ranks_a_rank_six_times_slower_is_its_slowdowns_culprit() -> None
                        {}, [0.2 * (6.0 if r else 1.0)] * 3, recent=series(r)) for r in range(2)]
     f = decide(es, onset_step=30, step=33, severity=6.0, suspect_rank=1)
     assert f.kind == "compute" and f.ranks == [1] and f.onset_step == 30
+
+
+def test_a_fault_after_a_job_wide_blip_is_named_at_its_own_onset() -> None:
+    # CI's evidence (batched exchanges): the window opened at a job-wide blip at step 21, the
+    # rank was throttled 6x from step 29, validated at 36 -- half the window before the fault,
+    # so its median profile read flat (1.09); its own series shows where it rose
+    def series(slow: bool) -> list[tuple[int, float]]:
+        return [(k, 0.019 * (6.0 if slow and k >= 29 else 1.0)) for k in range(13, 37)]
+
+    es = [RankEvidence(0, 0.019, 0.0184, 0.002, 0.002, 0.02, {}, [0.02] * 3, series(False)),
+          RankEvidence(1, 0.019, 0.0208, 0.002, 0.002, 0.119, {}, [0.12] * 3, series(True))]
+    f = decide(es, 21, 36, 1.21)
+    assert (f.kind, f.ranks, f.onset_step) == ("compute", [1], 29), f
+    assert f.evidence["channel_onset_step"] == 21
+    # no rise in the rank's own series: the flat profile still names nobody
+    es[1].recent = series(False)
+    assert decide(es, 21, 36, 1.21).kind == "unknown"

@@ -330,6 +330,14 @@ def _link_finding(slow_links: list[str], onset_step: int, step: int, severity: f
                    evidence=evidence)
 
 
+def _rose_in_window(ev: list[RankEvidence], rank: int, onset_step: int, step: int) -> bool:
+    """Whether ``rank``'s compute over its peers' rose after ``onset_step`` (its own onset
+    later than the window's, with two samples of the rise at least: ``culprit_onset``)."""
+    onset = culprit_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
+    return onset is not None and onset > onset_step and bool(
+        any(k >= onset for e in ev if e.rank == rank for k, _ in e.recent))
+
+
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
            suspect_rank: int | None = None, mode: str = CHANGE_MODE) -> Finding:
     """Combine every rank's evidence into one verdict (pure: same input, same answer).
@@ -392,10 +400,14 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
     #    now, and a rank that is slow now but was not then did not cause this slowdown (seen:
     #    a mild job-wide change at step 19, validated 13 steps later under batched
     #    exchanges, was pinned on a rank throttled from step 30 on, with onset 19)
-    if cr and suspect_rank is None and not compute_flat and not born:
+    #    -- unless that rank's own compute, relative to its peers, rose within the window
+    #    (the validation-time series: a window opened by a job-wide blip 8 steps before a 6x
+    #    fault has a flat median profile); the finding then takes the rank's own onset
+    if cr and suspect_rank is None and not born:
         order = sorted(cr, key=lambda r: -cr[r])
         if cr[order[0]] >= COMPUTE_ALONE and (
-                len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]):
+                len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]) and (
+                not compute_flat or _rose_in_window(ev, order[0], onset_step, step)):
             evidence["rounds_chance"] = _rounds_chance(ev, order[0])
             return _compute_finding(ev, order[0], onset_step, step, severity, evidence)
     return Finding("unknown", onset_step, step, severity, evidence=evidence)
