@@ -74,7 +74,10 @@ def test_slow_rank_is_found_with_batched_exchanges(tmp_path: Path) -> None:
     # the finding's evidence and the iteration times say where a wrong onset came from (CI
     # once read 21 here; 8 of 8 runs on a quiet machine read 30)
     assert 27 <= first["onset_step"] <= 34, (first, res[0]["samples_ms"])
-    assert first["step"] - first["onset_step"] <= 8 + 4 * 2
+    # latency: the per-step bound (8), plus the samples' delay in flight (lag x check_every
+    # = 8), plus the check grid: a verdict is read only at an exchange step, every 4, so the
+    # latency moves in steps of 4 (measured 10, 14 locally; 18 once in CI) -- up to 3 more
+    assert first["step"] - first["onset_step"] <= 8 + 2 * 4 + (4 - 1), first
 
 
 @pytest.mark.slow
