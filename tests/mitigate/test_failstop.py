@@ -79,15 +79,20 @@ def _samples_per_step(run: RunData) -> dict[int, int]:
     return {s: sum(v) for (s, w), v in by.items() if len(v) == w}
 
 
+def _healthy_and_killed(tmp_path: Path, args: list[str], victim: int) -> tuple[RunData, RunData]:
+    """The same run twice: without a fault, and with ``victim`` killed at step 6."""
+    ok = stalwart(*args, "--out", str(tmp_path), "--name", "ok")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    cut = stalwart(*args, "--out", str(tmp_path), "--name", "cut",
+                   "--fault", f"kill:rank={victim},at=6")
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    return RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+
+
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_killed_rank_leaves_and_the_job_trains_on(tmp_path: Path, victim: int) -> None:
     # rank 0 holds the first rendezvous store and writes the events: the hardest to lose
-    ok = stalwart(*RUN, "--out", str(tmp_path), "--name", "ok")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    cut = stalwart(*RUN, "--out", str(tmp_path), "--name", "cut",
-                   "--fault", f"kill:rank={victim},at=6")
-    assert cut.returncode == 0, cut.stdout + cut.stderr
-    a, b = RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+    a, b = _healthy_and_killed(tmp_path, RUN, victim)
     kill = b.events_of("fault_applied")
     assert [e["kind"] for e in kill] == ["kill"] and kill[0]["rank"] == victim
     lost = b.events_of("rank_lost")
@@ -118,12 +123,7 @@ def test_a_killed_rank_of_a_lossy_job_leaves_and_its_optimizer_shard_restarts(
     # the training, so the validation loss must move by what that reset alone does -- the
     # same training in this process with those moments zeroed at the regroup's step
     lossy = [*RUN, "--comm", "lossy"]
-    ok = stalwart(*lossy, "--out", str(tmp_path), "--name", "ok")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    cut = stalwart(*lossy, "--out", str(tmp_path), "--name", "cut",
-                   "--fault", f"kill:rank={victim},at=6")
-    assert cut.returncode == 0, cut.stdout + cut.stderr
-    a, b = RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+    a, b = _healthy_and_killed(tmp_path, lossy, victim)
     assert [e["rank"] for e in b.events_of("rank_lost")] == [victim]
     regroup = b.events_of("regroup")
     assert [(e["world"], e["lost"], e["planned"]) for e in regroup] == [(2, [victim], False)]
@@ -170,11 +170,7 @@ def test_a_killed_tensor_parallel_rank_takes_its_group_out_and_the_job_trains_on
     # 4 ranks as 2 TP groups of 2: (0, 1) and (2, 3); rank 3 dies, rank 2 cannot compute its
     # group's shards alone and leaves, and (0, 1) train every later step's whole global batch
     tp = [a if a != "3" else "4" for a in RUN] + ["--tp", "2"]
-    ok = stalwart(*tp, "--out", str(tmp_path), "--name", "ok")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    cut = stalwart(*tp, "--out", str(tmp_path), "--name", "cut", "--fault", "kill:rank=3,at=6")
-    assert cut.returncode == 0, cut.stdout + cut.stderr
-    a, b = RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+    a, b = _healthy_and_killed(tmp_path, tp, 3)
     lost = b.events_of("rank_lost")
     assert [(e["rank"], e["left"]) for e in lost] == [(3, [2])]
     assert [e["rank"] for e in b.events_of("rank_left")] == [2]
