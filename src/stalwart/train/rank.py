@@ -172,8 +172,8 @@ class Rank(InPlaceMembership):
             r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
         r.regrouper = Regrouper(run_dir, slot, set(), joining=True)
         r.regrouper.on_abort.append(r.interrupt_comm)
-        # what joining builds, imported now: the detector's imports (scipy) took 2.7 s of a
-        # live rejoin's regroup on a loaded machine when left to the regroup itself
+        # what joining builds, imported now: the detector's imports took 2.7 s of a live
+        # rejoin's regroup on a loaded machine when left to the regroup itself
         import stalwart.detect  # noqa: F401
         import stalwart.mitigate.rebalance  # noqa: F401
         r.val = [(x.to(device), y.to(device)) for x, y in val_batches(
