@@ -2,6 +2,7 @@
 --script`. It imports nothing from stalwart: a small MLP classifier, its own Adam optimizer and
 loop, env:// rendezvous from torchrun's variables.
 
+--batch B     samples per rank and step (default 256)
 --seconds S   train for about S seconds (every rank stops at the same step: the decision is
               all-reduced every few steps, so no rank leaves while its peers wait in a
               collective)
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--batch", type=int, default=256)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-at", type=int, default=5)
     p.add_argument("--env-out", type=Path, default=None)
@@ -47,8 +49,8 @@ def main() -> None:
         nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(256, 128, generator=g)
-    y = torch.randint(0, 10, (256,), generator=g)
+    x = torch.randn(a.batch, 128, generator=g)
+    y = torch.randint(0, 10, (a.batch,), generator=g)
     t0 = time.monotonic()
     step = 0
     while True:
