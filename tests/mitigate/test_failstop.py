@@ -7,6 +7,7 @@ shard's state alone gives."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,20 +80,48 @@ def _samples_per_step(run: RunData) -> dict[int, int]:
     return {s: sum(v) for (s, w), v in by.items() if len(v) == w}
 
 
-def _healthy_and_killed(tmp_path: Path, args: list[str], victim: int) -> tuple[RunData, RunData]:
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[str]], Path]:
+    """The run without a fault, made once per set of options for the whole module (the two
+    victims of a test share it: deterministic training makes it the same run)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(args: list[str]) -> Path:
+        if tuple(args) not in made:
+            out = tmp_path_factory.mktemp("healthy")
+            ok = stalwart(*args, "--out", str(out), "--name", "ok")
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            made[tuple(args)] = out / "ok"
+        return made[tuple(args)]
+    return get
+
+
+def _healthy_and_killed(tmp_path: Path, args: list[str], victim: int,
+                        healthy: Callable[[list[str]], Path]) -> tuple[RunData, RunData]:
     """The same run twice: without a fault, and with ``victim`` killed at step 6."""
-    ok = stalwart(*args, "--out", str(tmp_path), "--name", "ok")
-    assert ok.returncode == 0, ok.stdout + ok.stderr
     cut = stalwart(*args, "--out", str(tmp_path), "--name", "cut",
                    "--fault", f"kill:rank={victim},at=6")
     assert cut.returncode == 0, cut.stdout + cut.stderr
-    return RunData.load(tmp_path / "ok"), RunData.load(tmp_path / "cut")
+    return RunData.load(healthy(args)), RunData.load(tmp_path / "cut")
+
+
+def _goes_on_after_its_last_completed_step(run: RunData, back: int, world: int,
+                                           hosts: set[int]) -> None:
+    """The survivors (``hosts``) go on at the step after the last one they completed in the
+    old ``world``: nothing they completed is redone, nothing is skipped -- at most the step
+    in flight is redone. Measured against their own metrics, not the kill's scheduled step:
+    the launcher applies a kill when it reads that step's metrics (every 0.1 s), when the
+    ranks may be a few 20 ms steps further on (a CI run: scheduled at 6, regrouped at 9)."""
+    done = max(m["step"] for m in run.metrics if m["world"] == world and m["host"] in hosts)
+    assert back == done + 1, (back, done)
+    assert back >= 6  # not before the kill
 
 
 @pytest.mark.parametrize("victim", [0, 2])
-def test_a_killed_rank_leaves_and_the_job_trains_on(tmp_path: Path, victim: int) -> None:
+def test_a_killed_rank_leaves_and_the_job_trains_on(
+        tmp_path: Path, victim: int, healthy: Callable[[list[str]], Path]) -> None:
     # rank 0 holds the first rendezvous store and writes the events: the hardest to lose
-    a, b = _healthy_and_killed(tmp_path, RUN, victim)
+    a, b = _healthy_and_killed(tmp_path, RUN, victim, healthy)
     kill = b.events_of("fault_applied")
     assert [e["kind"] for e in kill] == ["kill"] and kill[0]["rank"] == victim
     lost = b.events_of("rank_lost")
@@ -104,7 +133,7 @@ def test_a_killed_rank_leaves_and_the_job_trains_on(tmp_path: Path, victim: int)
     assert sorted({m["step"] for m in b.metrics}) == list(range(14))
     assert all(n == 24 for n in per_step.values()), per_step
     back = regroup[0]["step"]
-    assert 6 <= back <= 8  # at most the step in flight is redone
+    _goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
     assert {m["world"] for m in b.metrics if m["step"] >= back} == {2}
     assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1, 2} - {victim}
     # the same training: same samples per step, so the same validation loss
@@ -116,19 +145,19 @@ def test_a_killed_rank_leaves_and_the_job_trains_on(tmp_path: Path, victim: int)
 
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_killed_rank_of_a_lossy_job_leaves_and_its_optimizer_shard_restarts(
-        tmp_path: Path, victim: int) -> None:
+        tmp_path: Path, victim: int, healthy: Callable[[list[str]], Path]) -> None:
     # --comm lossy: each rank owns a third of the optimizer state; the victim's dies with it. The
     # survivors re-shard what they hold over two ranks and the dead owner's Adam moments
     # restart from zero (its parameters come from a survivor's replica): the only change to
     # the training, so the validation loss must move by what that reset alone does -- the
     # same training in this process with those moments zeroed at the regroup's step
     lossy = [*RUN, "--comm", "lossy"]
-    a, b = _healthy_and_killed(tmp_path, lossy, victim)
+    a, b = _healthy_and_killed(tmp_path, lossy, victim, healthy)
     assert [e["rank"] for e in b.events_of("rank_lost")] == [victim]
     regroup = b.events_of("regroup")
     assert [(e["world"], e["lost"], e["planned"]) for e in regroup] == [(2, [victim], False)]
     back = regroup[0]["step"]
-    assert 6 <= back <= 8  # at most the step in flight is redone
+    _goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
     # the dead owner's third of the flat vector restarted its optimizer state, nothing else
     import torch
 
@@ -146,8 +175,8 @@ def test_a_killed_rank_of_a_lossy_job_leaves_and_its_optimizer_shard_restarts(
     assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1, 2} - {victim}
     va, vb = a.final_val_loss(), b.final_val_loss()
     assert va is not None and vb is not None
-    sim_ok, sim_reset = _simulated_val_loss(tmp_path / "ok"), _simulated_val_loss(
-        tmp_path / "ok", reset_at=back, dead=victim)
+    sim_ok, sim_reset = _simulated_val_loss(healthy(lossy)), _simulated_val_loss(
+        healthy(lossy), reset_at=back, dead=victim)
     change, expected = (vb - va) / va, (sim_reset - sim_ok) / sim_ok
     # measured: -1.399e-3 (victim 2) and +2.718e-2 (victim 0: its shard holds the token
     # embedding), the runs matching the simulation to 3e-8; 1e-4 is float summation order
@@ -166,18 +195,18 @@ def test_without_mitigation_a_killed_rank_still_stops_the_job(tmp_path: Path) ->
 
 
 def test_a_killed_tensor_parallel_rank_takes_its_group_out_and_the_job_trains_on(
-        tmp_path: Path) -> None:
+        tmp_path: Path, healthy: Callable[[list[str]], Path]) -> None:
     # 4 ranks as 2 TP groups of 2: (0, 1) and (2, 3); rank 3 dies, rank 2 cannot compute its
     # group's shards alone and leaves, and (0, 1) train every later step's whole global batch
     tp = [a if a != "3" else "4" for a in RUN] + ["--tp", "2"]
-    a, b = _healthy_and_killed(tmp_path, tp, 3)
+    a, b = _healthy_and_killed(tmp_path, tp, 3, healthy)
     lost = b.events_of("rank_lost")
     assert [(e["rank"], e["left"]) for e in lost] == [(3, [2])]
     assert [e["rank"] for e in b.events_of("rank_left")] == [2]
     regroup = b.events_of("regroup")
     assert [(e["world"], e["members"], e["lost"]) for e in regroup] == [(2, [0, 1], [3])]
     back = regroup[0]["step"]
-    assert 6 <= back <= 8  # at most the step in flight is redone
+    _goes_on_after_its_last_completed_step(b, back, 4, {0, 1})
     assert {m["world"] for m in b.metrics if m["step"] >= back} == {2}
     assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1}
     # the same samples every step (counted once per TP group: its ranks share a micro-batch)
