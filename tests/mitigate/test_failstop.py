@@ -6,6 +6,7 @@ shard's state alone gives."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ RUN = ["run", "--nproc", "3", "--mitigate", "auto", "--steps", "14", "--eval-eve
        "--eval-batches", "4", "--ckpt-every", "100", "--no-progress"]
 
 
+@functools.cache  # the healthy run's simulation is the same for both victims
 def _simulated_val_loss(run_dir: Path, reset_at: int | None = None, world: int = 3,
                         dead: int = 2) -> float:
     """The run's training in this process, without any transport (the same model init,
@@ -98,7 +100,7 @@ def healthy(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[str]], P
 
 def _healthy_and_killed(tmp_path: Path, args: list[str], victim: int,
                         healthy: Callable[[list[str]], Path]) -> tuple[RunData, RunData]:
-    """The same run twice: without a fault, and with ``victim`` killed at step 6."""
+    """The run without a fault (made once per module) and with ``victim`` killed at step 6."""
     cut = stalwart(*args, "--out", str(tmp_path), "--name", "cut",
                    "--fault", f"kill:rank={victim},at=6")
     assert cut.returncode == 0, cut.stdout + cut.stderr

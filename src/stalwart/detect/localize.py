@@ -334,8 +334,8 @@ def _rose_in_window(ev: list[RankEvidence], rank: int, onset_step: int, step: in
     """Whether ``rank``'s compute over its peers' rose after ``onset_step`` (its own onset
     later than the window's, with two samples of the rise at least: ``culprit_onset``)."""
     onset = culprit_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
-    return onset is not None and onset > onset_step and bool(
-        any(k >= onset for e in ev if e.rank == rank for k, _ in e.recent))
+    return onset is not None and onset > onset_step and any(
+        k >= onset for e in ev if e.rank == rank for k, _ in e.recent)
 
 
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
