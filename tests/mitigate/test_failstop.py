@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.rundir import RunData
-from tests.helpers import stalwart
+from tests.helpers import goes_on_after_its_last_completed_step, stalwart
 
 pytestmark = pytest.mark.slow
 
@@ -107,18 +107,6 @@ def _healthy_and_killed(tmp_path: Path, args: list[str], victim: int,
     return RunData.load(healthy(args)), RunData.load(tmp_path / "cut")
 
 
-def _goes_on_after_its_last_completed_step(run: RunData, back: int, world: int,
-                                           hosts: set[int]) -> None:
-    """The survivors (``hosts``) go on at the step after the last one they completed in the
-    old ``world``: nothing they completed is redone, nothing is skipped -- at most the step
-    in flight is redone. Measured against their own metrics, not the kill's scheduled step:
-    the launcher applies a kill when it reads that step's metrics (every 0.1 s), when the
-    ranks may be a few 20 ms steps further on (a CI run: scheduled at 6, regrouped at 9)."""
-    done = max(m["step"] for m in run.metrics if m["world"] == world and m["host"] in hosts)
-    assert back == done + 1, (back, done)
-    assert back >= 6  # not before the kill
-
-
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_killed_rank_leaves_and_the_job_trains_on(
         tmp_path: Path, victim: int, healthy: Callable[[list[str]], Path]) -> None:
@@ -135,7 +123,7 @@ def test_a_killed_rank_leaves_and_the_job_trains_on(
     assert sorted({m["step"] for m in b.metrics}) == list(range(14))
     assert all(n == 24 for n in per_step.values()), per_step
     back = regroup[0]["step"]
-    _goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
+    goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
     assert {m["world"] for m in b.metrics if m["step"] >= back} == {2}
     assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1, 2} - {victim}
     # the same training: same samples per step, so the same validation loss
@@ -159,7 +147,7 @@ def test_a_killed_rank_of_a_lossy_job_leaves_and_its_optimizer_shard_restarts(
     regroup = b.events_of("regroup")
     assert [(e["world"], e["lost"], e["planned"]) for e in regroup] == [(2, [victim], False)]
     back = regroup[0]["step"]
-    _goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
+    goes_on_after_its_last_completed_step(b, back, 3, {0, 1, 2} - {victim})
     # the dead owner's third of the flat vector restarted its optimizer state, nothing else
     import torch
 
@@ -208,7 +196,7 @@ def test_a_killed_tensor_parallel_rank_takes_its_group_out_and_the_job_trains_on
     regroup = b.events_of("regroup")
     assert [(e["world"], e["members"], e["lost"]) for e in regroup] == [(2, [0, 1], [3])]
     back = regroup[0]["step"]
-    _goes_on_after_its_last_completed_step(b, back, 4, {0, 1})
+    goes_on_after_its_last_completed_step(b, back, 4, {0, 1})
     assert {m["world"] for m in b.metrics if m["step"] >= back} == {2}
     assert {m["host"] for m in b.metrics if m["step"] >= back} == {0, 1}
     # the same samples every step (counted once per TP group: its ranks share a micro-batch)
