@@ -2,12 +2,14 @@
 
     sudo .venv/bin/python tests/replay/make_corpus.py tests/replay/corpus [NAME ...]
 
-Each run is a short job on the local testbed (compute and contention faults are cgroup CPU
-quotas and busy processes: root) or on network namespaces (link faults: root). Only
-``config.json``, ``events.jsonl`` and the metrics columns replay reads are kept, so the corpus
-stays small. Re-recording changes the corpus, and with it the expected decisions: record them
-again with ``stalwart replay --json tests/replay/expected.json tests/replay/corpus/*`` from
-the decision code as it was, then change the code (tests/replay/test_replay.py).
+Two parts: ``tune/`` (``TUNE``), the runs thresholds may be set on, and ``heldout/``
+(``HELDOUT``), recorded with other seeds, workloads (the bench's user scripts: variable
+sequence lengths, BatchNorm) and world sizes (5 ranks), on which figures are reported
+(``stalwart replay --score``). Each run is a short job on the local testbed (compute and
+contention faults are cgroup CPU quotas and busy processes: root) or on network namespaces
+(link faults: root). Only ``config.json``, ``events.jsonl`` (the ground truth: the faults
+applied), ``validation.jsonl`` (the raw validation rounds the rules are re-run on) and the
+metrics columns replay reads are kept, so the corpus stays small (~2-4 MB).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ KEEP = ("step", "rank", "step_time", "compute_time", "comm_time", "fb_time", "mi
 
 C = "compute:rank={r},factor={f},start={s}"
 SCRIPT = ["--script", "tests/scripts/plain_ddp.py", "--detect"]
-RUNS: dict[str, list[str]] = {
+TUNE: dict[str, list[str]] = {
     "clean-n2": ["--nproc", "2", "--steps", "80"],
     "clean-n3": ["--nproc", "3", "--steps", "80"],
     "clean-n4": ["--nproc", "4", "--steps", "80"],
@@ -81,10 +83,53 @@ RUNS: dict[str, list[str]] = {
 }
 
 
+B = "src/stalwart/bench/scripts/"
+HELDOUT: dict[str, list[str]] = {
+    "h-clean-n5-seed7": ["--nproc", "5", "--steps", "80", "--seed", "7"],
+    "h-clean-n3-seed7-mb2": ["--nproc", "3", "--steps", "80", "--seed", "7",
+                             "--micro-batches", "2"],
+    "h-clean-n4-seed7-netns": ["--nproc", "4", "--steps", "60", "--seed", "7",
+                               "--testbed", "netns"],
+    "h-script-clean-varlen-n4": ["--script", B + "varlen.py", "--detect", "--nproc", "4",
+                                 "--", "--seconds", "10"],
+    "h-script-clean-mlp-n3": ["--script", B + "mlp.py", "--detect", "--nproc", "3",
+                              "--", "--seconds", "8"],
+    "h-script-clean-cnn-n4": ["--script", B + "cnn_bn.py", "--detect", "--nproc", "4",
+                              "--", "--seconds", "10"],
+    "h-compute1.3x-n5-seed7": ["--nproc", "5", "--steps", "120", "--seed", "7",
+                               "--fault", C.format(r=3, f=1.3, s=30)],
+    "h-compute2.5x-n3-seed7": ["--nproc", "3", "--steps", "80", "--seed", "7",
+                               "--fault", C.format(r=0, f=2.5, s=25)],
+    "h-compute1.5x-n4-seed7-mb2": ["--nproc", "4", "--steps", "100", "--seed", "7",
+                                   "--micro-batches", "2", "--fault", C.format(r=1, f=1.5, s=35)],
+    "h-contention-n3-seed7": ["--nproc", "3", "--steps", "80", "--seed", "7",
+                              "--fault", "contention:rank=2,procs=2,start=30"],
+    "h-born-compute1.5x-n5": ["--nproc", "5", "--steps", "100", "--seed", "7",
+                              "--fault", "compute:rank=4,factor=1.5"],
+    "h-born-compute3x-n3-seed7": ["--nproc", "3", "--steps", "80", "--seed", "7",
+                                  "--fault", "compute:rank=2,factor=3"],
+    "h-script-born-compute3x-varlen-n4": ["--script", B + "varlen.py", "--detect",
+                                          "--nproc", "4", "--fault", "compute:rank=1,factor=3",
+                                          "--", "--seconds", "10"],
+    "h-script-born-compute2x-mlp-n3": ["--script", B + "mlp.py", "--detect", "--nproc", "3",
+                                       "--fault", "compute:rank=2,factor=2",
+                                       "--", "--seconds", "8"],
+    "h-link-n5-netns": ["--nproc", "5", "--steps", "70", "--seed", "7", "--testbed", "netns",
+                        "--fault", "link:host=3,rate=10mbit,start=30"],
+    "h-pairlink-n3-netns": ["--nproc", "3", "--steps", "70", "--seed", "7", "--testbed",
+                            "netns", "--fault", "pairlink:hosts=0-2,rate=10mbit,start=25"],
+    "h-born-link-n3-netns": ["--nproc", "3", "--steps", "60", "--seed", "7", "--testbed",
+                             "netns", "--fault", "link:host=2,rate=20mbit"],
+}
+PARTS = {"tune": TUNE, "heldout": HELDOUT}
+
+
 def trim(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", dst / "config.json")
     shutil.copy(src / "events.jsonl", dst / "events.jsonl")
+    if (src / "validation.jsonl").is_file():
+        shutil.copy(src / "validation.jsonl", dst / "validation.jsonl")
     # a script run (--script) records the monitor's iterations instead of metrics
     series = "metrics.jsonl" if (src / "metrics.jsonl").is_file() else "iterations.jsonl"
     with open(src / series) as f, open(dst / series, "w") as out:
@@ -97,18 +142,20 @@ def trim(src: Path, dst: Path) -> None:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
-    names = argv[1:] or list(RUNS)
+    runs = {n: (part, args) for part, rs in PARTS.items() for n, args in rs.items()}
+    names = argv[1:] or list(runs)
     for name in names:
+        part, args = runs[name]
         with tempfile.TemporaryDirectory() as tmp:
             # the run's own arguments last: a script's follow its "--"
             cmd = [sys.executable, "-m", "stalwart.cli", "run", "--name", name, "--out", tmp,
-                   "--no-progress", *RUNS[name]]
+                   "--no-progress", *args]
             print(" ".join(cmd[2:]), flush=True)
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 print(f"{name}: exit {r.returncode}: {r.stderr[-500:]}", flush=True)
                 continue
-            trim(Path(tmp) / name, out / name)
+            trim(Path(tmp) / name, out / part / name)
     return 0
 
 

@@ -38,10 +38,10 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.detect import verify
-from stalwart.detect.alarms import DETECTS, MODES, NONE, Alarm, IterSample
+from stalwart.detect.alarms import NONE, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
+from stalwart.detect.detector import VALIDATION_FILE, Detector, StepOutput
 from stalwart.detect.exchange import Exchange
-from stalwart.detect.localize import decide
 from stalwart.detect.sampling import Sampler, comm_busy
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 from stalwart.events import Event
@@ -117,6 +117,17 @@ class Monitor:
             cost = exchange_cost(rows, Exchange.width(every)) if check_every is None else 0.0
             self.exchange = Exchange(self.rank, rows, self.core, check_every=check_every,
                                      max_every=max_every, lag=lag, process_cost=cost)
+        # the validation tests behind the one decision path (detector.py): live collectives
+        self.source = verify.LiveEvidence(
+            self.group, self.world, self.rank, compute_reps=compute_reps,
+            link_bytes=link_bytes, device=device,
+            enabled=self.exchange is not None and validate_on_detect)
+        self.detector = Detector(self.core, self.source, self.rank)
+        self._rounds_log: Any = None  # rank 0: the raw validation rounds (replay re-decides)
+        if self._run_dir is not None and self.rank == 0:
+            from stalwart.rundir import JsonlWriter
+
+            self._rounds_log = JsonlWriter(self._run_dir / VALIDATION_FILE)
         self._hinted = hinted
         self._last_key: int | None = None
         self._checks = 0
@@ -217,40 +228,25 @@ class Monitor:
         if alarm is None or alarm.action == NONE:
             return
         decided = self.core.samples[-1].key if self.core.samples else alarm.onset
-        if alarm.action in DETECTS:
-            suspect = alarm.suspect if alarm.suspect >= 0 else None
-            mode = MODES[alarm.action]
-            ev = self.core.evidence(self.rank, alarm.onset, decided)
-            t0 = time.perf_counter()
-            if self.exchange is not None and self.validate_on_detect:
-                with self.tracker.internal():
-                    finding = verify.validate_alarm(
-                        ev, self.group(), self.world, self.rank, alarm.onset, decided,
-                        alarm.severity, suspect, compute_reps=self.compute_reps,
-                        link_bytes=self.link_bytes, device=self.device, mode=mode)
-            else:
-                finding = decide([ev], alarm.onset, decided, alarm.severity, suspect, mode)
-            self._skip_next = not self._hinted  # this iteration holds the pause
-            self.core.apply_verdict(finding, suspect, round(time.perf_counter() - t0, 3),
-                                    alarm.action)
-        else:
-            self._on_recovery(alarm, decided)
-
-    def _on_recovery(self, alarm: Alarm, decided: int) -> None:
-        """A recovery alarm: a compute straggler's is confirmed by the compute test at equal
-        load first (every rank runs it: the active finding is the same everywhere)."""
-        ratio = None
-        f = self.core.active
-        if (self.core.needs_recovery_test() and f is not None and self.exchange is not None
-                and self.validate_on_detect):
-            with self.tracker.internal():
-                ratio = verify.recovery_ratio(self.group(), self.world, f.ranks[0],
-                                              compute_reps=self.compute_reps,
-                                              device=self.device)
+        with self.tracker.internal():
+            out = self.detector.resolve(alarm, decided)
+        if out.paused:
             self._skip_next = not self._hinted  # this iteration holds the pause
             self._paused = True
-        if self.core.recovery_test(ratio, decided):
-            self.core.apply_recovery(alarm.onset, decided, alarm.severity, ratio)
+        self._record(out)
+
+    def _record(self, out: StepOutput) -> None:
+        """Rank 0: the raw validation rounds and recovery tests, one JSON line each, so that
+        replay runs the rules on them again (``stalwart replay``); a few kB per validation."""
+        if self._rounds_log is None:
+            return
+        rec = out.validation.record() if out.validation is not None else (
+            out.recovery if out.paused else None)
+        if rec is not None:
+            try:
+                self._rounds_log.write(rec)
+            except OSError as e:  # a record is for replay, never a failure of the job
+                log.debug("could not write %s: %s", VALIDATION_FILE, e)
 
     def group(self) -> Any:
         """The monitor's own gloo group: its traffic never queues behind training's."""
@@ -284,6 +280,8 @@ class Monitor:
                 log.debug("could not write %s: %s", STATS_FILE, e)
         if self._events is not None:
             self._events.close()
+        if self._rounds_log is not None:
+            self._rounds_log.close()
 
     def stats(self) -> dict[str, Any]:
         """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""

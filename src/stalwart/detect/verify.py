@@ -1,11 +1,13 @@
-"""Validation of an alarm: every rank runs the tests together and reaches the same verdict.
+"""Validation measured live: every rank runs the tests together and gathers their results.
 
 FALCON's validation step: the same matmul on every rank (compute) and equal transfers over
 disjoint ring pairs (links), then -- for a slowdown nothing explains -- the pairs that are not
 ring neighbours (round robin, up to 16 ranks). Every rank gathers every rank's evidence
-(profile and test times) over the monitor's own gloo group, so ``localize.decide`` computes
-the same verdict everywhere. A mild straggler gets longer compute tests (``more_rounds``:
-3 -> 7 -> 10 rounds), decided from the gathered evidence, so every rank runs the same rounds.
+(profile and test times) over the monitor's own gloo group. ``LiveEvidence`` is the
+``EvidenceSource`` the monitor's ``Detector`` (detector.py) asks for these measurements; the
+rules that ask (a mild suspect's longer compute tests, ``localize.more_rounds``: 3 -> 7 -> 10
+rounds; the round-robin pairs; the verdict) are the Detector's, the same in replay and in the
+simulator, and every rank applies them to the same gathered evidence.
 
 Cost: a validation pause of the tests' length (tens to hundreds of milliseconds on the tiny
 preset), only when an alarm is raised.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -22,39 +25,83 @@ import torch
 import torch.distributed as dist
 
 from stalwart.detect import validate
-from stalwart.detect.localize import CHANGE_MODE, Finding, RankEvidence, decide, more_rounds
+from stalwart.detect.evidence import RankEvidence
 
 MAX_ROUND_ROBIN = 16  # world sizes above this test only the ring pairs
 
 
-def validate_alarm(ev: RankEvidence, group: Any, world: int, rank: int, onset: int,
-                   decided: int, severity: float, suspect: int | None, *,
-                   compute_reps: int, link_bytes: int, device: Any = None,
-                   mode: str = CHANGE_MODE) -> Finding:
-    """Collective on ``group``: run the tests, gather, decide (see the module docstring).
-    ``device``: the job's compute device when the caller knows it (``where_to_test``);
-    ``mode``: what raised the alarm (localize.decide)."""
-    dev, link_dev, link_pg = where_to_test(group, device)
-    ev.compute_rounds = validate.compute_test(reps=compute_reps, group=group, device=dev)
-    ev.compute_test = statistics.median(ev.compute_rounds)
-    ring = validate.ring_pair_passes(world)
-    ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
-        ring, rank, link_bytes, group=link_pg, device=link_dev).items()}
-    gathered = gather(ev, group, world)
-    while extra_rounds := more_rounds(gathered, suspect, mode):
-        ev.compute_rounds += validate.compute_test(reps=compute_reps, rounds=extra_rounds,
-                                                   group=group, device=dev)
+class LiveEvidence:
+    """The validation tests run live: every rank together over the monitor's gloo group (or
+    the job's device path, ``where_to_test``), gathered everywhere -- the ``EvidenceSource``
+    the monitor gives its ``Detector`` (detector.py). ``enabled`` False (one process, or
+    validation switched off): this rank's own profile only, no tests. ``pause_s``: the last
+    tests' wall time. Collective: every rank calls the same methods in the same order (the
+    Detector's rules decide from gathered evidence, so they agree)."""
+
+    def __init__(self, group: Any, world: int, rank: int, *, compute_reps: int,
+                 link_bytes: int, device: Any = None, enabled: bool = True) -> None:
+        self._group, self.world, self.rank = group, world, rank
+        self.compute_reps, self.link_bytes, self.device = compute_reps, link_bytes, device
+        self.enabled = enabled
+        self.pause_s = 0.0
+        self._ev: RankEvidence | None = None
+        self._ring: list[list[tuple[int, int]]] = []
+        self._where: tuple[Any, Any, Any] = (None, None, None)
+        self._t0 = 0.0
+
+    def group(self) -> Any:
+        return self._group() if callable(self._group) else self._group
+
+    def tests(self, alarm: Any, decided: int, own: RankEvidence) -> list[RankEvidence]:
+        self._t0 = time.perf_counter()
+        self._ev = ev = own
+        if not self.enabled:
+            return self._done([ev])
+        group = self.group()
+        self._where = dev, link_dev, link_pg = where_to_test(group, self.device)
+        ev.compute_rounds = validate.compute_test(reps=self.compute_reps, group=group,
+                                                  device=dev)
         ev.compute_test = statistics.median(ev.compute_rounds)
-        gathered = gather(ev, group, world)
-    finding = decide(gathered, onset, decided, severity, suspect, mode)
-    tested = {p for ps in ring for p in ps}
-    extra = validate.round_robin_passes(world, tested)
-    if finding.kind == "unknown" and extra and world <= MAX_ROUND_ROBIN:
-        # a slow link between hosts that are not ring neighbours
+        self._ring = validate.ring_pair_passes(self.world)
+        ev.links = {f"{a}-{b}": t for (a, b), t in validate.link_test(
+            self._ring, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()}
+        return self._done(gather(ev, group, self.world))
+
+    def more_rounds(self, rounds: int) -> list[RankEvidence]:
+        ev = self._ev
+        assert ev is not None
+        if not self.enabled:
+            return self._done([ev])
+        group = self.group()
+        ev.compute_rounds += validate.compute_test(reps=self.compute_reps, rounds=rounds,
+                                                   group=group, device=self._where[0])
+        ev.compute_test = statistics.median(ev.compute_rounds)
+        return self._done(gather(ev, group, self.world))
+
+    def more_links(self) -> list[RankEvidence] | None:
+        ev = self._ev
+        tested = {p for ps in self._ring for p in ps}
+        extra = validate.round_robin_passes(self.world, tested)
+        if ev is None or not self.enabled or not extra or self.world > MAX_ROUND_ROBIN:
+            return None
+        group = self.group()
+        _, link_dev, link_pg = self._where
         ev.links.update({f"{a}-{b}": t for (a, b), t in validate.link_test(
-            extra, rank, link_bytes, group=link_pg, device=link_dev).items()})
-        finding = decide(gather(ev, group, world), onset, decided, severity, suspect, mode)
-    return finding
+            extra, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()})
+        return self._done(gather(ev, group, self.world))
+
+    def recovery_ratio(self, suspect: int, decided: int) -> float | None:
+        if not self.enabled:
+            return None
+        t0 = time.perf_counter()
+        r = recovery_ratio(self.group(), self.world, suspect, compute_reps=self.compute_reps,
+                           device=self.device)
+        self.pause_s = round(time.perf_counter() - t0, 3)
+        return r
+
+    def _done(self, ev: list[RankEvidence]) -> list[RankEvidence]:
+        self.pause_s = round(time.perf_counter() - self._t0, 3)
+        return ev
 
 
 def recovery_ratio(group: Any, world: int, suspect: int, *, compute_reps: int,

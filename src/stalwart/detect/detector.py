@@ -1,0 +1,190 @@
+"""The one decision path: samples in, events out, validation evidence behind one interface.
+
+``Detector`` is what the live monitor, replay and the simulator drive. It holds the decision
+state machine (``DecisionCore``, decision.py) and an ``EvidenceSource``: whatever measures the
+validation tests when an alarm arrives -- live, the torch collectives every rank runs
+(``verify.LiveEvidence``); in replay, the raw rounds the run directory recorded
+(``stalwart.replay.RecordedEvidence``); in the simulator, rounds drawn from measured noise
+(``stalwart.simulate.decide.SimEvidence``). The rules -- how many compute rounds a mild
+suspect needs (``localize.more_rounds``), the round-robin link pairs when the ring explains
+nothing, the verdict (``localize.decide``: onset, localisation, audit), what a verdict does
+(verdicts.py) and a recovery (recovery.py) -- run here, the same for all three.
+
+One step (``Detector.step``, a ``StepInput``): the leader's iteration sample, then the rows
+read back this step (every rank's compute at their steps: the per-rank channels), then the
+alarm those rows carried -- validated through the source and applied -- and last the alarm
+raised since, which the caller sends with its next row (``StepOutput.send``). Every rank runs
+the same verdict on the same gathered evidence; only the leader raises alarms and emits.
+
+Guarantees: deterministic for a deterministic source (replay twice: the same events); the
+verdict sequence exists once. Cost: the core's per-sample cost; on an alarm, the source's
+tests plus one ``localize.decide`` per evidence set (microseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from stalwart.detect.alarms import DETECTS, MODES, NONE, RECOVER, Alarm, IterSample
+from stalwart.detect.decision import DecisionCore
+from stalwart.detect.evidence import Finding, RankEvidence
+from stalwart.detect.localize import decide, more_rounds
+
+ROUNDS = 3  # the compute test's first rounds (validate.compute_test's default)
+VALIDATION_FILE = "validation.jsonl"  # a run directory's raw validation rounds (rank 0)
+
+
+class EvidenceSource(Protocol):
+    """The validation tests' measurements, gathered from every rank (rank order).
+
+    ``tests``: the first compute rounds and the ring's link pairs around an alarm (``own``:
+    this rank's training-time profile, ``DecisionCore.evidence``); ``more_rounds``: that many
+    more compute rounds on every rank; ``more_links``: the pairs the ring did not test (None:
+    there are none, or the source cannot measure them); ``recovery_ratio``: the compute test
+    at equal load, the suspect's median round over its peers' (None: not measured)."""
+
+    def tests(self, alarm: Alarm, decided: int, own: RankEvidence) -> list[RankEvidence]: ...
+
+    def more_rounds(self, rounds: int) -> list[RankEvidence]: ...
+
+    def more_links(self) -> list[RankEvidence] | None: ...
+
+    def recovery_ratio(self, suspect: int, decided: int) -> float | None: ...
+
+
+@dataclass
+class StepInput:
+    """What one rank learns at one step (see the module docstring); ``alarm``: the alarm the
+    rows read now carried (None or QUIET: none); ``decided``: the step a verdict is dated
+    (default: the sample's key)."""
+
+    sample: IterSample | None = None
+    rows: Sequence[tuple[int, list[float]]] = ()
+    alarm: Alarm | None = None
+    decided: int | None = None
+
+
+@dataclass
+class Validation:
+    """One validated alarm: what it was, the evidence gathered, the verdict."""
+
+    alarm: Alarm
+    decided: int
+    evidence: list[RankEvidence]
+    finding: Finding
+
+    def record(self) -> dict[str, Any]:
+        """The raw rounds as a run directory keeps them (``validation.jsonl``), compact."""
+        return {"kind": "validation", "step": self.decided, "action": self.alarm.action,
+                "onset": self.alarm.onset, "severity": _r(self.alarm.severity),
+                "suspect": self.alarm.suspect,
+                "evidence": [_r(asdict(e)) for e in self.evidence]}
+
+
+@dataclass
+class StepOutput:
+    send: Alarm  # the alarm to send with the next row (QUIET: none)
+    validation: Validation | None = None  # the verdict applied at this step, if any
+    recovery: dict[str, Any] | None = None  # the recovery test applied, if any
+    paused: bool = False  # the tests ran (a validation pause)
+    events: list[Any] = field(default_factory=list)
+
+
+def _r(x: Any) -> Any:
+    """Floats to 6 significant digits (compact records; the decisions do not need more)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _r(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_r(v) for v in x]
+    return x
+
+
+class Detector:
+    """The decision path for one rank (module docstring)."""
+
+    def __init__(self, core: DecisionCore, source: EvidenceSource, rank: int = 0) -> None:
+        self.core = core
+        self.source = source
+        self.rank = rank
+        self._events: list[Any] = []
+        emit = core.emit
+
+        def tee(ev: Any) -> None:
+            self._events.append(ev)
+            if emit is not None:
+                emit(ev)
+        core.emit = tee
+
+    def step(self, inp: StepInput) -> StepOutput:
+        core = self.core
+        self._events = []
+        if inp.sample is not None:
+            core.sample(inp.sample)
+        for key, comps in inp.rows:
+            core.relative(key, comps)
+        out = StepOutput(send=Alarm(NONE, 0, 0.0, -1))
+        alarm = inp.alarm
+        if alarm is not None and alarm.action != NONE:
+            if core.leader:
+                core.alarm_read()
+            decided = inp.decided if inp.decided is not None else (
+                core.samples[-1].key if core.samples else alarm.onset)
+            self.resolve(alarm, decided, out)
+        out.send = core.take_pending()
+        out.events = self._events
+        return out
+
+    def resolve(self, alarm: Alarm, decided: int, out: StepOutput | None = None) -> StepOutput:
+        """An alarm that reached every rank: validated and applied (a change, an outlier, the
+        audit) or a recovery judged. What a transport that feeds the core itself (the live
+        exchange) calls once it has read the alarm back; ``step`` calls it otherwise."""
+        out = out if out is not None else StepOutput(send=Alarm(NONE, 0, 0.0, -1))
+        if alarm.action in DETECTS:
+            out.validation = self.validate(alarm, decided)
+            out.paused = True
+        elif alarm.action == RECOVER:
+            out.recovery, out.paused = self.recover(alarm, decided)
+        return out
+
+    def validate(self, alarm: Alarm, decided: int) -> Validation:
+        """The tests on an alarm, the verdict on their gathered evidence, applied."""
+        suspect = alarm.suspect if alarm.suspect >= 0 else None
+        mode = MODES[alarm.action]
+        src = self.source
+        ev = src.tests(alarm, decided, self.core.evidence(self.rank, alarm.onset, decided))
+        while extra := more_rounds(ev, suspect, mode):
+            have = len(ev[0].compute_rounds) if ev else 0
+            ev = src.more_rounds(extra)
+            if not ev or len(ev[0].compute_rounds) <= have:
+                break  # a source that cannot measure more (a recording) decides on what it has
+        finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode)
+        if finding.kind == "unknown":
+            # a slow link between ranks that are not ring neighbours
+            more = src.more_links()
+            if more is not None:
+                ev = more
+                finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode)
+        self.core.apply_verdict(finding, suspect, self._pause_s(), alarm.action)
+        return Validation(alarm, decided, ev, finding)
+
+    def _pause_s(self) -> float:
+        """The seconds the source's tests took (live: wall time; recorded: as recorded)."""
+        return float(getattr(self.source, "pause_s", 0.0))
+
+    def recover(self, alarm: Alarm, decided: int) -> tuple[dict[str, Any], bool]:
+        """A recovery alarm: a compute straggler's is confirmed by the compute test at equal
+        load first (recovery.py)."""
+        core = self.core
+        ratio = None
+        tested = False
+        if core.needs_recovery_test() and core.active is not None:
+            ratio = self.source.recovery_ratio(core.active.ranks[0], decided)
+            tested = ratio is not None
+        if core.recovery_test(ratio, decided):
+            core.apply_recovery(alarm.onset, decided, alarm.severity, ratio)
+        rec = {"kind": "recovery", "step": decided, "ratio": _r(ratio)}
+        return rec, tested
