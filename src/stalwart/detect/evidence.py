@@ -7,11 +7,20 @@ that ``localize.decide`` makes of it. Plain data, torch-free; the run directory'
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+def this_host() -> str:
+    """The host this process runs on, as the link rule groups ranks (detect/hostlink.py):
+    ``STALWART_HOST`` when set (the netns testbed names its emulated hosts), else the
+    machine's name."""
+    return os.environ.get("STALWART_HOST") or socket.gethostname()
 
 
 @dataclass
@@ -32,6 +41,8 @@ class RankEvidence:
     # (step, iteration seconds) over the same window: where a slow link found by the audit
     # began, if the step time rose within it
     steps: list[tuple[int, float]] = field(default_factory=list)
+    # the rank's host: ranks on one host share its link (hostlink.py); gathered with the rest
+    host: str = field(default_factory=this_host)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from stalwart.detect import hostlink
 from stalwart.detect.evidence import Finding, RankEvidence, healthy_level, peer_series
 from stalwart.detect.onset import (
     born_onset,
@@ -320,9 +321,27 @@ def _slow_links(ev: list[RankEvidence],
     return lr, ([] if len(slow) > (len(links) + 1) // 2 else slow)
 
 
+def _host_link(ev: list[RankEvidence], cr: dict[int, float],
+               evidence: dict[str, Any]) -> list[str]:
+    """The pairs crossing one host's link, slow together (hostlink.py; a slow rank at a
+    pair's end explains it as in rule 1), slowest first; the host goes in the evidence."""
+    links = {k: t for e in ev for k, t in e.links.items()}
+    found = hostlink.name_host(links, {e.rank: e.host for e in ev}, lambda r, x: cr.get(
+        r, 0.0) >= COMPUTE_MILD and x < STARVED_LINK_PER_X * cr[r])
+    if found is None:
+        return []
+    evidence["host"], evidence["host_link"] = found.host, found.evidence()
+    return list(found.pairs)
+
+
 def _link_finding(slow_links: list[str], onset_step: int, step: int, severity: float,
                   evidence: dict[str, Any]) -> Finding:
-    """Several slow pairs sharing one rank: that rank's own link; else the slowest pair."""
+    """Several slow pairs sharing one rank: that rank's own link; else the slowest pair.
+    Pairs crossing one host's link (``evidence["host_link"]``): every rank of that host."""
+    if "host_link" in evidence:
+        return Finding("link", onset_step, step, severity,
+                       ranks=list(evidence["host_link"]["ranks"]),
+                       link=[int(x) for x in slow_links[0].split("-")], evidence=evidence)
     pairs = [tuple(int(x) for x in k.split("-")) for k in slow_links]
     common = set(pairs[0]).intersection(*map(set, pairs[1:])) if len(pairs) > 1 else set()
     ranks = sorted(common) if len(common) == 1 else []
@@ -382,7 +401,9 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         if born:
             return _born_finding(ev, candidate, onset_step, step, evidence, mode)
         return _compute_finding(ev, candidate, onset_step, step, severity, evidence)
-    # 2. a link tens of times slower than its peers, not explained by a starved rank
+    # 2. pairs crossing one host's link, slow together (hostlink.py: moderate congestion
+    #    too), else a link tens of times slower than its peers, not explained by a starved rank
+    slow_links = _host_link(ev, cr, evidence) or slow_links
     if slow_links:
         if mode == AUDIT_MODE:  # the first look: slow since the first sample, unless the
             # step time rose within the window (a link fault that began after it)

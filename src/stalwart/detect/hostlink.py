@@ -1,0 +1,160 @@
+"""A slow host link: the link-test pairs that cross one host's link, slow together, name it.
+
+Ranks on one host talk inside it (NVLink, loopback) and cross its link (uplink, NIC) only to
+reach other hosts, so a slow host link slows exactly the tested pairs with one end on the
+host and the other elsewhere -- with several ranks per host, the ring's two pairs at the
+host's boundaries, which share no rank (the rank rule of localize.py named one of them as a
+pair, then the other: one finding per validation). ``name_host`` names the host instead.
+
+Rule: for each host H with at least ``MIN_PAIRS`` tested crossing pairs (pairs whose ends
+are on different hosts; needs ``MIN_HOSTS`` hosts, else the two ends cannot be told apart),
+the ratio of each of its crossing pairs to the reference -- the median of the crossing pairs
+that do not touch H -- must reach ``threshold(...)``; a pair whose slowness a slow rank at
+its end may explain (``explained``, localize's starved-rank rule) does not count.
+
+Noise model and false-alarm rate: a healthy pair's log ratio is normal with log-sd sigma,
+estimated from this verdict's own reference pairs (1.4826 x MAD, raised by two standard
+errors of that estimate) when there are at least
+``SPREAD_PAIRS`` of them, else ``SIGMA_PRIOR`` (the testbed's healthy pairs); the reference
+median adds its own spread (sigma^2 x pi / 2n). The threshold for a host with m crossing
+pairs is exp(z sigma) with Phi(-z)^m = ``ALPHA`` / (hosts tested), so by the union bound a
+verdict names a healthy host with chance at most ``ALPHA`` (pairs taken as independent;
+the testbed's pairs have heavier tails than normal: 2 of 34 healthy pairs read >= 5x,
+stated in docs/calibration.md). Never below ``MIN_RATIO``. Pure and torch-free; cost
+O(pairs log pairs) per verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+ALPHA = 1e-3  # chance per verdict of naming a healthy host (union bound over the hosts)
+# log-sd of a healthy pair's link-test ratio when the verdict has too few pairs to measure
+# it: 1.4826 x MAD of log ratio of the 34 healthy pairs in the replay corpus's verdicts
+# (tests/replay/corpus, 2-4 ranks on 2 loaded cores): 0.318
+SIGMA_PRIOR = 0.32
+SIGMA_MIN = 0.05  # the spread is never taken below this (a link test's timer resolution)
+SPREAD_PAIRS = 8  # reference pairs needed to measure the spread from the verdict itself
+MIN_RATIO = 1.5  # never below: a healthy pair reads up to ~1.7x in the replay corpus
+MIN_PAIRS = 2  # a host is named from two crossing pairs at least (the ring gives two)
+MIN_HOSTS = 3  # with two hosts, both hosts' links carry the same pairs
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The host whose link is slow: its name, its ranks, and the test behind it."""
+
+    host: str
+    ranks: list[int]  # the host's ranks among the verdict's
+    pairs: dict[str, float]  # its crossing pairs' ratios to the reference, slowest first
+    threshold: float
+    sigma: float
+    chance: float  # that a healthy host (of those tested) reads this slow: <= ALPHA
+    others: dict[str, float] = field(default_factory=dict)  # the reference pairs' ratios
+
+    @property
+    def slowest(self) -> list[int]:
+        return [int(x) for x in next(iter(self.pairs)).split("-")]
+
+    def evidence(self) -> dict[str, Any]:
+        return {"host": self.host, "ranks": self.ranks,
+                "pairs": {k: round(v, 3) for k, v in self.pairs.items()},
+                "threshold": round(self.threshold, 3), "sigma": round(self.sigma, 3),
+                "chance": float(f"{self.chance:.3g}")}
+
+
+def _pair(key: str) -> tuple[int, int]:
+    a, b = key.split("-")
+    return int(a), int(b)
+
+
+def crossing(links: Mapping[str, float], host_of: Mapping[int, str]) -> dict[str, float]:
+    """The tested pairs whose two ends are on different (known) hosts."""
+    out = {}
+    for k, t in links.items():
+        a, b = _pair(k)
+        if a in host_of and b in host_of and host_of[a] != host_of[b]:
+            out[k] = t
+    return out
+
+
+def spread(log_ratios: list[float]) -> float:
+    """The noise model's sigma from reference pairs' log ratios (module docstring)."""
+    if len(log_ratios) < SPREAD_PAIRS:
+        return SIGMA_PRIOR
+    med = statistics.median(log_ratios)
+    mad = 1.4826 * statistics.median(abs(x - med) for x in log_ratios)
+    # an upper bound of the estimate: the MAD's relative standard error is ~1.17/sqrt(n),
+    # and a sigma read low by chance would make the threshold name healthy hosts
+    return max(SIGMA_MIN, mad * (1.0 + 2.0 * 1.17 / math.sqrt(len(log_ratios))))
+
+
+def threshold(hosts: int, pairs: int, sigma: float, alpha: float = ALPHA) -> float:
+    """The ratio every one of a host's ``pairs`` crossing pairs must reach so that a healthy
+    host among ``hosts`` is named with chance <= ``alpha`` (module docstring)."""
+    per_pair = (alpha / max(hosts, 1)) ** (1.0 / max(pairs, 1))
+    z = -NormalDist().inv_cdf(per_pair)
+    return max(MIN_RATIO, math.exp(z * sigma))
+
+
+def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
+              explained: Callable[[int, float], bool] | None = None,
+              alpha: float = ALPHA) -> HostLink | None:
+    """The host whose crossing pairs are all slow (module docstring), or None.
+
+    ``links``: pair "a-b" -> link-test time (any unit); ``host_of``: rank -> host name
+    (ranks missing from it are on unknown hosts: their pairs are not used);
+    ``explained(rank, ratio)``: True when a slow rank at the pair's end may explain a pair
+    this slow (then the pair does not count for its host). With several hosts qualifying,
+    the one whose slowest-but-one pair is slowest."""
+    cross = crossing(links, host_of)
+    by_host: dict[str, list[str]] = {}
+    for k in cross:
+        a, b = _pair(k)
+        by_host.setdefault(host_of[a], []).append(k)
+        by_host.setdefault(host_of[b], []).append(k)
+    if len(set(host_of.values())) < MIN_HOSTS:
+        return None
+    tested = [h for h, ks in by_host.items() if len(ks) >= MIN_PAIRS]
+    # screening (cost): a host is examined only if its pairs all reach MIN_RATIO x the
+    # crossing pairs' lower quartile, which is at most the reference below in all but
+    # contrived cases -- at 10,000 ranks a handful of hosts instead of 1,250
+    times = sorted(cross.values())
+    floor = MIN_RATIO * times[(len(times) - 1) // 4] if times else 0.0
+    best: tuple[float, HostLink] | None = None
+    for h in tested:
+        mine = by_host[h]
+        if min(cross[k] for k in mine) < floor:
+            continue
+        own = set(mine)
+        ref_keys = [k for k in cross if k not in own]
+        if not ref_keys:
+            continue
+        ref = statistics.median(cross[k] for k in ref_keys)
+        if ref <= 0:
+            continue
+        logs = [math.log(max(cross[k], 1e-12) / ref) for k in ref_keys]
+        sigma = spread(logs) * math.sqrt(1.0 + math.pi / (2 * len(ref_keys)))
+        t = threshold(len(tested), len(mine), sigma, alpha)
+        ratios = {k: cross[k] / ref for k in mine}
+        if min(ratios.values()) < t:
+            continue
+        if explained is not None and any(
+                explained(r, v) for k, v in ratios.items() for r in _pair(k)
+                if host_of[r] == h):
+            continue
+        chance = len(tested) * NormalDist().cdf(
+            -math.log(min(ratios.values())) / sigma) ** len(mine)
+        ordered = dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
+        ranks = sorted(r for r, hh in host_of.items() if hh == h)
+        found = HostLink(h, ranks, ordered, t, sigma, chance,
+                         {k: round(cross[k] / ref, 3) for k in ref_keys[:16]})
+        key = sorted(ratios.values())[-2] if len(ratios) > 1 else min(ratios.values())
+        if best is None or key > best[0]:
+            best = (key, found)
+    return None if best is None else best[1]
