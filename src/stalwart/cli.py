@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "without training: print their decisions")
     rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     rp.add_argument("--json", type=Path, default=None, help="write the decisions here")
+    rp.add_argument("--score", action="store_true",
+                    help="score the decisions against each run's faults (events.jsonl)")
 
     tb = sub.add_parser("testbed", help="emulated hosts: check what works, clean up")
     tb.add_argument("action", choices=("check", "cleanup"))
@@ -141,7 +143,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from stalwart.replay import main as replay
 
-    return replay(args.run_dirs, args.json)
+    return replay(args.run_dirs, args.json, score=args.score)
 
 
 def _cmd_testbed(args: argparse.Namespace) -> int:

@@ -1,23 +1,27 @@
-"""Replay: recorded run directories through the decision code, without training.
+"""Replay: recorded run directories through the decision code, without training, and scored.
 
-``stalwart replay RUN_DIR... [--json FILE]`` feeds each run's ``metrics.jsonl`` to the
-detector's rank-0 decision state machine (change detectors on the iteration time and on each
-rank's compute relative to its peers, classification, recovery, the unexplained-slowdown rule)
-and to the mitigation policy, and prints (or writes) the decisions they make. It is how a
-threshold is changed: replay the corpus (tests/replay/corpus) before and after, and read the
-difference.
+``stalwart replay RUN_DIR... [--json FILE]`` drives the one decision path
+(``stalwart.detect.detector.Detector``, the same the live monitor and the simulator drive) over
+each run's recording and prints the decisions it makes; ``--score`` also scores them against
+the run's ground truth (the faults the testbed applied, events.jsonl; ``stalwart.detect.truth``)
+-- detection, localisation, latency in steps and seconds, false positives -- per run and in
+total. It is how a rule or threshold is changed: score the corpus's tuning part
+(tests/replay/corpus/tune) before and after, and report on its held-out part.
 
 What replay decides and what it takes from the recording:
 - the detector sees what the live monitor saw at rank 0: rank 0's step time, and every
   rank's compute time per unit of work (``fb_time`` normalised to the uniform plan's
   micro-batches), one exchange per step, each row read one step after it was sent;
-- validation (the compute and link tests every rank runs when a change is found) cannot be
-  replayed: its outcome is the recorded verdict (``straggler_detected`` /
-  ``slowdown_unexplained``) decided within ``MATCH_STEPS`` steps of the replayed decision, about
-  a slowdown begun by then, and "nothing confirmed" (kind unknown) when there is none; a
-  compute straggler's recovery test likewise: the recorded ``straggler_recovered`` /
-  ``recovery_rejected`` near it gives the measured ratio (recordings made before recoveries
-  were tested: the testbed's ground truth, the fault's factor while it is on);
+- the validation tests cannot be re-run, but their raw measurements can: rank 0 records
+  every validation's gathered evidence (each rank's compute-test rounds, link round trips,
+  training-time profile and recent steps) and every recovery test in ``validation.jsonl``
+  (``RecordedEvidence``). The rules -- more rounds for a mild suspect, the verdict
+  (``localize.decide``: localisation, onset, the audit's), recovery at equal load -- run
+  again on them. An alarm is given the recorded validation of the same kind nearest to it
+  within ``MATCH_STEPS`` steps (any kind if none); one that has none was not validated live
+  (replay raised an alarm the live run did not): it gets this rank's profile only (no
+  tests, as a monitor with validation off) and is counted in ``unmatched``. A rule that
+  asks for more compute rounds than the recording holds decides on what it holds;
 - the policy (runs with ``--mitigate``) gets each group's time per micro-batch and the mean
   step time per exchange (every ``EVERY`` steps, one exchange late, as the agreement channel
   delivers them), the replayed findings, and the measured gain of its own plans
@@ -39,9 +43,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from stalwart.detect.alarms import DETECTS, MODES, NONE, RECOVER, Alarm, IterSample
+from stalwart.detect.alarms import MODES, NONE, RECOVER, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
-from stalwart.detect.localize import CHANGE_MODE, Finding
+from stalwart.detect.detector import VALIDATION_FILE, Detector, StepInput
+from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.errors import ConfigError
 from stalwart.events import Event
 from stalwart.mitigate import planner, remap
@@ -49,14 +54,12 @@ from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
 from stalwart.mitigate.membership import in_place_ok
 from stalwart.mitigate.policy import Policy
 from stalwart.presets import PRESETS, n_params
-from stalwart.rundir import CONFIG, EVENTS, ITERATIONS, METRICS, read_jsonl
+from stalwart.rundir import CONFIG, ITERATIONS, METRICS, read_jsonl
 
-MATCH_STEPS = 12  # a recorded verdict this close to a replayed decision is its outcome
+MATCH_STEPS = 12  # a recorded validation this close to a replayed alarm is its evidence
 EVERY = 2  # steps per exchange of the mitigation channel, unless the run's config says
 MEASURE_STEPS = 6  # steps after a plan's start over which its gain is measured (rebalance.py)
 RESTART_S = 15.0  # a restart's price (measured restarts: 9-16 s on the testbed)
-VERDICTS = ("straggler_detected", "slowdown_unexplained")
-RECOVERIES = ("straggler_recovered", "recovery_rejected")
 # the alarms' names in the replay's output ("detect": a change point)
 ACTIONS = {a: ("detect" if m == "change" else m) for a, m in MODES.items()} | {RECOVER: "recover"}
 
@@ -112,66 +115,57 @@ def monitor_compute(m: dict[str, Any], micro_total: int, groups: int) -> float:
     return comp - float(fb) + float(fb) * (micro_total / groups) / n
 
 
-class Verdicts:
-    """The recorded validation outcomes, each used once, nearest decision first."""
+_FIELDS = set(RankEvidence.__dataclass_fields__)
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.left = [e for e in events if e.get("event") in VERDICTS]
-        self.recoveries = [e for e in events if e.get("event") in RECOVERIES]
-        # the testbed's ground truth: (rank, factor, applied step, removed step or None)
-        self.faults: list[tuple[int, float, int, int | None]] = []
-        removed = {e.get("spec"): int(e.get("step", 0)) for e in events
-                   if e.get("event") == "fault_removed" and not e.get("at_close")}
-        for e in events:
-            if e.get("event") == "fault_applied" and e.get("kind") in ("compute", "contention") \
-                    and e.get("rank") is not None:
-                self.faults.append((int(e["rank"]), float(e.get("magnitude") or 1.0),
-                                    int(e.get("step", 0)), removed.get(e.get("spec"))))
 
-    def take(self, decided: int, mode: str = CHANGE_MODE) -> dict[str, Any] | None:
-        # about a slowdown that had begun by the decision, decided near it, by the same kind
-        # of alarm (a born finding says which; a change point's says nothing)
-        near = [e for e in self.left if abs(int(e.get("step", -10**9)) - decided) <= MATCH_STEPS
-                and int(e.get("onset_step", 0)) <= decided
-                and (e.get("evidence") or {}).get("detected_by", CHANGE_MODE) == mode]
+class RecordedEvidence:
+    """The validation evidence a run recorded (``validation.jsonl``), as an
+    ``EvidenceSource``: each record used once, the nearest to the alarm first (module
+    docstring). ``unmatched``: alarms that had no recorded validation (or recovery test)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.validations = [r for r in records if r.get("kind") == "validation"]
+        self.recoveries = [r for r in records if r.get("kind") == "recovery"
+                           and r.get("ratio") is not None]
+        self.unmatched = 0
+        self.pause_s = 0.0
+        self._ev: list[RankEvidence] = []
+
+    @staticmethod
+    def _nearest(recs: list[dict[str, Any]], decided: int) -> dict[str, Any] | None:
+        near = [r for r in recs if abs(int(r["step"]) - decided) <= MATCH_STEPS]
         if not near:
             return None
-        e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
-        self.left.remove(e)
-        return e
+        return min(near, key=lambda r: (abs(int(r["step"]) - decided), int(r["step"])))
 
-    def recovery(self, decided: int, rank: int) -> float | None:
-        """What the compute test measured on a recovery alarm about ``rank``: the recorded
-        recovery or rejection nearest the decision (its ``compute_test_ratio``). A recording
-        made before recoveries were tested has none: then the testbed's ground truth stands in
-        (the compute fault's factor on that rank if it was on at ``decided``, else 1.0); None
-        (believed) without either."""
-        near = [e for e in self.recoveries
-                if abs(int(e.get("step", -10**9)) - decided) <= MATCH_STEPS]
-        if near:
-            e = min(near, key=lambda e: (abs(int(e["step"]) - decided), int(e["step"])))
-            self.recoveries.remove(e)
-            r = e.get("compute_test_ratio")
-            if r is not None:
-                return float(r)
-        if not self.faults:
+    def tests(self, alarm: Alarm, decided: int, own: RankEvidence) -> list[RankEvidence]:
+        same = [r for r in self.validations if int(r.get("action", -1)) == alarm.action]
+        r = self._nearest(same, decided) or self._nearest(self.validations, decided)
+        if r is None:
+            self.unmatched += 1
+            self._ev = [own]
+            return self._ev
+        self.validations.remove(r)
+        self._ev = [RankEvidence(**{k: v for k, v in e.items() if k in _FIELDS})
+                    for e in r["evidence"]]
+        for e in self._ev:  # JSON lists back to the tuples the live evidence holds
+            e.recent = [(int(k), float(c)) for k, c in e.recent]
+            e.steps = [(int(k), float(t)) for k, t in e.steps]
+        return self._ev
+
+    def more_rounds(self, rounds: int) -> list[RankEvidence]:
+        return self._ev  # the rounds the live run measured are all there are
+
+    def more_links(self) -> list[RankEvidence] | None:
+        return None  # recorded pairs (ring and round robin) were in the evidence already
+
+    def recovery_ratio(self, suspect: int, decided: int) -> float | None:
+        r = self._nearest(self.recoveries, decided)
+        if r is None:
+            self.unmatched += 1
             return None
-        on = [f for r, f, a, b in self.faults if r == rank and a <= decided and (
-            b is None or decided < b)]
-        return max(on, default=1.0)
-
-    def verdict(self, onset: int, decided: int, severity: float,
-                mode: str = CHANGE_MODE) -> Finding:
-        """What validation decided on an alarm (onset, decision step, severity, what raised
-        it): the recorded verdict, or nothing confirmed."""
-        e = self.take(decided, mode)
-        if e is None or e["event"] != "straggler_detected":
-            return Finding("unknown", onset, decided, severity)
-        f = Finding.from_event(e)
-        f.step, f.recovered_step = decided, None
-        if not f.evidence.get("detected_by"):  # a born finding's severity is priced from
-            f.severity = severity  # its peers by validation; else it is the alarm's
-        return f
+        self.recoveries.remove(r)
+        return float(r["ratio"])
 
 
 def _round(x: Any) -> Any:
@@ -196,44 +190,35 @@ class EventSink:
 
 
 # ---- the detector ---------------------------------------------------------------------------
-def _replay_detector(inc: Incarnation, verdicts: Verdicts, micro_total: int, groups: int,
-                     on_step: Callable[[int, list[Finding]], bool]) -> dict[str, Any]:
-    """Drive rank 0's decision state machine over one incarnation (see the module docstring):
+def _replay_detector(inc: Incarnation, source: RecordedEvidence, micro_total: int,
+                     groups: int, on_step: Callable[[int, list[Finding]], bool]
+                     ) -> dict[str, Any]:
+    """Drive the decision path (``Detector.step``) over one incarnation (module docstring):
     each step's sample, then the rows sent one step earlier (every rank's compute), then the
-    alarm they carry, validated by the recording. ``on_step(step, findings)`` runs after each
-    step's detection, as the policy would; True asks for a recovery test (the policy's
-    ``wants_recovery_test``)."""
+    alarm they carry, validated on the recorded evidence. ``on_step(step, findings)`` runs
+    after each step's detection, as the policy would; True asks for a recovery test (the
+    policy's ``wants_recovery_test``)."""
     sink = EventSink()
-    core = DecisionCore(True, emit=sink.emit)
-    inflight: tuple[Alarm, int, list[float]] | None = None
+    det = Detector(DecisionCore(True, emit=sink.emit), source)
+    core = det.core
+    sent: tuple[Alarm, int, list[float]] | None = None
     alarms: list[dict[str, Any]] = []
     for srow in inc.steps:
         k = srow.step
         m0 = srow.ranks[0]
         comps = [monitor_compute(srow.ranks[r], micro_total, groups) for r in range(inc.world)]
-        core.sample(IterSample(k, float(m0["step_time"]), comps[0], float(m0["comm_time"])))
+        sample = IterSample(k, float(m0["step_time"]), comps[0], float(m0["comm_time"]))
         got = None
-        if inflight is not None:
-            got, key, prev = inflight
-            core.relative(key, prev)
-            if got.action != NONE:
-                core.alarm_read()
-        inflight = (core.take_pending(), k, comps)
+        rows: list[tuple[int, list[float]]] = []
+        if sent is not None:
+            got, key, prev = sent
+            rows = [(key, prev)]
+        out = det.step(StepInput(sample, rows, got, k))
+        sent = (out.send, k, comps)
         if got is not None and got.action != NONE:
             alarms.append({"step": k, "action": ACTIONS[got.action],
                            "onset_step": got.onset, "ratio": got.severity,
                            "suspect": got.suspect})
-            if got.action in DETECTS:
-                suspect = got.suspect if got.suspect >= 0 else None
-                core.apply_verdict(verdicts.verdict(got.onset, k, got.severity,
-                                                    MODES[got.action]), suspect,
-                                   action=got.action)
-            else:
-                ratio = None
-                if core.needs_recovery_test() and core.active is not None:
-                    ratio = verdicts.recovery(k, core.active.ranks[0])
-                if core.recovery_test(ratio, k):
-                    core.apply_recovery(got.onset, k, got.severity, ratio)
         if on_step(k, core.findings):
             core.request_recovery_test(k)
     core.close()
@@ -358,8 +343,9 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
             raise ConfigError(f"not a run directory (no {METRICS}): {run_dir}")
     cfg = json.loads((run_dir / CONFIG).read_text())
     metrics = read_jsonl(run_dir / series)
-    events = read_jsonl(run_dir / EVENTS) if (run_dir / EVENTS).is_file() else []
-    verdicts = Verdicts(events)
+    rounds = read_jsonl(run_dir / VALIDATION_FILE) if (
+        run_dir / VALIDATION_FILE).is_file() else []
+    source = RecordedEvidence(rounds)
     tp = int(cfg.get("tp", 1))
     out: dict[str, Any] = {"run": run_dir.name, "incarnations": []}
     for inc in _incarnations(metrics):
@@ -378,11 +364,12 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
                 return pol.step(by_step[step], findings)
             return False
 
-        det = _replay_detector(inc, verdicts, micro_total, groups, on_step)
+        det = _replay_detector(inc, source, micro_total, groups, on_step)
         out["incarnations"].append(_round({
             "world": inc.world, "first_step": inc.steps[0].step, "last_step": inc.steps[-1].step,
             "alarms": det["alarms"], "detect": det["events"], "hiccups": det["hiccups"],
             "policy": pol.decisions if pol is not None else []}))
+    out["unmatched"] = source.unmatched
     return out
 
 
@@ -402,11 +389,32 @@ def summary(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(run_dirs: list[Path], json_out: Path | None = None) -> int:
-    results = [replay_run(p) for p in run_dirs]
-    for res in results:
-        print("\n".join(summary(res)))
+def main(run_dirs: list[Path], json_out: Path | None = None, score: bool = False) -> int:
+    """Replay (and with ``score``, score: stalwart.replayscore) each run; a folder that is no
+    run directory but holds some (the corpus, one of its parts) stands for them."""
+    from stalwart import replayscore
+
+    dirs: list[Path] = []
+    for p in run_dirs:
+        p = Path(p)
+        inner = sorted(q for q in p.rglob(CONFIG)) if p.is_dir() and not (p / CONFIG).is_file() \
+            else []
+        dirs += [q.parent for q in inner] or [p]
+    results = [replay_run(p) for p in dirs]
+    if not score:
+        for res in results:
+            print("\n".join(summary(res)))
+        if json_out is not None:
+            json_out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+            print(f"decisions written to {json_out}")
+        return 0
+    scores = [replayscore.score_run(p, r) for p, r in zip(dirs, results, strict=True)]
+    for sc in scores:
+        print("\n".join(replayscore.lines(sc)))
+    total = replayscore.totals(scores)
+    print("\n".join(replayscore.total_lines(total)))
     if json_out is not None:
-        json_out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-        print(f"decisions written to {json_out}")
+        json_out.write_text(json.dumps({"runs": scores, "total": total, "decisions": results},
+                                       indent=1, sort_keys=True) + "\n")
+        print(f"scores written to {json_out}")
     return 0

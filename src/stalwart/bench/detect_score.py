@@ -27,7 +27,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-SLACK_STEPS = 5
+from stalwart.detect.truth import (  # noqa: F401  (the step-clock half; re-exported)
+    SLACK_STEPS,
+    Truth,
+    ground_truth,
+    localised,
+    match,
+)
+from stalwart.detect.truth import straggler_findings as _found
+
 SLACK_S = 5.0
 
 
@@ -38,63 +46,12 @@ class _Scenario(Protocol):
     def stragglers(self) -> int: ...
 
 
-@dataclass
-class Truth:
-    kind: str
-    applied: int
-    removed: int | None
-    rank: int | None
-    hosts: list[int]
-    t_applied: float | None = None
-    t_removed: float | None = None
-
-
 @dataclass(frozen=True)
 class Clock:
     """A run's time span: wall time of its first and last iteration (None: unknown)."""
 
     first: float | None = None
     last: float | None = None
-
-
-def ground_truth(events: list[dict[str, Any]]) -> list[Truth]:
-    out: list[Truth] = []
-    for e in events:
-        if e.get("kind") == "loss":
-            continue  # the lossy scenarios' weather, not a straggler
-        if e.get("event") == "fault_applied":
-            out.append(Truth(e["kind"], int(e["step"]), None, e.get("rank"),
-                             list(e.get("hosts", [])), t_applied=e.get("time")))
-        elif e.get("event") == "fault_removed" and not e.get("at_close"):
-            for t in out:
-                if t.kind == e["kind"] and t.removed is None:
-                    t.removed = int(e["step"])
-                    t.t_removed = e.get("time")
-    return out
-
-
-def localised(d: dict[str, Any], t: Truth) -> bool:
-    ranks, link = list(d.get("ranks") or []), list(d.get("link") or [])
-    if t.kind in ("compute", "contention"):
-        return d.get("kind") == "compute" and ranks == [t.rank]
-    if t.kind == "link":
-        return d.get("kind") == "link" and (ranks == t.hosts or t.hosts[0] in link)
-    if t.kind == "pairlink":
-        return d.get("kind") == "link" and sorted(link) == sorted(t.hosts)
-    return False
-
-
-def _found(dets: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [d for d in dets if d.get("event") == "straggler_detected"]
-
-
-def match(dets: list[dict[str, Any]], t: Truth, last_step: int) -> dict[str, Any] | None:
-    """The first decision on the step clock while ``t`` was active."""
-    end = (t.removed if t.removed is not None else last_step) + SLACK_STEPS
-    for d in _found(dets):
-        if d.get("step") is not None and t.applied <= d["step"] <= end:
-            return d
-    return None
 
 
 def match_time(dets: list[dict[str, Any]], t: Truth, clock: Clock) -> dict[str, Any] | None:

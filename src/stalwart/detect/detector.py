@@ -12,9 +12,12 @@ nothing, the verdict (``localize.decide``: onset, localisation, audit), what a v
 
 One step (``Detector.step``, a ``StepInput``): the leader's iteration sample, then the rows
 read back this step (every rank's compute at their steps: the per-rank channels), then the
-alarm those rows carried -- validated through the source and applied -- and last the alarm
-raised since, which the caller sends with its next row (``StepOutput.send``). Every rank runs
-the same verdict on the same gathered evidence; only the leader raises alarms and emits.
+alarm raised so far, which the caller sends with its next row (``StepOutput.send``), and last
+the alarm the rows read now carried -- validated through the source and applied. This is the
+live exchange's order (exchange.py reads the rows and issues the next before the monitor
+validates); the live monitor's exchange feeds the rows to the core itself and hands the alarm
+to ``Detector.resolve``. Every rank runs the same verdict on the same gathered evidence; only
+the leader raises alarms and emits.
 
 Guarantees: deterministic for a deterministic source (replay twice: the same events); the
 verdict sequence exists once. Cost: the core's per-sample cost; on an alarm, the source's
@@ -126,15 +129,17 @@ class Detector:
             core.sample(inp.sample)
         for key, comps in inp.rows:
             core.relative(key, comps)
-        out = StepOutput(send=Alarm(NONE, 0, 0.0, -1))
         alarm = inp.alarm
-        if alarm is not None and alarm.action != NONE:
-            if core.leader:
-                core.alarm_read()
+        arrived = alarm is not None and alarm.action != NONE
+        if arrived and core.leader:
+            core.alarm_read()
+        # the next row leaves before the verdict, as over the live exchange (exchange.py)
+        out = StepOutput(send=core.take_pending())
+        if arrived:
+            assert alarm is not None
             decided = inp.decided if inp.decided is not None else (
                 core.samples[-1].key if core.samples else alarm.onset)
             self.resolve(alarm, decided, out)
-        out.send = core.take_pending()
         out.events = self._events
         return out
 
