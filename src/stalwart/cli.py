@@ -53,10 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="recorded runs through the detector and the policy, "
                                        "without training: print their decisions")
-    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    rp.add_argument("run_dirs", type=Path, nargs="*", metavar="RUN_DIR")
     rp.add_argument("--json", type=Path, default=None, help="write the decisions here")
     rp.add_argument("--score", action="store_true",
                     help="score the decisions against each run's faults (events.jsonl)")
+    from stalwart.traces import command as trace_command
+
+    trace_command.add_args(rp)
 
     tb = sub.add_parser("testbed", help="emulated hosts: check what works, clean up")
     tb.add_argument("action", choices=("check", "cleanup"))
@@ -143,6 +146,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from stalwart.replay import main as replay
 
+    if args.trace is not None:
+        if args.run_dirs or args.score:
+            raise ConfigError("--trace: give a trace or RUN_DIRs (--score), not both")
+        from stalwart.traces import command as trace_command
+
+        return trace_command.main(args)
+    if not args.run_dirs:
+        raise ConfigError("replay: give RUN_DIR... or --trace FILE")
     return replay(args.run_dirs, args.json, score=args.score)
 
 
