@@ -1,19 +1,15 @@
 """The one place the simulator touches the product's decision code (detect/, mitigate/).
 
 What runs is the product's own code, not a re-implementation:
-- ``SimDetector`` drives ``stalwart.detect.decision.DecisionCore`` -- the torch-free state
-  machine the Monitor drives during training -- as rank 0 of ``world`` ranks: per step the
-  iteration sample (``sample``: BOCD+V on the iteration channel) and every rank's compute
-  (``relative``: the per-rank BOCD+V bank and CUSUM); an alarm rank 0 raised is acted on one
-  step later, as the row link delivers it (``take_pending``/``alarm_read``), through the
-  product's verdict: ``localize.more_rounds`` (longer compute tests for a mild straggler) and
-  ``localize.decide``, then ``apply_verdict`` (one fault one finding, CUSUM backoff,
-  unexplained slowdowns) or, for a recovery, the compute test at equal load
-  (``recovery_test``) then ``apply_recovery``. Only the validation tests' measurements are
-  simulated (``_evidence``): each rank's compute-test rounds = its current compute factor x
-  test noise; the ring's link-test round trips = the slower end's link factor x noise;
-  profiles and recent compute from the simulated history. The loop that asks for more rounds
-  mirrors ``verify.validate_alarm``, whose other work is torch plumbing.
+- ``SimDetector`` drives the one decision path, ``stalwart.detect.detector.Detector`` -- the
+  same the live monitor and replay drive -- as rank 0 of ``world`` ranks: per step the
+  iteration sample and every rank's compute; an alarm rank 0 raised is acted on one step
+  later, as the row link delivers it, through the product's rules (more compute rounds for a
+  mild suspect, ``localize.decide``, what a verdict does, recovery at equal load). Only the
+  validation tests' measurements are simulated (``SimEvidence``, the Detector's
+  ``EvidenceSource``): each rank's compute-test rounds = its current compute factor x test
+  noise; the ring's link-test round trips = the slower end's link factor x noise; profiles
+  and recent compute from the simulated history.
 - ``SimPolicy`` wraps ``stalwart.mitigate.policy.Policy`` over data-parallel replicas
   (the policy's "rank" is a replica: a finding on any rank of replica d is about d).
 
@@ -32,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect.alarms import DETECTS, MODES, NONE, Alarm, IterSample
+from stalwart.detect.alarms import NONE, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
+from stalwart.detect.detector import ROUNDS, Detector, StepInput
 from stalwart.detect.evidence import Finding, RankEvidence
-from stalwart.detect.localize import decide, more_rounds
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.mitigate import planner
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
@@ -43,9 +39,8 @@ from stalwart.mitigate.policy import Policy
 
 TEST_NOISE = 0.05  # log-sd of one compute-test round (testbed: healthy ranks 0.96-1.07x)
 LINK_NOISE = 0.15  # log-sd of one link-test round trip (testbed: healthy pairs up to 13x)
-ROUNDS = 3  # the compute test's first rounds (validate.compute_test's default)
 __all__ = ["EXCLUDE", "REBALANCE", "REVERT", "Decision", "Evidence", "SimDetector",
-           "SimPolicy", "planner"]
+           "SimEvidence", "SimPolicy", "planner"]
 
 
 @dataclass
@@ -70,76 +65,45 @@ class _Events:
         self.logged.append((ev.name, ev.fields()))
 
 
-class SimDetector:
-    """Rank 0's detector of a simulated ``world``-rank job (module docstring)."""
+class SimEvidence:
+    """The validation tests' measurements drawn from the simulated job (module docstring):
+    the Detector's ``EvidenceSource``. ``job``: what the job can say now (set per step by
+    ``SimDetector.feed``; None: every rank reads healthy). ``sim_s``: CPU seconds spent
+    building them (simulation, not product work)."""
 
-    def __init__(self, world: int, rng: np.random.Generator, warmup: int = 10) -> None:
+    def __init__(self, world: int, rng: np.random.Generator) -> None:
         self.world = world
-        self.events = _Events()
-        self.core = DecisionCore(True, warmup=warmup, emit=self.events)
+        self.job: Callable[[], Evidence] | None = None
         self._rng = rng
-        self._due: Alarm | None = None
-        self.sim_s = 0.0  # CPU seconds spent building simulated evidence (not product work)
-        self.pauses = 0
+        self._src: Evidence | None = None
+        self._ev: list[RankEvidence] = []
+        self._onset = self._decided = 0
+        self.sim_s = 0.0
 
-    def feed(self, key: int, step_s: float, compute: np.ndarray, comm0: float,
-             evidence: Callable[[], Evidence] | None = None) -> bool:
-        """One step as rank 0 sees it; True if a validation pause ran (its alarm arrived).
+    def tests(self, alarm: Alarm, decided: int, own: RankEvidence) -> list[RankEvidence]:
+        t0 = time.thread_time()
+        self._src = self.job() if self.job is not None else None
+        self.sim_s += time.thread_time() - t0
+        self._onset, self._decided = alarm.onset, decided
+        self._ev = self._evidence(self._src, alarm.onset, decided, ROUNDS)
+        return self._ev
 
-        Order as in the Monitor: the iteration sample, then the alarm raised at the previous
-        check (the rows carrying it arrive now: validate, apply), then the rows' per-rank
-        samples, whose new alarm goes out with the next rows."""
-        core = self.core
-        core.sample(IterSample(key, float(step_s), float(compute[0]), float(comm0)))
-        paused = False
-        if self._due is not None:
-            alarm, self._due = self._due, None
-            core.alarm_read()
-            if alarm.action in DETECTS:
-                suspect = alarm.suspect if alarm.suspect >= 0 else None
-                mode = MODES[alarm.action]
-                t0 = time.thread_time()
-                src = evidence() if evidence is not None else None
-                self.sim_s += time.thread_time() - t0
-                gathered = self._evidence(src, alarm.onset, key, ROUNDS)
-                while extra := more_rounds(gathered, suspect, mode):
-                    gathered = self._evidence(src, alarm.onset, key, ROUNDS + extra,
-                                              gathered)
-                finding = decide(gathered, alarm.onset, key, alarm.severity, suspect, mode)
-                core.apply_verdict(finding, suspect, action=alarm.action)
-                self.pauses += 1
-                paused = True
-            else:
-                ratio = None
-                if core.needs_recovery_test() and core.active is not None:
-                    ratio = self._recovery_ratio(evidence, core.active.ranks[0])
-                    self.pauses += 1
-                    paused = True
-                if core.recovery_test(ratio, key):
-                    core.apply_recovery(alarm.onset, key, alarm.severity, ratio)
-        core.relative(key, compute.tolist())
-        alarm = core.take_pending(travels=True)
-        if alarm.action != NONE:
-            self._due = alarm
-        return paused
+    def more_rounds(self, rounds: int) -> list[RankEvidence]:
+        have = len(self._ev[0].compute_rounds) if self._ev else 0
+        self._ev = self._evidence(self._src, self._onset, self._decided, have + rounds,
+                                  self._ev)
+        return self._ev
 
-    def report(self) -> list[dict[str, Any]]:
-        """Findings so far, oldest first (as ``Monitor.report``)."""
-        out = []
-        for f in self.core.findings:
-            d = f.event_fields()
-            d["recovered_step"] = f.recovered_step
-            out.append(d)
-        return out
+    def more_links(self) -> list[RankEvidence] | None:
+        return None  # the simulator tests the ring's pairs only
 
-    def _recovery_ratio(self, evidence: Callable[[], Evidence] | None,
-                        suspect: int) -> float | None:
+    def recovery_ratio(self, suspect: int, decided: int) -> float | None:
         """The compute test on a recovery alarm (verify.recovery_ratio): each rank's rounds =
         its compute factor now x test noise; the suspect's median over its peers'."""
-        if evidence is None:
+        if self.job is None:
             return None
         t0 = time.thread_time()
-        src = evidence()
+        src = self.job()
         rounds = src.comp_factor[:, None] * np.exp(
             self._rng.normal(0.0, TEST_NOISE, (self.world, ROUNDS)))
         tests = np.median(rounds, axis=1)
@@ -195,6 +159,50 @@ class SimDetector:
         out[0].links = {f"{x}-{y}": float(t) for x, y, t in
                         zip(a.tolist(), b.tolist(), rtt.tolist(), strict=True)}
         self.sim_s += time.thread_time() - t0
+        return out
+
+
+class SimDetector:
+    """Rank 0's detector of a simulated ``world``-rank job (module docstring)."""
+
+    def __init__(self, world: int, rng: np.random.Generator, warmup: int = 10) -> None:
+        self.world = world
+        self.events = _Events()
+        self.core = DecisionCore(True, warmup=warmup, emit=self.events)
+        self.source = SimEvidence(world, rng)
+        self.detector = Detector(self.core, self.source)
+        self._due: Alarm | None = None
+        self.pauses = 0
+
+    @property
+    def sim_s(self) -> float:
+        """CPU seconds spent building simulated evidence (not product work)."""
+        return self.source.sim_s
+
+    def feed(self, key: int, step_s: float, compute: np.ndarray, comm0: float,
+             evidence: Callable[[], Evidence] | None = None) -> bool:
+        """One step as rank 0 sees it; True if a validation pause ran (its alarm arrived).
+        ``Detector.step``: the iteration sample, every rank's compute this step, then the
+        alarm raised at the previous step (its row arrives now) validated and applied; the
+        alarm raised since goes out with this step's row."""
+        self.source.job = evidence
+        due, self._due = self._due, None
+        out = self.detector.step(StepInput(
+            IterSample(key, float(step_s), float(compute[0]), float(comm0)),
+            [(key, compute.tolist())], due, key))
+        if out.send.action != NONE:
+            self._due = out.send
+        if out.paused:
+            self.pauses += 1
+        return out.paused
+
+    def report(self) -> list[dict[str, Any]]:
+        """Findings so far, oldest first (as ``Monitor.report``)."""
+        out = []
+        for f in self.core.findings:
+            d = f.event_fields()
+            d["recovered_step"] = f.recovered_step
+            out.append(d)
         return out
 
 
