@@ -1,0 +1,334 @@
+"""The rank side of the elastic membership, launcher-free: everything a training process does
+to stay in the job -- register, beat, watch the others, propose and adopt generations, give up
+collectives that can no longer finish, and rebuild its process group (``rebuild``).
+
+Threads: the caller's (``Runtime``'s methods) and one watcher thread per process, which every
+``HEARTBEAT_S``: beats (one store ``add``), reads the others' beats (one ``multi_get``),
+polls its liveness sockets, fetches new members and generations, and proposes the next
+generation when the pure decision (``protocol.next_generation``) says so.
+
+Bounds: a member whose process exits is found at once (its liveness socket closes: every
+member holds a TCP connection to every other one); a member that stops beating -- hung,
+SIGSTOPped, cut off from the store -- is taken for dead after ``DEAD_AFTER_S``. Neither
+relies on a collective failing: a collective in flight is given up (``wait``) as soon as a
+generation that cannot complete it is known, and its process group is left to time out in
+the background (gloo has no abort; the group is dropped, never waited on). A store that
+cannot be reached fails every call with ``StoreLost`` after at most ``STORE_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.elastic import protocol as P
+from stalwart.elastic.errors import StoreLost
+from stalwart.elastic.store import Keys, client
+
+GROUP_TIMEOUT_S = 60.0  # gloo's own timeout: only ever reached by a group already given up
+# a collective that fails (a peer's socket closed) waits this long for the generation that
+# explains it before the failure is raised as is
+EXPLAIN_S = P.DEAD_AFTER_S + 2.0
+
+
+class Superseded(Exception):  # noqa: N818 -- a control-flow signal, not an error
+    """A newer generation makes the wait pointless: regroup."""
+
+
+class Runtime:
+    """One training process's membership: its id, the generations it knows, its group."""
+
+    def __init__(self, host: str, port: int, prefix: str, node: str, local_rank: int,
+                 bind_addr: str, min_world: int, heartbeat_s: float = P.HEARTBEAT_S,
+                 dead_after_s: float = P.DEAD_AFTER_S) -> None:
+        self.where = f"{host}:{port}"
+        self._conn = (host, port, prefix)
+        self.keys = Keys(client(host, port, prefix), self.where)
+        self.node, self.local_rank, self.bind_addr = node, local_rank, bind_addr
+        self.min_world = min_world
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.fatal: StoreLost | None = None
+        self.newest: P.Generation | None = None
+        self.known: dict[int, P.Member] = {}
+        self.dead: set[int] = set()
+        self.gone: set[int] = set()  # left cleanly
+        self.ever: set[int] = set()  # every id some generation held: never a joiner again
+        self._pending_ids: set[int] = set()
+        self._seen_last = 0
+        self._socks: dict[int, socket.socket] = {}
+        self._sel = selectors.DefaultSelector()
+        self._liveness = P.Liveness(dead_after_s)
+        self._stop = threading.Event()
+        self._listener = socket.create_server((bind_addr, 0))
+        self._listener.setblocking(False)
+        self._accepted: list[socket.socket] = []
+        self.me = self._register()
+        self._abandoned: list[Any] = []  # groups and works given up: never destroyed, never waited
+        self._thread = threading.Thread(target=self._watch, name="stalwart-elastic",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- registration ------------------------------------------------------------------------
+    def _register(self) -> P.Member:
+        mid = self.keys.new_id()
+        self.keys.beat(mid)
+        port = self._listener.getsockname()[1]
+        m = P.Member(mid, self.node, self.local_rank, f"{self.bind_addr}:{port}")
+        self.keys.put_member(m)
+        return m
+
+    def reregister(self) -> None:
+        """Come back under a new id after being dropped (found dead while hung or cut off):
+        the others never take back an id they buried."""
+        self.me = self._register()
+
+    # ---- the watcher thread ------------------------------------------------------------------
+    def _watch(self) -> None:
+        keys = Keys(client(*self._conn), self.where)
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._round(keys)
+            except StoreLost as e:
+                self.fatal = e
+                self.wake.set()
+                return
+            except Exception as e:  # noqa: BLE001 -- the watcher must report, never die mute
+                self.fatal = StoreLost(f"the membership watcher failed: {e}")
+                self.wake.set()
+                return
+
+    def _round(self, keys: Keys) -> None:
+        keys.beat(self.me.id)
+        self._accept()
+        self._fetch_members(keys)
+        now = time.monotonic()
+        watch = [m for m in self.known if m not in self.dead and m not in self.gone]
+        for m, c in keys.beats(watch).items():
+            self._liveness.beat(m, c, now)
+        lost = self._closed_sockets() | (self._liveness.silent(now) - {self.me.id})
+        if lost:
+            left = keys.left(sorted(lost))
+            with self.lock:
+                self.gone |= left
+                self.dead |= lost - left
+        self._advance(keys)
+        self._decide(keys)
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                s, _ = self._listener.accept()
+                self._accepted.append(s)
+
+    def _fetch_members(self, keys: Keys) -> None:
+        last = keys.last_id()
+        self._pending_ids |= set(range(self._seen_last + 1, last + 1))
+        self._seen_last = max(self._seen_last, last)
+        if not self._pending_ids:
+            return
+        got = [m for m in keys.members(sorted(self._pending_ids))]
+        for m in got:
+            self._pending_ids.discard(m.id)
+            self.known[m.id] = m
+            if m.id != self.me.id:
+                self._connect(m)
+
+    def _connect(self, m: P.Member) -> None:
+        host, _, port = m.addr.rpartition(":")
+        try:
+            s = socket.create_connection((host, int(port)), timeout=1.0)
+        except ConnectionRefusedError:
+            self.dead.add(m.id)  # its listener is gone: so is its process
+            return
+        except OSError:
+            return  # unreachable for now: its heartbeats decide
+        s.setblocking(False)
+        self._socks[m.id] = s
+        self._sel.register(s, selectors.EVENT_READ, m.id)
+
+    def _closed_sockets(self) -> set[int]:
+        out = set()
+        for key, _ in self._sel.select(timeout=0):
+            s: socket.socket = key.fileobj  # type: ignore[assignment]
+            try:
+                data = s.recv(64)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                out.add(int(key.data))
+                self._sel.unregister(s)
+                s.close()
+                self._socks.pop(int(key.data), None)
+        return out
+
+    def _advance(self, keys: Keys) -> None:
+        g = self.newest.gen + 1 if self.newest else 0
+        changed = False
+        while keys.has_gen(g):
+            self._adopt(keys.gen(g))
+            g += 1
+            changed = True
+        if changed:
+            self.wake.set()
+
+    def _decide(self, keys: Keys) -> None:
+        with self.lock:
+            dead = self.dead | self.gone
+        alive = [m for m in self.known if m not in dead]
+        in_gen = set(self.newest.members) if self.newest else set()
+        joiners = [m for m in alive if m not in in_gen and m not in self.ever]
+        parked_nodes = keys.parked({self.known[m].node for m in alive})
+        parked = [m for m in alive if self.known[m].node in parked_nodes]
+        weights = None
+        wtext = keys.weights()
+        if wtext:
+            by_node = dict(item.split("=") for item in wtext.split(",") if "=" in item)
+            weights = {m: float(by_node.get(self.known[m].node, 1.0)) for m in alive}
+        prop = P.next_generation(self.newest, alive, joiners, self.min_world, parked, weights)
+        if prop is not None:
+            self._adopt(keys.propose(prop))
+            self.wake.set()
+
+    def _adopt(self, g: P.Generation) -> None:
+        self.ever |= set(g.members)
+        self.newest = g
+
+    # ---- waiting, for the caller's thread ----------------------------------------------------
+    def check(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+
+    def wait_until(self, ready: Callable[[], bool], superseded: Callable[[], bool],
+                   timeout_s: float | None = None, what: str = "",
+                   poll_s: float | None = None) -> None:
+        """Wait until ``ready()`` (asked at every wake-up, at least every ``poll_s``); raise
+        ``Superseded`` once ``superseded()``, ``StoreLost`` once the store is gone,
+        TimeoutError after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        poll = self.heartbeat_s / 2 if poll_s is None else poll_s
+        while True:
+            if ready():
+                return
+            self.check()
+            if superseded():
+                raise Superseded()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: nothing in {timeout_s:.0f} s")
+            self.wake.clear()
+            if ready():
+                return
+            self.wake.wait(poll)
+
+    def wait_work(self, work: Any, superseded: Callable[[], bool]) -> None:
+        """Wait for a collective; give it up (``Superseded``) when a newer generation means
+        it cannot finish. A failed collective (a peer's socket closed) waits up to
+        ``EXPLAIN_S`` for the generation that explains it, then raises as is."""
+        done = threading.Event()
+        wake = self.wake
+
+        def fin(_f: Any) -> None:
+            done.set()
+            wake.set()
+
+        work.get_future().add_done_callback(fin)
+        try:
+            self.wait_until(done.is_set, superseded)
+        except Superseded:
+            self._abandoned.append(work)
+            raise
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            self._abandoned.append(work)
+            with contextlib.suppress(TimeoutError):
+                self.wait_until(lambda: False, superseded, EXPLAIN_S, "a failed collective")
+            raise RuntimeError(f"a collective failed and no member was found dead in "
+                               f"{EXPLAIN_S:.0f} s: {str(e).splitlines()[0]}") from None
+
+    # ---- the process group factory -----------------------------------------------------------
+    def rebuild(self, gen: P.Generation, superseded: Callable[[], bool]) -> Any:
+        """The gloo process group of ``gen`` (this member's rank: its index), built on the
+        store under the generation's prefix. Built in a helper thread: a member lost while
+        the group connects makes this raise ``Superseded`` instead of waiting gloo out."""
+        box: dict[str, Any] = {}
+        wake = self.wake
+        host, port, prefix = self._conn
+
+        def build() -> None:
+            try:
+                store = client(host, port, f"{prefix}pg/{gen.gen}/")
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_addr)]
+                opts._timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+                box["pg"] = dist.ProcessGroupGloo(store, gen.rank_of(self.me.id),
+                                                  len(gen.members), opts)
+            except Exception as e:  # noqa: BLE001
+                box["err"] = e
+            wake.set()
+
+        t = threading.Thread(target=build, name=f"stalwart-pg-{gen.gen}", daemon=True)
+        t.start()
+        self.wait_until(lambda: bool(box), superseded)
+        if "err" in box:
+            if superseded():
+                raise Superseded()
+            raise RuntimeError(f"cannot build the group of generation {gen.gen}: "
+                               f"{str(box['err']).splitlines()[0]}")
+        return box["pg"]
+
+    def broadcast_state(self, pg: Any, gen: P.Generation, source: int, state: Any,
+                        superseded: Callable[[], bool]) -> Any:
+        """Everyone gets ``state`` (a picklable object) of member ``source``: two broadcasts,
+        its size then its bytes. Returns the state received (``state`` on the source)."""
+        root = gen.rank_of(source)
+        if self.me.id == source:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.wait_work(pg.broadcast([size], _bopts(root)), superseded)
+        if self.me.id != source:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.wait_work(pg.broadcast([data], _bopts(root)), superseded)
+        if self.me.id == source:
+            return state
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+    def drop(self, pg: Any) -> None:
+        """Keep a given-up group referenced: destroying it would wait on its stuck threads."""
+        if pg is not None:
+            self._abandoned.append(pg)
+
+    # ---- leaving -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave cleanly (the others do not take it for a death) and stop the watcher."""
+        with contextlib.suppress(StoreLost):
+            self.keys.leave(self.me.id)
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        for s in [*self._socks.values(), *self._accepted, self._listener]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def _bopts(root: int) -> Any:
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    o.rootTensor = 0
+    return o

@@ -1,0 +1,209 @@
+"""Where the membership lives: a c10d ``TCPStore`` under one key prefix, and the typed reads and
+writes of the protocol's records on it (``protocol.py`` says what they mean).
+
+Which store (``connect``):
+
+- ``STALWART_STORE=host:port``: a store that outlives any node, started once with
+  ``python -m stalwart.elastic.store --port PORT`` (this module's ``main``) on a host that is
+  not a training node, or on the node you trust most. This is what live rejoin across
+  torchrun agents needs: each node runs its own ``torchrun --standalone`` and the store joins
+  them (see docs/elastic.md for why torchrun's own rendezvous cannot: its agents restart all
+  workers when a node arrives). ``STALWART_JOB`` names the job in a shared store.
+- else, under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``): the agent's store that the
+  workers already use (``MASTER_ADDR:MASTER_PORT``), under the run id and restart count.
+- else (``stalwart run --script``, a plain launcher): served by the process with ``RANK 0``
+  at ``MASTER_ADDR:MASTER_PORT``, as ``init_process_group("env://")`` would serve it.
+
+What happens when the store's node dies: every store call fails (at once on a reset
+connection, after ``STORE_TIMEOUT_S`` on a silent one) and the job raises ``StoreLost`` on
+every member, naming the store and the last checkpoint -- never a silent hang. With the
+first two choices a store outlives any training node that does not host it.
+
+Cost: one TCP connection per member and thread; a heartbeat is one ``add``; a generation is
+one compare-and-set of a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.elastic.errors import StoreLost
+from stalwart.elastic.protocol import Ack, Generation, Member
+from stalwart.errors import ConfigError
+
+STORE_TIMEOUT_S = 10.0
+
+
+def _parse(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"STALWART_STORE={addr!r} is not host:port")
+    return host, int(port)
+
+
+def locate(env: dict[str, str] | None = None) -> tuple[str, int, bool, str]:
+    """(host, port, serve_it_here, key prefix) from the environment (the module docstring)."""
+    env = dict(os.environ) if env is None else env
+    given = env.get("STALWART_STORE")
+    if given:
+        host, port = _parse(given)
+        return host, port, False, f"stalwart/{env.get('STALWART_JOB', 'job')}/"
+    host = env.get("MASTER_ADDR", "127.0.0.1")
+    port = int(env.get("MASTER_PORT", "0") or 0)
+    if port == 0:
+        return "127.0.0.1", 0, True, "stalwart/local/"
+    run = f"{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return host, port, False, f"stalwart/{run}/"
+    return host, port, env.get("RANK", "0") == "0", f"stalwart/{run}/"
+
+
+class Keys:
+    """The protocol's records on one store (a client connection: one per thread)."""
+
+    def __init__(self, store: Any, where: str) -> None:
+        self.s = store
+        self.where = where
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 -- any failure of the store is fatal here
+            raise StoreLost(f"the membership store at {self.where} cannot be reached "
+                            f"({str(e).splitlines()[0][:160]})") from None
+
+    # members
+    def new_id(self) -> int:
+        return int(self._call(self.s.add, "seq", 1))
+
+    def last_id(self) -> int:
+        return int(self._call(self.s.add, "seq", 0))
+
+    def put_member(self, m: Member) -> None:
+        self._call(self.s.set, f"member/{m.id}", m.to_json())
+
+    def members(self, ids: list[int]) -> list[Member]:
+        if not ids:
+            return []
+        keys = [f"member/{i}" for i in ids]
+        if not self._call(self.s.check, keys):
+            return [Member.from_json(self._call(self.s.get, k)) for k in keys
+                    if self._call(self.s.check, [k])]
+        return [Member.from_json(v) for v in self._call(self.s.multi_get, keys)]
+
+    def claim_config(self, text: str) -> str:
+        """The job's identity: this one if first, else the one already there."""
+        got = self._call(self.s.compare_set, "config", "", text)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    # liveness
+    def beat(self, member: int) -> None:
+        self._call(self.s.add, f"hb/{member}", 1)
+
+    def beats(self, ids: list[int]) -> dict[int, int]:
+        """Heartbeat counters (every member beats once before its record is written)."""
+        if not ids:
+            return {}
+        vals = self._call(self.s.multi_get, [f"hb/{i}" for i in ids])
+        return {i: int(v) for i, v in zip(ids, vals, strict=True)}
+
+    def leave(self, member: int) -> None:
+        self._call(self.s.set, f"left/{member}", "1")
+
+    def left(self, ids: list[int]) -> set[int]:
+        return {i for i in ids if self._call(self.s.check, [f"left/{i}"])}
+
+    def park(self, node: str, on: bool) -> None:
+        self._call(self.s.set, f"parked/{node}", "1" if on else "0")
+
+    def parked(self, nodes: set[str]) -> set[str]:
+        out = set()
+        for n in nodes:
+            k = f"parked/{n}"
+            if self._call(self.s.check, [k]) and self._call(self.s.get, k) == b"1":
+                out.add(n)
+        return out
+
+    def set_weights(self, text: str) -> None:
+        self._call(self.s.set, "weights", text)
+
+    def weights(self) -> str | None:
+        if not self._call(self.s.check, ["weights"]):
+            return None
+        return self._call(self.s.get, "weights").decode()
+
+    # generations
+    def has_gen(self, g: int) -> bool:
+        return bool(self._call(self.s.check, [f"gen/{g}"]))
+
+    def gen(self, g: int) -> Generation:
+        return Generation.from_json(self._call(self.s.get, f"gen/{g}"))
+
+    def propose(self, g: Generation) -> Generation:
+        """Compare-and-set generation ``g.gen``: the winner (``g`` or an earlier proposal)."""
+        got = self._call(self.s.compare_set, f"gen/{g.gen}", "", g.to_json())
+        return Generation.from_json(got)
+
+    def ack(self, g: int, member: int, a: Ack) -> None:
+        self._call(self.s.set, f"ack/{g}/{member}", a.to_text())
+
+    def acks(self, g: Generation) -> dict[int, Ack]:
+        out = {}
+        for m in g.members:
+            k = f"ack/{g.gen}/{m}"
+            if self._call(self.s.check, [k]):
+                out[m] = Ack.from_text(self._call(self.s.get, k))
+        return out
+
+    def all_acked(self, g: Generation) -> bool:
+        return bool(self._call(self.s.check, [f"ack/{g.gen}/{m}" for m in g.members]))
+
+
+def client(host: str, port: int, prefix: str) -> Any:
+    """A new client connection to the store, under the job's prefix."""
+    try:
+        tcp = dist.TCPStore(host, port, None, is_master=False,
+                            timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001
+        raise StoreLost(f"the membership store at {host}:{port} cannot be reached "
+                        f"({str(e).splitlines()[0][:160]})") from None
+    return dist.PrefixStore(prefix, tcp)
+
+
+def serve(host: str, port: int) -> Any:
+    """A store server in this process (kept alive by the returned object)."""
+    return dist.TCPStore(host, port, None, is_master=True,
+                         timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stalwart.elastic.store [--host H] [--port P]``: serve a membership store
+    until SIGTERM/SIGINT; prints ``STALWART_STORE=host:port`` when ready."""
+    p = argparse.ArgumentParser(prog="python -m stalwart.elastic.store")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=29400)
+    a = p.parse_args(argv)
+    try:
+        srv = serve(a.host, a.port)
+    except Exception as e:  # noqa: BLE001
+        print(f"stalwart: cannot serve a store on {a.host}:{a.port} ({e})", file=sys.stderr)
+        return 2
+    shown = a.host if a.host != "0.0.0.0" else "HOST"
+    print(f"STALWART_STORE={shown}:{srv.port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
