@@ -108,6 +108,46 @@ def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
     return out
 
 
+def bench_profile(mtu: int, iters: int, workdir: Path) -> dict | None:
+    """CPU ns per payload byte per stage, ours and gloo, loss-free (``lossy_profile``); None
+    (with the reason in the progress line) when ``perf`` cannot sample here."""
+    from stalwart.bench import lossy_profile
+    from stalwart.bench.lossy_net import run_on_hosts
+    from stalwart.testbed import Hosts
+
+    why = lossy_profile.available()
+    if why is not None:
+        return {"unavailable": why}
+    with Hosts(4, mtu=mtu) as h:
+        args = {"numel": NUMEL, "iters": iters, "warmup": 3, "fec": "rs",
+                "fec_target": RESIDUAL_TARGET}
+        recs = run_on_hosts(h, "stalwart.bench.lossy_worker", ["profile", json.dumps(args)],
+                            workdir / f"profile-mtu{mtu}", timeout=1200)
+    tab = lossy_profile.table(recs)
+    tab["markdown"] = lossy_profile.markdown(tab, f"MTU {mtu}, 16 MiB, 4 ranks, no loss, "
+                                                  f"{iters} all-reduces per rank")
+    tab["engine"] = recs[0]["engine"]
+    return tab
+
+
+def profile_figures(tab: dict | None, sfx: str) -> dict[str, float | None]:
+    """``cpu_ns_per_byte`` (ours, all stages), gloo's, and one figure per stage of each."""
+    if tab is None or "unavailable" in tab:
+        return {f"cpu_ns_per_byte{sfx}": None, f"cpu_ns_per_byte_gloo{sfx}": None}
+    figs: dict[str, float | None] = {
+        f"cpu_ns_per_byte{sfx}": tab["ours"]["all"]["total"],
+        f"cpu_ns_per_byte_gloo{sfx}": tab["gloo"]["all"]["total"]}
+    for system in ("ours", "gloo"):
+        for stage, v in tab[system]["all"].items():
+            if stage != "total" and not stage.startswith("("):
+                key = stage.replace(": ", "_").replace(", ", "_").replace(" + ", "_")
+                figs[f"cpu_ns_per_byte_{system}_{key.replace(' ', '_')}{sfx}"] = v
+    return figs
+
+
+ONLY = ("profile",)
+
+
 def bench_drift(steps: int, workdir: Path) -> dict:
     from stalwart.bench.lossy_net import run_on_hosts, set_udp_loss
     from stalwart.testbed import Hosts
@@ -199,7 +239,19 @@ TRAIN_FIGURES = ("val_loss_rel_change_loss1", "val_loss_rel_change_loss10",
                  "tokens_per_s_ratio_loss5", "tokens_per_s_kept_loss5")
 
 
-def run(quick: bool, workdir: Path) -> BenchResult:
+def run_profile(quick: bool, workdir: Path, figures: dict, details: dict,
+                progress: Progress) -> None:
+    for mtu in (9000, 1500):
+        sfx = "" if mtu == 9000 else "_mtu1500"
+        progress(f"CPU profile at MTU {mtu} (perf), ours and gloo")
+        tab = bench_profile(mtu, 4 if quick else 10, workdir)
+        details[f"cpu_ns_per_byte{sfx}"] = tab
+        figures.update(profile_figures(tab, sfx))
+        if tab and "markdown" in tab:
+            print(tab["markdown"], file=sys.stderr)
+
+
+def run(quick: bool, workdir: Path, only: list[str] | None = None) -> BenchResult:
     from stalwart.comm import native
     from stalwart.errors import ConfigError
 
@@ -212,13 +264,20 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     details: dict = {"quick": quick, "engine": engine}
     progress = Progress()
     progress(f"engine: {engine}")
+    if only:  # "profile": the per-stage CPU account alone
+        run_profile(quick, workdir, figures, details, progress)
+        return BenchResult(suite="lossy", figures=figures, targets={}, details=details,
+                           command="stalwart bench lossy --only profile"
+                           + (" --quick" if quick else "") + f"  (engine: {engine})")
     if quick:
         ar_iters = {0.0: 6, 0.001: 10, 0.01: 8, 0.05: 3, 0.10: 4}
         steps, drift_steps, train_mtus = 30, 40, (9000,)
     else:
         ar_iters = {0.0: 15, 0.001: 40, 0.01: 40, 0.05: 12, 0.10: 12}
         steps, drift_steps, train_mtus = 200, 200, (9000, 1500)
-    st = Steps("lossy", 2 + len(train_mtus) + 1)
+    st = Steps("lossy", 2 + len(train_mtus) + 2)
+    st.start("CPU per stage and payload byte (perf), ours and gloo, MTU 9000 and 1500")
+    run_profile(quick, workdir, figures, details, progress)
     for mtu in (9000, 1500):
         sfx = "" if mtu == 9000 else "_mtu1500"
         st.start(f"all-reduce at MTU {mtu}, ours and gloo, {len(ar_iters)} loss levels")

@@ -3,6 +3,8 @@
 ``allreduce``: 16 MiB all-reduce, gloo and ours (with the erasure-coded protection that
 training uses) interleaved iteration by iteration, at each loss level in turn (each rank sets
 the loss of its own host through the testbed's nftables helper, between barriers).
+``profile``: CPU per stage and payload byte of loss-free all-reduces, ours and gloo
+(``lossy_profile``).
 ``drift``: the tiny GPT trained with ``comm.attach`` in mode ``params`` or
 ``naive`` under UDP loss set by the parent; after every step an exact drift probe (a reliable
 gloo all-gather, outside the timed path) measures max |replica - owners' parameters|.
@@ -101,6 +103,49 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
     return res
 
 
+def profile(out: Path, numel: int, iters: int, warmup: int, fec: str = "rs",
+            fec_target: float = 2e-5) -> dict:
+    """CPU per stage of a block of ``iters`` loss-free all-reduces, ours then gloo, each
+    sampled by ``perf`` (``lossy_profile``); the vectors are made before sampling starts and
+    reused (nothing but the all-reduces and their barriers is in a block)."""
+    from stalwart.bench.lossy_profile import Sampler
+    from stalwart.comm.collective import LossyCollective
+
+    rank = dist.get_rank()
+    coll = LossyCollective(numel, fec_mode=fec, fec_target=fec_target)
+    lay, world = coll.layout, coll.world
+    mine = lay.shard_len(rank)
+    x = np.random.default_rng(rank).standard_normal(numel).astype(np.float32)
+    buf = x.copy()
+    t = torch.from_numpy(x.copy())
+    res: dict = {"payload_bytes": 4 * ((numel - mine) + (world - 1) * mine), "iters": iters,
+                 "engine": coll.engine}
+    try:
+        # warm-up long enough for the loss estimate to settle (the parity is sized from it)
+        per_link = 2 * max(lay.n_chunks(s) for s in range(world))
+        for _ in range(max(warmup, -(-20_000 // per_link))):
+            coll.allreduce(buf, out=buf)
+            dist.all_reduce(t)
+            t.copy_(torch.from_numpy(x))
+        for system in ("ours", "gloo"):
+            s = Sampler(out / f"perf-{system}-{rank}.data")
+            s.start()
+            _barrier()
+            c0 = time.process_time()
+            for _ in range(iters):
+                if system == "ours":
+                    coll.allreduce(buf, out=buf)
+                else:
+                    dist.all_reduce(t)
+            cpu = time.process_time() - c0
+            _barrier()
+            res[system] = {"samples": s.stop(), "cpu_s": cpu}
+            _barrier()
+    finally:
+        coll.close()
+    return res
+
+
 def drift(out: Path, mode: str, steps: int, lr: float, seed: int, preset: str,
           optim: str = "adamw") -> dict:
     import stalwart.comm
@@ -151,7 +196,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        res = allreduce(out, **args) if kind == "allreduce" else drift(out, **args)
+        fn = {"allreduce": allreduce, "profile": profile, "drift": drift}[kind]
+        res = fn(out, **args)
         (out / f"rank-{rank}.json").write_text(json.dumps(res))
         dist.barrier()
     finally:
