@@ -59,7 +59,8 @@ def _files(path: Path) -> list[Path]:
     if not path.exists():
         raise ConfigError(f"--trace {path}: no such file or directory")
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.endswith(SUFFIXES))
+        files = sorted(p for p in path.iterdir() if p.name.endswith(SUFFIXES)
+                       and p.name != "layout.json" and not p.name.endswith(".layout.json"))
         if not files:
             raise ConfigError(f"--trace {path}: no .csv, .parquet or .json trace files in it")
         return files
