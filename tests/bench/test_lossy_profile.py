@@ -22,7 +22,7 @@ stw-rx 100/101 100000:
 \t7f02 [unknown] (/usr/lib/x86_64-linux-gnu/libcrypto.so.3)
 
 pt_gloo 100/102 100000:
-\t7f03 void gloo::sum<float>(void*, void const*, void const*, unsigned long)+0x3 (/t/libtorch_cpu.so)
+\t7f03 void gloo::sum<float>(void*, void const*, unsigned long)+0x3 (/t/libtorch_cpu.so)
 
 python 100/100 100000:
 \t7f04 ec_encode_data_avx2+0x9 (/p/libisal.so.2)

@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 
