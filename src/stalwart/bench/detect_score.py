@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from stalwart.detect.truth import (  # noqa: F401  (the step-clock half; re-exported)
@@ -161,3 +162,25 @@ def severe_missed(runs: list[tuple], by_time: bool = False) -> list[str]:
         if len(truths) < sc.stragglers or any(h is None for h in hit):
             out.append(sc.name)
     return out
+
+
+HELDOUT = Path(__file__).resolve().parents[3] / "tests" / "replay" / "corpus" / "heldout"
+
+
+def replay_heldout(corpus: Path = HELDOUT) -> dict[str, Any] | None:
+    """``stalwart replay --score`` over the corpus's held-out part (recorded with other
+    seeds, workloads and world sizes than the part thresholds were set on): its totals, with
+    ``right_fraction`` the share of runs whose replayed decisions are right (no false
+    positive, every fault found and named). None where the corpus is not there (an
+    installed package without the source tree)."""
+    from stalwart.replay import replay_run
+    from stalwart.replayscore import score_run, totals
+
+    runs = sorted(p for p in corpus.iterdir() if p.is_dir()) if corpus.is_dir() else []
+    if not runs:
+        return None
+    scores = [score_run(p, replay_run(p)) for p in runs]
+    t = totals(scores)
+    t["right_fraction"] = round(t["right_runs"] / t["runs"], 3)
+    t["wrong_runs"] = [s["run"] for s in scores if not s["right"]]
+    return t
