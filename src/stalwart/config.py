@@ -16,7 +16,7 @@ from typing import Any
 
 from stalwart.devices import DEVICE_MODES
 from stalwart.errors import ConfigError
-from stalwart.faultspec import FAULT_KINDS, TESTBEDS, parse_fault
+from stalwart.faultspec import FAULT_KINDS, TESTBEDS, Fault, parse_fault
 from stalwart.presets import PRESETS
 from stalwart.rundir import atomic_write_text
 
@@ -121,6 +121,9 @@ class RunConfig:
     ckpt_every: int = 100
     halt_at: int | None = None  # stop after this step as if preempted (to exercise --resume)
     mtu: int = 1500  # testbed link MTU
+    # ranks on one emulated host (netns testbed): slot s (``hosts``) runs on host s // this,
+    # so a host's link faults slow all its ranks and its ranks talk inside it
+    ranks_per_host: int = 1
     # CPU budget of each emulated host (testbed): "fair" caps every host at its fair share of
     # the cores (min(1, cores / hosts)) so that a compute fault of factor F gives about F;
     # "auto" caps when CPU faults are scheduled; "off" never (hosts borrow idle cores)
@@ -232,14 +235,18 @@ class RunConfig:
              f"--halt-at must be in [0, steps={self.steps}], got {self.halt_at}")
         need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
+        need(1 <= self.ranks_per_host <= 64,
+             f"--ranks-per-host must be in [1, 64], got {self.ranks_per_host}")
+        need(self.ranks_per_host == 1 or self.testbed == "netns",
+             f"--ranks-per-host {self.ranks_per_host} needs --testbed netns (the local "
+             "testbed runs every rank on this one machine)")
         need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
         need(self.device in DEVICE_MODES,
              f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
         for problem in self.detection.problems() + self.policy.problems():
             raise ConfigError(problem)
-        hosts = max(self.hosts) + 1 if self.hosts else self.nproc  # faults name hosts
         for spec in self.faults:
-            parse_fault(spec, hosts, self.testbed)  # ConfigError naming the bad part
+            self.parse_fault(spec)  # ConfigError naming the bad part
         if self.script is not None or self.script_args:
             self._validate_script_run()
         return self
@@ -257,12 +264,19 @@ class RunConfig:
                 raise ConfigError(f"{flag}{shown} does not apply to --script runs (it "
                                   "configures stalwart's own training workload)")
         if not self.detect:
-            hosts = max(self.hosts) + 1 if self.hosts else self.nproc
             for spec in self.faults:
-                if parse_fault(spec, hosts, self.testbed).uses_steps:
+                if self.parse_fault(spec).uses_steps:
                     raise ConfigError(
                         f"fault {spec!r} counts steps, and a script's steps are the monitor's "
                         "iterations: add --detect, or give the window in seconds (start=20s)")
+
+    def slots(self) -> int:
+        """Rank slots of the launch (``hosts`` names slots; faults' ``rank=`` counts them)."""
+        return max(self.hosts) + 1 if self.hosts else self.nproc
+
+    def parse_fault(self, spec: str) -> Fault:
+        """One ``--fault`` value validated for this run's ranks and hosts (faultspec.py)."""
+        return parse_fault(spec, self.slots(), self.testbed, self.ranks_per_host)
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:

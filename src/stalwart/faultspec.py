@@ -16,8 +16,12 @@ whole run), each either a step (``start=20``) or seconds since the ranks were st
 unless the monitor counts its iterations (``--detect``), but the launcher always knows the
 time.
 
-``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` hosts
-of the given kind; anything else raises ``ConfigError`` with one line naming the bad value.
+``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` ranks
+of the given kind, ``ranks_per_host`` to a host (rank r on host r // ranks_per_host); anything
+else raises ``ConfigError`` with one line naming the bad value. ``rank=`` names a rank and
+``host=`` an emulated host: compute, contention and kill act on one rank's process (its own
+cgroup, also on a host shared with other ranks); link, pairlink and loss act on a host's
+network path, which all its ranks share, so they take no ``rank=``.
 """
 
 from __future__ import annotations
@@ -173,8 +177,34 @@ def _index(key: str, value: str, nproc: int, spec: str) -> int:
     return i
 
 
-def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
-    """Parse and validate one ``--fault`` value for a run of `nproc` ranks on `testbed`."""
+RANK_KINDS = ("compute", "contention", "kill")  # act on one rank's processes
+HOST_KINDS = ("link", "pairlink", "loss")  # act on a host's network path (all its ranks)
+
+
+def n_hosts(nproc: int, ranks_per_host: int = 1) -> int:
+    """Emulated hosts of a run of ``nproc`` ranks (the last one may hold fewer)."""
+    return -(-nproc // max(ranks_per_host, 1))
+
+
+def _host_or_rank(kind: str, kv: dict[str, str], spec: str, nproc: int, per: int) -> None:
+    """One line for a fault that addresses the wrong thing on a shared host."""
+    if kind in HOST_KINDS and "rank" in kv:
+        r = _int("rank", kv["rank"], spec)
+        h = r // per
+        share = (f"; host {h} holds ranks {h * per}-{min(nproc, (h + 1) * per) - 1} "
+                 f"(--ranks-per-host {per})" if per > 1 and 0 <= r < nproc else "")
+        raise ConfigError(f"fault {spec!r}: {kind} faults act on a host's network path, which "
+                          f"all its ranks share, so they cannot be per-rank: use host=H{share}")
+    if kind in RANK_KINDS and "host" in kv:
+        raise ConfigError(f"fault {spec!r}: {kind} faults act on one rank's processes: use "
+                          "rank=R (a host's ranks are R = host x ranks-per-host + 0, 1, ...)")
+
+
+def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) -> Fault:
+    """Parse and validate one ``--fault`` value for a run of `nproc` ranks on `testbed`,
+    ``ranks_per_host`` ranks to an emulated host (host indices count hosts, not ranks)."""
+    per = max(int(ranks_per_host), 1)
+    hosts_n = n_hosts(nproc, per)
     if testbed not in TESTBEDS:
         raise ConfigError(f"unknown testbed {testbed!r} (choose from {', '.join(TESTBEDS)})")
     kind, sep, rest = spec.strip().partition(":")
@@ -195,6 +225,7 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
         if key in kv:
             raise ConfigError(f"parameter {key!r} given twice in fault {spec!r}")
         kv[key] = value
+    _host_or_rank(kind, kv, spec, nproc, per)
     required, optional = _KEYS[kind]
     allowed = required | optional | (set() if kind == "kill" else _WINDOW)
     for key in kv:
@@ -239,7 +270,8 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
 
     if kind == "loss":
         host = kv["host"]
-        hosts = tuple(range(nproc)) if host == "all" else (_index("host", host, nproc, spec),)
+        hosts = tuple(range(hosts_n)) if host == "all" else (
+            _index("host", host, hosts_n, spec),)
         p = _float("p", kv["p"], spec)
         if not 0.0 <= p < 1.0:
             raise ConfigError(f"p={kv['p']} must be in [0, 1) in fault {spec!r}")
@@ -250,12 +282,12 @@ def parse_fault(spec: str, nproc: int, testbed: str) -> Fault:
     except ConfigError as e:
         raise ConfigError(f"{e} in fault {spec!r}") from None
     if kind == "link":
-        return Fault(hosts=(_index("host", kv["host"], nproc, spec),), rate_bps=rate_bps,
+        return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), rate_bps=rate_bps,
                      rate=kv["rate"], **common)
     a, dash, b = kv["hosts"].partition("-")
     if not dash:
         raise ConfigError(f"hosts={kv['hosts']!r} must be A-B in fault {spec!r}")
-    ha, hb = _index("hosts", a, nproc, spec), _index("hosts", b, nproc, spec)
+    ha, hb = _index("hosts", a, hosts_n, spec), _index("hosts", b, hosts_n, spec)
     if ha == hb:
         raise ConfigError(f"hosts={kv['hosts']!r} names the same host twice in fault {spec!r}")
     return Fault(hosts=(ha, hb), rate_bps=rate_bps, rate=kv["rate"], **common)

@@ -163,15 +163,16 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
 
 
 def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: str,
-                 port: int, run_id: str, restarts: int = 0) -> dict[str, str]:
-    """The variables torchrun gives rank `rank` of `nproc`: with one host per rank (netns),
-    as ``torchrun --nnodes N --nproc-per-node 1``; otherwise as ``--nproc-per-node N``."""
+                 port: int, run_id: str, restarts: int = 0,
+                 ranks_per_host: int = 1) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `nproc`: on the netns testbed
+    (``one_host_per_rank``) as ``torchrun --nnodes N/K --nproc-per-node K`` with K =
+    ``ranks_per_host`` (1: one host per rank); otherwise as ``--nproc-per-node N``."""
+    k = max(ranks_per_host, 1) if one_host_per_rank else nproc
     return {
         "RANK": str(rank), "WORLD_SIZE": str(nproc),
-        "LOCAL_RANK": "0" if one_host_per_rank else str(rank),
-        "LOCAL_WORLD_SIZE": "1" if one_host_per_rank else str(nproc),
-        "GROUP_RANK": str(rank) if one_host_per_rank else "0",
-        "GROUP_WORLD_SIZE": str(nproc) if one_host_per_rank else "1",
+        "LOCAL_RANK": str(rank % k), "LOCAL_WORLD_SIZE": str(min(k, nproc)),
+        "GROUP_RANK": str(rank // k), "GROUP_WORLD_SIZE": str(-(-nproc // k)),
         "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restarts),
@@ -196,7 +197,7 @@ def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[
     env = {
         **os.environ,
         **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
-                       run_dir.name, incarnation),
+                       run_dir.name, incarnation, cfg.ranks_per_host),
         "STALWART_RUN_DIR": str(run_dir.resolve()),
         # a script's own Monitor() finds the run directory here (detect/monitor.py)
         **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),

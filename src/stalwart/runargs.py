@@ -71,6 +71,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--halt-at", type=int, default=None,
                    help="stop after this step as if preempted (to try --resume)")
     p.add_argument("--mtu", type=int, default=d.mtu, help="testbed link MTU (default 1500)")
+    p.add_argument("--ranks-per-host", type=int, default=d.ranks_per_host, metavar="K",
+                   help="netns testbed: K ranks on each emulated host (rank r on host r // K); "
+                        "a host's link faults slow all its ranks (default 1)")
     p.add_argument("--script", default=None, metavar="PATH",
                    help="run your own torchrun script as the ranks instead of stalwart's GPT "
                         "(its arguments after --); see docs/testbed.md")

@@ -4,8 +4,16 @@
 
 * ``local``: ranks run on this machine's loopback (master 127.0.0.1); compute and contention
   faults act through CPU cgroups.
-* ``netns``: rank r runs inside emulated host r (see hosts.py); gloo binds to that host's eth0;
-  link, pairlink and loss faults act on the hosts' network paths as well.
+* ``netns``: rank r runs inside emulated host r // K (``--ranks-per-host K``, default 1; see
+  hosts.py); gloo binds to that host's eth0, so ranks of one host talk inside its namespace
+  and cross its link only to reach other hosts; link, pairlink and loss faults act on the
+  hosts' network paths (all their ranks), compute and contention on one rank's own cgroup.
+  The placement is logged once per incarnation as ``testbed_placement`` (rank -> host).
+
+Slots: a rank's identity across restarts is its slot (``cfg.hosts``: rank -> slot; rank r is
+slot r at launch); slot s runs on host s // K. A fault's ``rank=`` names a slot, ``host=`` a
+host. ``Testbed.hosts`` (netns) addresses slots (``SlotHosts``), so the mitigation's probes
+keep counting slots.
 
 Schedule: the launcher calls ``on_step(next_step)`` as training advances (stalwart's metrics,
 or the monitor's iteration count for a user's script) and ``on_time(elapsed)`` with the seconds
@@ -39,7 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig
-from stalwart.faultspec import Fault, parse_fault
+from stalwart.faultspec import Fault
 from stalwart.rundir import EventLog
 from stalwart.testbed import cleanup, traffic
 from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
@@ -60,9 +68,8 @@ class Testbed:
         self.mtu = cfg.mtu
         self.events = events
         # identical specs are one fault (a set of active faults cannot hold both)
-        self.faults: list[Fault] = list(dict.fromkeys(
-            parse_fault(s, max(cfg.hosts) + 1 if cfg.hosts else cfg.nproc, cfg.testbed)
-            for s in cfg.faults))
+        self.per_host = cfg.ranks_per_host
+        self.faults: list[Fault] = list(dict.fromkeys(cfg.parse_fault(s) for s in cfg.faults))
         self._tag = next_tag()
         self._owner = os.getpid()
         self._pids: dict[int, int] = {}
@@ -100,7 +107,17 @@ class Testbed:
         return {"STALWART_HOST_ADDR": "127.0.0.1", "STALWART_MTU": str(self.mtu)}
 
     def host(self, rank: int) -> int:
+        """The rank's slot (its launch rank: rank r of the first incarnation)."""
         return self._host_of[rank]
+
+    def node(self, rank: int) -> int:
+        """The emulated host the rank runs on (``--ranks-per-host`` slots to a host)."""
+        return self.host(rank) // self.per_host
+
+    def placement(self) -> dict[str, Any]:
+        """The rank -> host map of this incarnation (logged as ``testbed_placement``)."""
+        return {"ranks_per_host": self.per_host, "slots": list(self._host_of),
+                "host_of_rank": [self.node(r) for r in range(len(self._host_of))]}
 
     def set_hosts(self, hosts: list[int] | None) -> None:
         """The next incarnation's rank -> host map (the previous ranks have exited)."""
@@ -319,24 +336,31 @@ class NetnsTestbed(Testbed):
             require_tool("tc", "link faults")
         if "loss" in kinds:
             require_tool("nft", "loss faults")
-        n_hosts = max(self._host_of) + 1
-        self.hosts = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
+        n_hosts = max(self._host_of) // self.per_host + 1
+        self.net = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
+        self.hosts = SlotHosts(self.net, self.per_host)
         cleanup.register(self)
         self.master_addr = self.hosts.addr(self.host(0))
+        self._log_placement()
         # measured traffic matrix (traffic.py), logged per incarnation as testbed_traffic
         self._count = shutil.which("nft") is not None
         self._snap: tuple[int, dict[tuple[int, int], int]] | None = None
         self._inc_start = 0
         self._seg_hosts: list[int] | None = None  # the ranks' hosts after a regroup in place
         if self._count:
-            traffic.start(self.hosts)
+            traffic.start(self.net)
+
+    def _log_placement(self) -> None:
+        if self.events is not None:
+            self.events.log("testbed_placement", step=self._step, testbed=self.kind,
+                            **self.placement())
 
     def on_step(self, next_step: int) -> None:
         super().on_step(next_step)
         # from the 5th step of an incarnation: start-up (rendezvous, DDP's broadcast) excluded
         if self._count and self._snap is None and next_step >= self._inc_start + 5 \
                 and not self._closed:
-            self._snap = (next_step, traffic.read(self.hosts))
+            self._snap = (next_step, traffic.read(self.net))
 
     def regrouped(self, hosts: list[int]) -> None:
         """The ranks regrouped in place on ``hosts`` (rank -> host): the traffic so far is
@@ -354,11 +378,12 @@ class NetnsTestbed(Testbed):
         steps = self._step - step0
         if steps <= 0 or self.events is None:
             return
-        now = traffic.read(self.hosts)
+        now = traffic.read(self.net)
         pairs = traffic.per_pair({k: n - before.get(k, 0) for k, n in now.items()})
         self.events.log("testbed_traffic", step=self._step, from_step=step0,
                         to_step=self._step,
                         hosts=list(self._seg_hosts or self._host_of),
+                        ranks_per_host=self.per_host,
                         bytes_per_step={f"{a}-{b}": round(n / steps)
                                         for (a, b), n in sorted(pairs.items())})
 
@@ -371,17 +396,19 @@ class NetnsTestbed(Testbed):
         self._seg_hosts = None
         super().set_hosts(hosts)
         self.master_addr = self.hosts.addr(self.host(0))
+        self._log_placement()
 
     def env(self, rank: int) -> dict[str, str]:
         # the host's only link; NCCL's bootstrap and socket transport too, for GPU scripts
         return {"STALWART_HOST_ADDR": self.hosts.addr(self.host(rank)),
+                "STALWART_HOST": str(self.node(rank)),  # the detector's host (hostlink.py)
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
                 "STALWART_MTU": str(self.mtu)}
 
     def _apply_net(self, desired: set[Fault],
                    targets: set[tuple[str, Any]]) -> dict[Fault, str]:
         mech: dict[Fault, str] = {}
-        h = self.hosts
+        h = self.net  # faults name hosts, not slots
         for kind, host in sorted(targets, key=str):
             if kind == "loss":
                 mine = [f for f in desired if f.kind == "loss" and host in f.hosts]
@@ -415,7 +442,32 @@ class NetnsTestbed(Testbed):
             self._log_traffic()
         except Exception:  # noqa: BLE001 -- a counting problem must not keep hosts alive
             pass
-        self.hosts.close()
+        self.net.close()
+
+
+class SlotHosts:
+    """``Hosts`` addressed by slot (slot s on host s // ``per_host``): what the rest of
+    stalwart (probes, tests) calls a rank's host. Ranks of one host share its address and
+    namespace; ``net`` is the hosts themselves."""
+
+    def __init__(self, net: Hosts, per_host: int) -> None:
+        self.net, self.per_host = net, per_host
+        self.n, self.mtu, self.bridge = net.n * per_host, net.mtu, net.bridge
+
+    def addr(self, slot: int) -> str:
+        return self.net.addr(slot // self.per_host)
+
+    def ns(self, slot: int) -> str:
+        return self.net.ns(slot // self.per_host)
+
+    def port(self, slot: int) -> str:
+        return self.net.port(slot // self.per_host)
+
+    def exec_prefix(self, slot: int) -> list[str]:
+        return self.net.exec_prefix(slot // self.per_host)
+
+    def close(self) -> None:
+        self.net.close()
 
 
 def open_testbed(cfg: RunConfig, events: EventLog | None) -> Testbed:
