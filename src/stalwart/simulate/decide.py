@@ -117,7 +117,7 @@ class SimEvidence:
         t0 = time.thread_time()
         n = self.world
         if src is None:
-            out = [RankEvidence(r, compute_rounds=[1.0] * rounds, compute_test=1.0)
+            out = [RankEvidence(r, compute_rounds=[1.0] * rounds, compute_test=1.0, host="")
                    for r in range(n)]
             self.sim_s += time.thread_time() - t0
             return out
@@ -144,8 +144,10 @@ class SimEvidence:
         rec_keys = keys[rec_m].tolist()
         rec = src.compute[rec_m].T.tolist()  # (N, steps)
         rows = new.tolist()
+        hosts = src.host_of.astype(str).tolist()  # ranks of a host share its link (hostlink)
         out = [RankEvidence(r, cb[r], ca[r], mb[r], ma[r], float(tests[r]), {}, rows[r],
-                            list(zip(rec_keys, rec[r], strict=True))) for r in range(n)]
+                            list(zip(rec_keys, rec[r], strict=True)), host=hosts[r])
+               for r in range(n)]
         # the ring's pairs, in the passes the product tests; a pair is as slow as the slower
         # of its hosts' links when it crosses hosts
         from stalwart.detect.validate import ring_pair_passes  # (validate imports torch)
