@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 
 def profile_job(out_dir: Path, slow_rank: int = 1, factor: float = 3.0, world: int = 2,
-                timeout_s: float = 120.0) -> Path:
+                timeout_s: float = 300.0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -76,7 +76,7 @@ def _rank_main(rank: int, world: int, out: Path, slow_rank: int, factor: float) 
     model = DDP(torch.nn.Sequential(Slowable(256, 512), torch.nn.ReLU(), Slowable(512, 512),
                                     torch.nn.ReLU(), Slowable(512, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
 
     def ready(prof: profile) -> None:
         prof.export_chrome_trace(str(out / f"rank{rank}.json"))

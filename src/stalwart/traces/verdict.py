@@ -45,6 +45,7 @@ operations.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
@@ -144,20 +145,34 @@ def _sigma(resid: list[float]) -> tuple[float, bool]:
     return max(SIGMA_FLOOR, float(1.4826 * np.median(np.abs(a - np.median(a))))), False
 
 
+EXACT_PEERS = 64  # sets up to this size: each worker against the median of the others
+
+
 def _paired(series: dict[Any, dict[tuple[int, int], float]],
-            peers: dict[Any, list[Any]]) -> dict[Any, list[float]]:
-    """Per worker: its log time minus its peers' median, unit by unit (units both have)."""
+            sets: list[list[Any]]) -> dict[Any, list[float]]:
+    """Per worker: its log time minus the median of the other workers of its set, unit by
+    unit (the units it and at least one of them have). Sets larger than ``EXACT_PEERS`` use
+    the median of the whole set (self included: at most one order statistic away)."""
     out: dict[Any, list[float]] = {}
-    for w, ps in peers.items():
-        if not ps:
+    for ws in sets:
+        if len(ws) < 2:
             continue
-        diffs = []
-        for u, v in series[w].items():
-            others = [series[p][u] for p in ps if u in series[p]]
-            if others:
-                diffs.append(v - float(np.median(others)))
-        if diffs:
-            out[w] = diffs
+        units = sorted({u for w in ws for u in series[w]})
+        col = {u: i for i, u in enumerate(units)}
+        m = np.full((len(ws), len(units)), np.nan)
+        for i, w in enumerate(ws):
+            for u, v in series[w].items():
+                m[i, col[u]] = v
+        have = ~np.isnan(m)
+        counts = have.sum(axis=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # units no other worker has
+            whole = np.nanmedian(m, axis=0) if len(ws) > EXACT_PEERS else None
+            for i, w in enumerate(ws):
+                ref = whole if whole is not None else np.nanmedian(np.delete(m, i, 0), 0)
+                ok = have[i] & (counts >= 2)
+                if ok.any():
+                    out[w] = (m[i, ok] - ref[ok]).tolist()
     return out
 
 
@@ -250,9 +265,8 @@ def _workers(cells: _Cells, ranks: list[int], coord: dict[int, Any], layout: Lay
     for g in groups:
         stage_groups[g[1]].append(g)
     gseries = {g: _median_series([cells.y[r] for r in rs]) for g, rs in groups.items()}
-    gdiffs = _paired(gseries, {g: [o for o in stage_groups[g[1]] if o != g] for g in groups})
-    rdiffs = _paired(cells.y, {r: [o for o in groups[(coord[r].dp, coord[r].pp)] if o != r]
-                               for r in ranks})
+    gdiffs = _paired(gseries, list(stage_groups.values()))
+    rdiffs = _paired(cells.y, list(groups.values()))
     n_tests = len(gdiffs) + len(rdiffs) + 2
     zcrit = NormalDist().inv_cdf(1 - alpha / n_tests)
     min_shift = math.log(MIN_FACTOR)
