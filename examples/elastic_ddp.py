@@ -12,8 +12,10 @@ Run it as written, one torchrun agent per node joined by stalwart's store (docs/
 (the same line on every node), or on one machine with ``torchrun --nproc-per-node 4 ...``,
 or with faults: ``stalwart run --script examples/elastic_ddp.py --nproc 4 -- --steps 300``.
 
-Output (``--out DIR``), one JSONL file per process, ``steps-<host>-<pid>.jsonl``: one line per
-step this process completed, ``{"step", "t" (wall clock at the step's end, s), "samples" (this
+Output (``--out DIR``), one JSONL file per process, ``steps-<host>-<pid>.jsonl``: first
+``{"start": true, "t_start" (wall clock when the script started), "t_joined" (when it was
+admitted to the job), "member", "node", "local_rank"}``, then one line per step this process
+completed, ``{"step", "t" (wall clock at the step's end, s), "samples" (this
 process's share of the step's global batch), "world", "gen" (the membership generation),
 "loss" (the global batch's mean loss), "member", "node", "local_rank"}``, then a final line
 ``{"final": true, "steps", "val_loss"}`` (the validation loss of the trained model) when it
@@ -52,6 +54,7 @@ def make_model(dim: int = 32, hidden: int = 256, classes: int = 10) -> nn.Module
 
 
 def main() -> int:
+    t_start = time.time()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=64, help="global batch (samples per step)")
@@ -74,6 +77,9 @@ def main() -> int:
     try:
         job = elastic.Job(model, opt, global_batch=a.batch, config=cfg)  # elastic
         log = open(out / f"steps-{socket.gethostname()}-{os.getpid()}.jsonl", "a")  # noqa: SIM115
+        log.write(json.dumps({"start": True, "t_start": t_start, "t_joined": time.time(),
+                              "member": job.member, "node": job.node,
+                              "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}) + "\n")
         for step in job.steps(a.steps):  # elastic: for step in range(a.steps)
             opt.zero_grad()
             total = 0.0

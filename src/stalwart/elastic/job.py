@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from stalwart.elastic import protocol as P
-from stalwart.elastic.errors import Refused, StoreLost, UsageError
+from stalwart.elastic.errors import ElasticError, Refused, StoreLost, UsageError
 from stalwart.elastic.rank import Runtime, Superseded
 from stalwart.elastic.store import Keys, client, locate, serve
 from stalwart.hostaddr import route_source
@@ -113,6 +113,10 @@ class Job:
         why = P.mismatch(self._identity, job)
         if why is not None:
             raise Refused(f"stalwart elastic: refused to join the job at {host}:{port}: {why}")
+        done = keys.finished()
+        if done is not None:
+            raise ElasticError(f"stalwart elastic: the job at {host}:{port} already finished "
+                               f"({done} steps); nothing to join")
 
     # ---- the user's calls --------------------------------------------------------------------
     def steps(self, num_steps: int) -> Iterator[int]:
@@ -136,6 +140,8 @@ class Job:
         except GeneratorExit:
             return
         self._phase = P.FINISHED
+        with contextlib.suppress(StoreLost):
+            self.rt.keys.finish(num_steps)
         self.close()
 
     def my_batch(self, step: int) -> Iterator[list[int]]:
@@ -190,6 +196,7 @@ class Job:
             off += n
         self.loss = float(flat[-1])
         self.optimizer.step()
+        self.rt.progress = self.step
         self.step += 1
         self._has_state = True
         self._phase = P.COMMITTED
@@ -261,7 +268,10 @@ class Job:
                 newer = self._newer_than(g.gen)
                 rt.keys.ack(g.gen, rt.me.id, P.Ack(self.step - 1, not self._has_state))
                 rt.wait_until(lambda g=g: rt.keys.all_acked(g), newer, poll_s=0.005)
-                st = P.settle(g, rt.keys.acks(g))
+                acks = rt.keys.acks(g)
+                st = P.settle(g, acks)
+                if all(a.fresh for a in acks.values()) and rt.keys.progress() >= 0:
+                    raise self._state_lost(rt.keys.progress())
                 pg = rt.rebuild(g, newer)
                 if st.receivers:
                     state = rt.broadcast_state(pg, g, st.source, self._state(), newer)
@@ -319,6 +329,12 @@ class Job:
             self.rt.check()
         except StoreLost as e:
             raise self._store_lost(e) from None
+
+    def _state_lost(self, last: int) -> ElasticError:
+        ck = (f"restart it from the checkpoint {self.checkpoint}" if self.checkpoint
+              else "no checkpoint to restart from (pass checkpoint= to elastic.Job)")
+        return ElasticError(f"stalwart elastic: every member that held the job's state is "
+                            f"gone (it had completed step {last}): {ck}")
 
     def _store_lost(self, e: StoreLost) -> StoreLost:
         ck = (f"restart it from the checkpoint {self.checkpoint}" if self.checkpoint

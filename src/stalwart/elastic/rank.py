@@ -75,6 +75,8 @@ class Runtime:
         self._listener.setblocking(False)
         self._accepted: list[socket.socket] = []
         self.me = self._register()
+        self.progress = -1  # the last step this member completed (the caller sets it)
+        self._progress_sent = -1
         self._abandoned: list[Any] = []  # groups and works given up: never destroyed, never waited
         self._thread = threading.Thread(target=self._watch, name="stalwart-elastic",
                                         daemon=True)
@@ -111,6 +113,10 @@ class Runtime:
 
     def _round(self, keys: Keys) -> None:
         keys.beat(self.me.id)
+        if self.progress != self._progress_sent and self.newest is not None \
+                and self.newest.members and self.newest.members[0] == self.me.id:
+            keys.set_progress(self.progress)  # by the newest generation's rank 0
+            self._progress_sent = self.progress
         self._accept()
         self._fetch_members(keys)
         now = time.monotonic()

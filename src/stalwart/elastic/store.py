@@ -140,6 +140,23 @@ class Keys:
             return None
         return self._call(self.s.get, "weights").decode()
 
+    def set_progress(self, step: int) -> None:
+        self._call(self.s.set, "progress", str(step))
+
+    def progress(self) -> int:
+        """The last step some member reported completed (-1: none)."""
+        if not self._call(self.s.check, ["progress"]):
+            return -1
+        return int(self._call(self.s.get, "progress"))
+
+    def finish(self, steps: int) -> None:
+        self._call(self.s.set, "finished", str(steps))
+
+    def finished(self) -> int | None:
+        if not self._call(self.s.check, ["finished"]):
+            return None
+        return int(self._call(self.s.get, "finished"))
+
     # generations
     def has_gen(self, g: int) -> bool:
         return bool(self._call(self.s.check, [f"gen/{g}"]))
