@@ -265,7 +265,7 @@ class Supervisor:
     def _take_leavers(self) -> None:
         """Ranks an in-place regroup left out (S4) exited: the first host's probe starts."""
         got = ranks_left(self.procs, self.members, self.tb, self.run_dir, self.events, self.say,
-                         self.next_step, probe_hosts=self.cfg.tp == 1)
+                         self.next_step, probe_hosts=self.cfg.tp == 1 and self.probe is None)
         if got is not None:
             self.probes.append(got)
             if self.probe is None:

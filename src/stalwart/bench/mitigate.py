@@ -73,6 +73,8 @@ class Scenario:
     faults: list[str]
     steps: int
     tp: int = 1
+    nproc: int = 4
+    per_host: int = 1  # ranks per emulated host (--ranks-per-host)
 
 
 def scenarios(quick: bool) -> dict[str, Scenario]:
@@ -99,6 +101,9 @@ def scenarios(quick: bool) -> dict[str, Scenario]:
         "born2x": Scenario("born2x", ["compute:rank=2,factor=2"], n),
         # fail-stop: the done-when command's kill (rank 3 at step 60 of 200)
         "failstop": Scenario("failstop", [f"kill:rank=3,at={3 * n // 10}"], n),
+        # 3 hosts x 2 ranks, host 1's link slow: both its ranks leave together (issue 35)
+        "hostlink_multi": Scenario("hostlink_multi", ["link:host=1,rate=10mbit,start=20"], n,
+                                   nproc=6, per_host=2),
     }
 
 
@@ -114,7 +119,7 @@ def run_one(sc: Scenario, mitigate: str, workdir: Path, tag: str, faults: bool =
     # every run, healthy ones included, holds each host at its fair CPU share (--cpu-cap
     # fair): the compute fault then slows its rank by about its factor, and healthy and
     # faulty runs compare like with like
-    cfg = RunConfig(nproc=4, tp=sc.tp, testbed="netns",
+    cfg = RunConfig(nproc=sc.nproc, tp=sc.tp, testbed="netns", ranks_per_host=sc.per_host,
                     faults=list(sc.faults) if faults else [],
                     steps=sc.steps, mitigate=mitigate, micro_batch_size=MICRO_SIZE,
                     cpu_cap="fair", out=str(workdir), name=name,
@@ -339,7 +344,32 @@ TARGETS = {
     "failstop_resume_s": "<= 3", "failstop_samples_lost": "<= 0",
     "failstop_val_loss_rel_change": "<= 0.001", "false_recoveries": "<= 0",
     "recovered_born2x": ">= 0.7", "rejoin_s": "<= 2"}
-ONLY = ("pairlink_tp",)  # scenarios ``--only`` can run by themselves (their figures alone)
+# scenarios ``--only`` can run by themselves (their figures alone)
+ONLY = ("pairlink_tp", "hostlink_multi")
+TARGETS["recovered_hostlink_multi"] = ">= 0.8"
+
+
+def run_hostlink_multi(quick: bool, workdir: Path, st: Steps | None = None,
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """3 hosts x 2 ranks, host 1's link at 10 mbit from step 20: healthy, off and auto runs of
+    the same configuration; ``recovered_hostlink_multi`` over the whole run's wall time."""
+    hm = scenarios(quick)["hostlink_multi"]
+    tag = "q" if quick else "f"
+    st = st or Steps("mitigate", 3)
+    ok = run_one(hm, "auto", workdir, tag, faults=False, steps=st)
+    un = run_one(hm, "off", workdir, tag, steps=st)
+    mit = run_one(hm, "auto", workdir, tag, steps=st)
+    figures = {"recovered_hostlink_multi": recovered(wall_time(un), wall_time(mit),
+                                                     wall_time(ok))}
+    runs = {"hostlink_multi_healthy": ok, "hostlink_multi_unmitigated": un,
+            "hostlink_multi_mitigated": mit}
+    return figures, {k: {"path": str(d.path), "rc": d.rc, "wall_s": round(wall_time(d), 2),
+                         "events": [{k2: e.get(k2) for k2 in (
+                             "event", "step", "kind", "ranks", "strategy", "plan",
+                             "measured_gain")} for e in d.events_of(
+                                 "straggler_detected", "mitigation_applied", "regroup",
+                                 "restart", "mitigation_measured")]}
+                     for k, d in runs.items()}
 
 
 def run_tp(quick: bool, workdir: Path) -> BenchResult:
@@ -376,6 +406,10 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     from stalwart.mitigate import planner
 
     if only:
+        if list(only) == ["hostlink_multi"]:
+            figs, runs = run_hostlink_multi(quick, workdir)
+            return BenchResult("mitigate", figs, targets={k: TARGETS[k] for k in figs},
+                               details={"only": "hostlink_multi", "runs": runs})
         if list(only) != ["pairlink_tp"]:
             from stalwart.config import ConfigError
 
@@ -388,7 +422,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     skip = peer_runs(peers, install_peers)
     if skip is not None:
         print(f"bench mitigate: {skip}", flush=True)
-    st = Steps("mitigate", 15 + n_clean + (0 if skip else len(torchft_run.RUNS)))
+    st = Steps("mitigate", 18 + n_clean + (0 if skip else len(torchft_run.RUNS)))
     c = sc["compute2x"]
     healthy = run_one(c, "auto", workdir, tag, faults=False, steps=st)
     c_un = run_one(c, "off", workdir, tag, steps=st)
@@ -412,6 +446,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     b_un = run_one(bn, "off", workdir, tag, steps=st)
     b_mit = run_one(bn, "auto", workdir, tag, steps=st)
     ft_figs, ft_details = torchft_side(skip, sc, workdir, tag, st, healthy, c_mit)
+    hm_figs, hm_runs = run_hostlink_multi(quick, workdir, st)
 
     end = int(c.faults[0].split("end=")[1])
     win = plan_window(c_mit, end)
@@ -453,6 +488,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
         "rejoin_s": rejoin_s(rj),
         # torchft beside it (the same workload, testbed and faults): peers/torchft_run.py
         **ft_figs,
+        **hm_figs,  # several ranks per host (issue 35)
     }
     runs = {"healthy": healthy, "compute_unmitigated": c_un, "compute_mitigated": c_mit,
             "blip": blip, "hostlink_unmitigated": h_un, "hostlink_mitigated": h_mit,
@@ -464,6 +500,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     details: dict[str, Any] = {
         "plan_window": win,
         "torchft": ft_details,
+        "hostlink_multi": hm_runs,
         "runs": {k: {"path": str(d.path), "rc": d.rc, "wall_s": round(wall_time(d), 2),
                      "median_step_s": round(statistics.median(step_times(d).values()), 5),
                      "final_val_loss": d.final_val_loss(),

@@ -79,6 +79,9 @@ class Straggler:
     level: float = 0.0
     no_replan: bool = False  # a re-plan for it measured worse than the plan before
     remapped: bool = False
+    # a host's link on a host of several ranks (the finding's ``host``): every rank of the
+    # host, which S4 takes out together (their link is the straggler, not one rank)
+    ranks: tuple[int, ...] = ()
 
 
 def detector_recovered(s: Straggler, findings: Sequence[Finding]) -> bool:
@@ -331,28 +334,42 @@ class Policy:
             return self._decide(REBALANCE, best, start_step, s.group, gain,
                                 f"{s.kind} straggler on rank {s.rank}: "
                                 f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
-        if self.mode == "auto" and self.groups > 1 and self.tp == 1:
+        if self.mode == "auto" and self.groups > 1 and (self.tp == 1 or s.ranks):
             return self._exclude(s, cur, best, gain, step_s, start_step)
         return None
+
+    def leaving(self, s: Straggler) -> tuple[list[int], list[int]]:
+        """(groups, ranks) S4 takes out: the straggler's data-parallel group, or for a host of
+        several ranks every group with a rank on it -- whole groups, so at tp > 1 the ranks
+        of those groups that sit on other hosts leave too."""
+        groups = sorted({r // self.tp for r in s.ranks} or {s.group})
+        return groups, [r for g in groups for r in range(g * self.tp, (g + 1) * self.tp)]
 
     def _exclude(self, s: Straggler, cur: list[float], best: list[int], gain: float,
                  step_s: float, start_step: int) -> Decision | None:
         """S4, restart without the host: only if N-1 hosts beat the best plan on N, and once
         the rent has paid for the restart."""
-        without = [u for g, u in enumerate(cur) if g != s.group]
+        groups, ranks = self.leaving(s)
+        if len(groups) >= self.groups:
+            return None  # nothing would be left
+        without = [u for g, u in enumerate(cur) if g not in groups]
         mk_without = planner.makespan(planner.plan(without, self.micro, self.min_count),
                                       without)
         mk_best = planner.makespan(best, cur)
         if s.kind == "link":  # the host's link, not its compute, sets the step time
             mk_best = max(mk_best, step_s * (1 - gain))
             healthy = self.healthy_step_s or step_s
-            mk_without = healthy * self.groups / (self.groups - 1)
+            mk_without = healthy * self.groups / (self.groups - len(groups))
         per_step = mk_best - mk_without
         if per_step > self.min_gain * mk_best and s.rent_s >= self.restart_s:
-            return self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
-                                f"{s.kind} straggler on rank {s.rank}: the job is faster "
-                                f"without its host ({s.rent_s:.1f} s lost so far, restart "
-                                f"{self.restart_s:.1f} s)")
+            who = (f"the link of the host of ranks {list(s.ranks)}" if s.ranks else
+                   f"{s.kind} straggler on rank {s.rank}")
+            dec = self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
+                               f"{who}: the job is faster without its host ({s.rent_s:.1f} s "
+                               f"lost so far, restart {self.restart_s:.1f} s)")
+            if len(ranks) > 1:
+                dec.hosts = ranks  # rank 0 only: every rank that leaves with the host
+            return dec
         return None
 
     def _remap(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
@@ -431,6 +448,14 @@ class Policy:
                 self.active = Straggler("pairlink", -1, -1, f.onset_step, f.step, pair=pair,
                                         since=len(self._unit_hist) - 1)
                 self._healthy_before(f.onset_step)  # a pair is often found late, as a link
+                self._healthy_from_peers(f)
+            return
+        if f.kind == "link" and len(f.ranks) > 1 and f.evidence.get("host") is not None:
+            ranks = tuple(f.ranks)  # one host's link, the host holding several ranks
+            if self.active is None or self.active.ranks != ranks:
+                self.active = Straggler("link", ranks[0] // self.tp, ranks[0], f.onset_step,
+                                        f.step, since=len(self._unit_hist) - 1, ranks=ranks)
+                self._healthy_before(f.onset_step)
                 self._healthy_from_peers(f)
             return
         if f.kind not in ("compute", "link") or len(f.ranks) != 1:

@@ -39,6 +39,16 @@ TOLERANCE = 0.25  # compute within 1.25x of a healthy host's loop
 LINK_MIN = 0.25
 
 
+def reference_pair(hosts: Any, host: int, peers: list[int]) -> tuple[int, int]:
+    """Two peers (slots) to compare the probed host's link with: on hosts other than the
+    probed one and than each other where the testbed puts several ranks on a host (their
+    transfer would not cross a link), else the first two."""
+    addr = hosts.addr
+    a = next((p for p in peers if addr(p) != addr(host)), peers[0])
+    b = next((p for p in peers if addr(p) not in (addr(host), addr(a))), None)
+    return (a, b) if b is not None else (peers[0], peers[1])
+
+
 class HostProbe:
     """Probes one excluded host in the background (see the module docstring)."""
 
@@ -61,7 +71,7 @@ class HostProbe:
         out: dict[str, float | None] = {"link": None, "compute": None}
         hosts = getattr(self.tb, "hosts", None)
         if hosts is not None and len(self.peers) >= 2:
-            a, b = self.peers[0], self.peers[1]
+            a, b = reference_pair(hosts, self.host, self.peers)
             mine = tcp_throughput(hosts, self.host, a, seconds=0.4, port=47102)
             ref = tcp_throughput(hosts, b, a, seconds=0.4, port=47103)
             out["link"] = mine / max(ref, 1.0)

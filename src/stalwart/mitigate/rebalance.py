@@ -64,6 +64,12 @@ MEASURE_STEPS = 6  # steps after a switch over which its gain is measured
 REWARM_STEPS = 20
 
 
+def excluded(dec: Decision) -> set[int]:
+    """The hosts (slots) an S4 decision takes out: its target and, for a host of several
+    ranks, the others in its counts' slots (1-based)."""
+    return {dec.target} | {c - 1 for c in dec.counts if c > 0}
+
+
 @dataclass(frozen=True)
 class Assignment:
     """This rank's share of a step."""
@@ -155,7 +161,7 @@ class Rebalancer:
         taken back live (its rank started again and waiting to join); None for a restore by a
         restart."""
         if dec.kind == EXCLUDE:
-            return [h for h in self.hosts if h != dec.target]
+            return [h for h in self.hosts if h not in excluded(dec)]
         if dec.kind == REMAP and len(dec.counts) == len(self.hosts):
             return list(dec.counts)  # rank 0 sent the new map in the counts' slots
         if dec.kind == RESTORE and dec.counts == [h + 1 for h in self.hosts]:
@@ -232,7 +238,11 @@ class Rebalancer:
         if dec is None and self.policy.mode == "auto":
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:
-            dec.target = self.hosts[dec.target]  # the rank's host
+            # the rank's host; the other ranks leaving with it (a host of several ranks:
+            # policy.leaving) travel 1-based in the counts' slots (0: none)
+            first = self.hosts[dec.target]
+            dec.counts = [self.hosts[r] + 1 for r in dec.hosts if self.hosts[r] != first]
+            dec.target = first
         if dec is not None and dec.kind == REMAP and self.in_place:
             dec.counts = list(dec.hosts)  # one host per rank: the channel has world slots
         return dec
@@ -262,7 +272,7 @@ class Rebalancer:
     def _next_hosts(self, dec: Decision, sent: Decision) -> list[int]:
         """The rank -> host map a restart decision asks for."""
         if dec.kind == EXCLUDE:
-            return [h for h in self.hosts if h != dec.target]
+            return [h for h in self.hosts if h not in excluded(dec)]
         if dec.kind == REMAP:
             return list(sent.hosts)
         return sorted([*self.hosts, dec.target])
