@@ -94,3 +94,16 @@ def test_a_rank_outside_the_layout_is_named() -> None:
     t = make_trace(Case("w", Layout(4)))
     with pytest.raises(ConfigError, match="rank 2 is outside"):
         decide(t, Layout(2))
+
+
+def test_one_rank_alone_is_undecided_not_clean() -> None:
+    lay = Layout(4)
+    v = decide(make_trace(Case("one", lay, "slow_rank", 2.0, rank=1, traced=[1])), lay)
+    assert v.verdict == "undecided" and v.findings == []
+
+
+def test_a_trace_without_compute_names_says_which_names_it_saw() -> None:
+    t = make_trace(Case("n", Layout(2)))
+    t.name[:] = "my-region"
+    with pytest.raises(ConfigError, match="my-region"):
+        decide(t, Layout(2))

@@ -90,7 +90,10 @@ def summary(v: Verdict) -> list[str]:
         lines.append(f"  {f.kind}:{where} {who}, {f.factor:.2f}x{cost}")
         lines.append(f"    {f.confidence}")
         lines += [f"    note: {n}" for n in f.notes]
-    if not v.findings:
+    if v.verdict == "undecided":
+        lines.append("  no comparison possible: no traced worker has a peer at its stage and "
+                     "one stage is traced (trace more ranks)")
+    elif not v.findings:
         lines.append(f"  no slow worker, no imbalance; the smallest slowdown this trace could "
                      f"show: {c['smallest_detectable_slowdown']}x")
     lines.append(f"  input test: {c['input_test']}")

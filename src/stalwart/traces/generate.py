@@ -50,6 +50,8 @@ class Case:
     fmt: str = "csv"  # csv | parquet | kineto
     seed: int = 0
     noise: float = 0.03
+    outlier_p: float = 0.01  # chance an operation is an outlier (a GC pause, a preemption)
+    outlier_x: float = 2.0  # an outlier's factor
 
     def expected(self) -> dict[str, list[int]]:
         """kind -> the ranks it must name (in the trace), per this case's ground truth."""
@@ -99,7 +101,7 @@ def make_trace(case: Case) -> Trace:
 
     def noisy(shape: tuple[int, ...]) -> np.ndarray:
         x = np.exp(rng.normal(0, case.noise, shape))
-        return x * np.where(rng.random(shape) < 0.01, 2.0, 1.0)
+        return x * np.where(rng.random(shape) < case.outlier_p, case.outlier_x, 1.0)
 
     dp_i = np.array([c.dp for c in coords])
     fwd = (base[:, None, None] * size[dp_i] * wf[:, None, None] * step_f[None, :, None]

@@ -34,7 +34,8 @@ numbers micro-batches, else a step.
    input varies. Cost: the mean over steps of (slowest replica - mean replica) compute,
    over the slowest's. Without two traced ranks that see the same micro-batches the test
    cannot be made (said in the verdict).
-4. **Clean** otherwise, with the smallest slowdown this trace could have shown.
+4. **Clean** otherwise, with the smallest slowdown this trace could have shown; **undecided**
+   when no comparison could be made (no worker has a peer and one stage is traced).
 
 Guarantees: pure, deterministic, torch-free; partial traces (some ranks, clusters of steps,
 < 50 steps) get a verdict with its confidence (n units, z, the assumed sigma when too few
@@ -53,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from stalwart.errors import ConfigError
 from stalwart.traces.layout import Layout
 from stalwart.traces.opnames import COMM, COMPUTE, OpMap
 from stalwart.traces.schema import Trace
@@ -66,6 +68,7 @@ MEDIAN_SE = math.sqrt(math.pi / 2)  # a median of n Gaussian samples: 1.2533 sig
 
 SLOW_RANK, SLOW_GROUP, SLOW_HOST = "slow_rank", "slow_group", "slow_host"
 STAGE, INPUT, CLEAN = "stage_imbalance", "input_imbalance", "clean"
+UNDECIDED = "undecided"  # no comparison could be made: no worker has a peer, one stage
 
 
 @dataclass
@@ -203,6 +206,10 @@ def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
     opmap = opmap or OpMap()
     kinds = np.asarray([opmap.kind(str(n)) for n in t.name], dtype=object)
     cells = _cells(t, kinds)
+    if not cells.y:
+        names = sorted({str(n) for n in t.name})[:6]
+        raise ConfigError(f"--trace {t.source}: no operation maps to compute (names: "
+                          f"{', '.join(names)}); add --map NAME=compute")
     traced_all = sorted({int(r) for r in t.rank.tolist()})
     for r in traced_all:
         layout.coord(r)  # every rank of the trace must fit the layout (ConfigError names it)
@@ -242,7 +249,9 @@ def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
             "min_factor": MIN_FACTOR, "sigma_floor": SIGMA_FLOOR,
             "unit": "(step, micro-batch)" if cells.has_micro else "step"}
     kinds_found = list(dict.fromkeys(f.kind for f in findings))
-    return Verdict("+".join(kinds_found) or CLEAN, findings, coverage, rule)
+    tested = bool(w.tests) or len({coord[r].pp for r in ranks}) > 1
+    return Verdict("+".join(kinds_found) or (CLEAN if tested else UNDECIDED), findings,
+                   coverage, rule)
 
 
 @dataclass
