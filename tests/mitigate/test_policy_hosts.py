@@ -67,3 +67,30 @@ def test_the_probe_compares_with_peers_on_other_hosts() -> None:
     a, b = reference_pair(_Hosts(), 2, [0, 1, 4, 5])
     assert _Hosts().addr(a) != _Hosts().addr(b) and 2 // 2 not in (a // 2, b // 2)
     assert reference_pair(_Hosts(), 2, [0, 1]) == (0, 1)  # no such pair: the first two
+
+
+def test_a_slow_host_across_two_tensor_parallel_groups_is_remapped_not_left() -> None:
+    """tp = 2 on 3 hosts of 2 ranks, the host holding ranks 1 and 2 (one rank of each of two
+    TP groups: their activations cross its link): S4 would take out 2 of 3 groups, S3 puts
+    one whole TP group on it (only its data-parallel ring crosses) -- priced, S3 wins."""
+    from stalwart.mitigate import remap
+    from stalwart.mitigate.decisions import REMAP
+
+    p = Policy(3, 12, tp=2, restart_s=0.2,
+               traffic=remap.pair_traffic(6, 2, 1e6, 1e8), hosts=list(range(6)))
+    out = run(p, 3, [host_finding([1, 2], "1", 21)])
+    assert out and out[0].kind == REMAP
+    moved = out[0].hosts
+    on_host = sorted(r for r, h in enumerate(moved) if h in (1, 2))
+    assert on_host in ([0, 1], [2, 3], [4, 5])  # a whole TP group
+    assert remap.traffic_off_host(p.traffic, moved, {1, 2}) < 0.05 * remap.traffic_off_host(
+        p.traffic, list(range(6)), {1, 2})
+
+
+def test_an_aligned_host_has_nothing_to_remap_and_leaves() -> None:
+    from stalwart.mitigate import remap
+
+    p = Policy(3, 12, tp=2, restart_s=0.2,
+               traffic=remap.pair_traffic(6, 2, 1e6, 1e8), hosts=list(range(6)))
+    out = run(p, 3, [host_finding([2, 3], "1", 21)])
+    assert out and out[0].kind == EXCLUDE and out[0].hosts == [2, 3]

@@ -361,6 +361,11 @@ class Policy:
             healthy = self.healthy_step_s or step_s
             mk_without = healthy * self.groups / (self.groups - len(groups))
         per_step = mk_best - mk_without
+        if s.ranks and not s.remapped and s.rent_s >= self.restart_s:
+            # a host of several ranks: S3 instead when a placement saves more (remap.py)
+            s3 = self._remap_host(s, step_s, start_step, per_step / mk_best)
+            if s3 is not None:
+                return s3
         if per_step > self.min_gain * mk_best and s.rent_s >= self.restart_s:
             who = (f"the link of the host of ranks {list(s.ranks)}" if s.ranks else
                    f"{s.kind} straggler on rank {s.rank}")
@@ -371,6 +376,32 @@ class Policy:
                 dec.hosts = ranks  # rank 0 only: every rank that leaves with the host
             return dec
         return None
+
+    def _remap_host(self, s: Straggler, step_s: float, start_step: int,
+                    s4_gain: float) -> Decision | None:
+        """S3 for a slow host of several ranks: the placement with the least traffic across
+        its link (``remap.host_placement``), priced as the slow link's share of the step
+        times the traffic it takes off the link; chosen only over S4's ``s4_gain`` (both cost
+        a restart, and S2 moves compute, which a link-bound step does not wait on)."""
+        if self.mode != "auto" or self.traffic is None:
+            return None
+        hosts = self.hosts or list(range(self.groups * self.tp))
+        slots = {hosts[r] for r in s.ranks if r < len(hosts)}
+        new = remap.host_placement(self.traffic, hosts, slots)
+        before = remap.traffic_off_host(self.traffic, hosts, slots)
+        after = remap.traffic_off_host(self.traffic, new, slots)
+        lost = 1.0 - (self.healthy_step_s or step_s) / step_s  # the slow link's share
+        gain = lost * (1.0 - after / before) if before > 0 else 0.0
+        if not before > after or gain <= max(s4_gain, self.min_gain):
+            return None
+        dec = self._decide(REMAP, [], start_step, -1, gain,
+                           f"the link of the host of ranks {list(s.ranks)}: "
+                           f"{before / 1e6:.2f} MB/step across it, {after / 1e6:.2f} after "
+                           f"re-mapping (S4 would gain {s4_gain:.2f}; {s.rent_s:.1f} s lost "
+                           f"so far, restart {self.restart_s:.1f} s)")
+        dec.hosts = new
+        s.remapped = True  # decided once: the restart ends this incarnation
+        return dec
 
     def _remap(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
         """S3: once the slow pair has cost a restart, restart on the placement that puts the

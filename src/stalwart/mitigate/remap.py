@@ -19,6 +19,11 @@ model, optimizer and tensor-parallel shards all follow the rank -- only the host
 changes). Exact: every rank pair is a candidate, and putting hosts a and b under a given pair
 takes at most two swaps, the fewest possible.
 
+A slow host of several ranks (``host_placement``): its link carries every pair with one end
+on it, so the placement that helps puts on it the ranks that talk most among themselves --
+at tp > 1 a whole tensor-parallel group, whose activations then stay inside the host while
+only its data-parallel rings cross the link once per rank.
+
 Applied by a restart from the checkpoint with the permuted host map (the same path as S4), not
 in place: rebuilding the groups in place would need an explicit ring order, and ``new_group``
 sorts. There is no revert: in a ring (and the grid) the permuted placement is exactly as fast
@@ -82,6 +87,42 @@ def placement(traffic: dict[Pair, float], hosts: list[int], slow: Pair) -> list[
                    sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
             if key < best_key:
                 best, best_key = cand, key
+    return best
+
+
+def traffic_off_host(traffic: dict[Pair, float], hosts: list[int], slots: set[int]) -> float:
+    """Bytes per step crossing the link of the host that holds ``slots`` (a host of several
+    ranks: its ranks' slots) under the rank -> slot map ``hosts``: rank pairs with exactly one
+    end on it (pairs inside the host cross no link)."""
+    on = {r for r, h in enumerate(hosts) if h in slots}
+    return sum(b for (x, y), b in traffic.items() if (x in on) != (y in on))
+
+
+def host_placement(traffic: dict[Pair, float], hosts: list[int],
+                   slots: set[int]) -> list[int]:
+    """The rank -> slot map with the least traffic across a slow host's link (the host
+    holding ``slots``), moving the fewest ranks. Candidates: the ranks on it now, and every
+    block of as many consecutive ranks (a tensor-parallel group is consecutive ranks: a block
+    aligned with one keeps its traffic inside the host and sends only the data-parallel rings
+    across the link). The chosen ranks take the host's slots in rank order, each swapping
+    with the rank there. Returns ``hosts`` itself when nothing is better. Cost:
+    O(world x pairs)."""
+    world = len(hosts)
+    mine = sorted(s for s in slots if s in hosts)
+    k = len(mine)
+    if k == 0 or k >= world:
+        return list(hosts)
+    best, best_key = list(hosts), (traffic_off_host(traffic, hosts, slots), 0)
+    for start in range(world - k + 1):
+        block = list(range(start, start + k))
+        cand = list(hosts)
+        for rank, slot in zip(block, mine, strict=True):
+            j = cand.index(slot)
+            cand[rank], cand[j] = cand[j], cand[rank]
+        key = (traffic_off_host(traffic, cand, slots),
+               sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
+        if key < best_key:
+            best, best_key = cand, key
     return best
 
 
