@@ -64,6 +64,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="extra compute time per step (a sleep: stands for a bigger model)")
+    p.add_argument("--start-when", default=None, metavar="PATH",
+                   help="join the job only once PATH exists (the imports done before: a node "
+                        "started again, timed from its join)")
     p.add_argument("--out", default="elastic-out")
     a = p.parse_args()
     torch.manual_seed(a.seed)
@@ -73,7 +76,9 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {k: v for k, v in vars(a).items() if k not in ("out", "compute_ms")}
+    cfg = {k: v for k, v in vars(a).items() if k not in ("out", "compute_ms", "start_when")}
+    while a.start_when and not os.path.exists(a.start_when):
+        time.sleep(0.05)
     try:
         job = elastic.Job(model, opt, global_batch=a.batch, config=cfg)  # elastic
         log = open(out / f"steps-{socket.gethostname()}-{os.getpid()}.jsonl", "a")  # noqa: SIM115

@@ -46,6 +46,9 @@ from stalwart.elastic.store import Keys, client, locate, serve
 from stalwart.hostaddr import route_source
 
 JOIN_TIMEOUT_S = 600.0
+# test hook (tests/elastic): a member with this set to G exits right after acking a generation
+# >= G, i.e. dies in the middle of a regroup
+TEST_EXIT_ENV = "STALWART_ELASTIC_TEST_EXIT_AFTER_ACK"
 
 
 class Job:
@@ -267,6 +270,8 @@ class Job:
                     continue
                 newer = self._newer_than(g.gen)
                 rt.keys.ack(g.gen, rt.me.id, P.Ack(self.step - 1, not self._has_state))
+                if g.gen >= int(os.environ.get(TEST_EXIT_ENV, "1000000000")):
+                    os._exit(17)
                 rt.wait_until(lambda g=g: rt.keys.all_acked(g), newer, poll_s=0.005)
                 acks = rt.keys.acks(g)
                 st = P.settle(g, acks)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 # The bounds (docs/calibration.md, "elastic"): a member beats every HEARTBEAT_S and is taken
@@ -258,11 +258,3 @@ def order_error(call: str, phase: str, step: int | None = None,
     if call == "my_batch" and asked is not None and step is not None and asked != step:
         return f"job.my_batch({asked}) called in step {step} (pass the step job.steps() gave)"
     return None
-
-
-def sorted_ids(ids: Iterable[int]) -> list[int]:
-    return sorted(set(ids))
-
-
-def members_of(gens: Sequence[Generation]) -> set[int]:
-    return {m for g in gens for m in g.members}
