@@ -62,6 +62,7 @@ class Exchange:
         self._exchange_cpu: float | None = None
         self._process_cost = process_cost
         self._cpu_at_check: float | None = None
+        self._check_at = 0  # the check it was read at (the monitor skips checks with no work)
         self._step_cpu: deque[float] = deque(maxlen=32)
         self._exchange_costs: deque[float] = deque(maxlen=16)
         self._own_compute: deque[float] = deque(maxlen=16)
@@ -77,14 +78,20 @@ class Exchange:
         """A new sample of this rank's to send with the next row."""
         self._unsent.append((float(key), float(compute)))
 
+    def due(self, c: int) -> bool:
+        """Whether check ``c`` reads or issues a row (otherwise ``check`` does nothing but
+        measure, and the monitor skips it)."""
+        return bool(self._inflight and self._inflight[0][1] <= c) or c >= self._next_issue
+
     def check(self, c: int) -> Alarm | None:
         """Check ``c``: read the rows due now (feeding rank 0's per-rank channels), issue this
         rank's row if due; the alarm the rows read now carry, if any were due."""
         if self._measure:
             cpu = time.process_time()
-            if self._cpu_at_check is not None:
-                self._step_cpu.append(cpu - self._cpu_at_check)
-            self._cpu_at_check = cpu
+            if self._cpu_at_check is not None and c > self._check_at:
+                # per step: the checks in between had nothing due and were skipped
+                self._step_cpu.append((cpu - self._cpu_at_check) / (c - self._check_at))
+            self._cpu_at_check, self._check_at = cpu, c
         got = self._read(c)
         if c >= self._next_issue:
             self._issue(c)

@@ -16,8 +16,13 @@ same order on every rank (decisions and the exchange period come from rank 0 onl
 iterations that contain a validation pause are excluded from detection.
 
 Cost per step: with hints that carry compute and communication times the tracker records
-nothing; a quiet channel costs a few scalar operations; an exchange is a few ~100-byte socket
-operations (exchange.py), one per step by default (``max_every=1``).
+nothing, and a hinted step whose check has nothing due (no row to read or send: the exchange
+runs every k steps, k up to ``max_every``) only keeps its sample and returns; the samples
+held go through the decision state machine at the next check that has something due, in the
+order they came -- the same calls in the same order as one step at a time, since the checks
+in between would have done nothing -- so the analysis runs every k steps, warm, its cost
+amortised over them. An exchange is a few ~100-byte socket operations (exchange.py), one
+per step with ``max_every=1`` (the default: a decision then waits for no batch).
 
 Use: create it on every rank after ``init_process_group`` and before wrapping the model in
 DDP; call ``step`` on all ranks or on none. ``on_sample`` sees every iteration the monitor
@@ -53,6 +58,19 @@ __all__ = ["IterSample", "Monitor", "comm_busy"]
 RUN_DIR_ENV = "STALWART_MONITOR_RUN_DIR"
 STATS_FILE = "detect_stats.json"
 log = logging.getLogger("stalwart.detect")
+
+
+AMORTISE = 16  # steps per window of the per-step CPU figure (amortised)
+
+
+def amortised(per_step: list[float], window: int = AMORTISE) -> list[float]:
+    """Each full window's mean of ``per_step`` (the analysis of held samples runs at one
+    step of k: a window of several periods carries it at its share); the whole list's mean
+    while it is shorter than a window."""
+    if len(per_step) < window:
+        return [sum(per_step) / len(per_step)] if per_step else []
+    return [sum(per_step[i:i + window]) / window
+            for i in range(0, len(per_step) - window + 1, window)]
 
 
 class Monitor:
@@ -137,6 +155,7 @@ class Monitor:
         self._enabled = True
         self._closed = False
         self._step_cpu_us: deque[float] = deque(maxlen=4096)  # CPU inside step() (rank 0)
+        self._held: list[IterSample] = []  # hinted samples waiting for a check with work
         install(self.tracker)
 
     # ---- what the decision state machine holds ----------------------------------------------
@@ -146,6 +165,7 @@ class Monitor:
 
     @property
     def samples(self) -> Any:
+        self._flush()
         return self.core.samples
 
     @property
@@ -181,9 +201,16 @@ class Monitor:
         s = self.sampler.from_hint(step, metrics)
         if s is None:
             return
+        self._held.append(s)
+        if not self._due(self._checks + 1):
+            self._checks += 1  # a check with nothing due: the sample waits for the next one
+            self._step_cpu_us.append(1e6 * (time.thread_time() - c0))
+            return
         paused = self.core.verdicts
         self._paused = False
-        self._sample(s)
+        last = self._held.pop()
+        self._flush()
+        self._sample(last)
         self._check()
         if self.core.verdicts != paused or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
@@ -199,6 +226,19 @@ class Monitor:
             self._sample(s)
             self._check()
 
+    def _due(self, c: int) -> bool:
+        """Whether check ``c`` has anything to do (a row to read or to send)."""
+        if self.exchange is None:
+            return c >= self._next_check
+        return self.exchange.due(c)
+
+    def _flush(self) -> None:
+        """The held samples into the state machine, each as its own step would have."""
+        held, self._held = self._held, []
+        for s in held:
+            self._sample(s)
+            self._note_last()
+
     def _sample(self, s: IterSample) -> None:
         if self._skip_next:
             self._skip_next = False
@@ -213,11 +253,7 @@ class Monitor:
         carry is validated and applied by every rank together (exchange.py)."""
         self._checks += 1
         c = self._checks
-        last = self.core.samples[-1] if self.core.samples else None
-        if last is not None and last.compute and last.key != self._last_key:
-            self._last_key = last.key  # a skipped sample leaves the last one in place
-            if self.exchange is not None:
-                self.exchange.add(last.key, last.compute)
+        self._note_last()
         if self.exchange is None:
             if c < self._next_check:
                 return
@@ -234,6 +270,14 @@ class Monitor:
             self._skip_next = not self._hinted  # this iteration holds the pause
             self._paused = True
         self._record(out)
+
+    def _note_last(self) -> None:
+        """The newest sample joins this rank's next row (once)."""
+        last = self.core.samples[-1] if self.core.samples else None
+        if last is not None and last.compute and last.key != self._last_key:
+            self._last_key = last.key  # a skipped sample leaves the last one in place
+            if self.exchange is not None:
+                self.exchange.add(last.key, last.compute)
 
     def _record(self, out: StepOutput) -> None:
         """Rank 0: the raw validation rounds and recovery tests, one JSON line each, so that
@@ -268,6 +312,7 @@ class Monitor:
     def close(self) -> None:
         if self._closed:
             return
+        self._flush()  # (no check: what a step would have sampled, without its exchange)
         self._closed = True
         if self.exchange is not None:
             self.exchange.close()
@@ -285,7 +330,7 @@ class Monitor:
 
     def stats(self) -> dict[str, Any]:
         """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""
-        cpu = sorted(self._step_cpu_us)
+        cpu = sorted(amortised(list(self._step_cpu_us)))
         core = self.core
         ex = self.exchange.stats() if self.exchange is not None else {
             "exchanges": 0, "check_every": self.check_every}
@@ -294,6 +339,8 @@ class Monitor:
                 "findings": len(core.findings), "checks": self._checks, **ex,
                 "audit": core.audit,
                 "outlier_alarms": core.outliers.alarms if core.outliers is not None else 0,
+                # median over windows of AMORTISE steps of their mean: the held steps and the
+                # analysis of their samples together
                 "monitor_step_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None}
 
     def __enter__(self) -> Monitor:
