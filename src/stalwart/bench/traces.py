@@ -197,7 +197,7 @@ def run(quick: bool, workdir: Path) -> BenchResult:
     workdir = Path(workdir)
     todo = cases(1 if quick else 3)
     parquet = _have_pyarrow()
-    steps = Steps("traces", len(todo) + 1)
+    steps = Steps("traces", len(todo) + 4)
     rows = []
     t0 = time.process_time()
     for i, c in enumerate(todo):
@@ -205,8 +205,11 @@ def run(quick: bool, workdir: Path) -> BenchResult:
         rows.append(judge(c, write_case(c, workdir / f"case{i:03d}", parquet)))
     cpu = time.process_time() - t0
     n_clean = 60 if quick else 120
+    steps.start(f"{n_clean} clean traces")
     fa = clean_false_alarms(n_clean, heavy=False)
+    steps.start(f"{n_clean} clean traces, heavier noise (10%, 5% outliers at 3x)")
     fa_heavy = clean_false_alarms(n_clean, heavy=True)
+    steps.start("detection by factor (1.08-1.3x, 8 ranks, 8 steps)")
     by_factor = detection_by_factor(10 if quick else 30)
     steps.start("real Kineto trace (2 ranks, gloo, torch.profiler)")
     real = real_kineto(workdir)
