@@ -142,10 +142,34 @@ class CusumBank:
         self.s[rank] = 0.0
 
     def _fit(self, r: int, upto: int) -> None:
+        """Rank ``r``'s level and noise from its reference (the reference ``_fit_many`` is
+        tested against)."""
         keys = self._keys[r]
         ref = self._xs[r][(keys >= self.start_key[r]) & (keys <= upto)]
         self.mu0[r] = float(np.median(ref))
         self.sigma[r] = max(self.min_sigma, robust_scale(ref))
+
+    def _fit_many(self, rows: list[int], upto: int) -> None:
+        """``_fit`` of every rank in ``rows``, in one masked pass (every rank's first fit
+        falls due at the same step: at 10,000 ranks one ``_fit`` each took ~1.5 s of that
+        step). The same values: the same medians (the middle value, or the two middle
+        ones' mean) of the same deviations (tests/detect/test_cusum_fit.py)."""
+        if len(rows) < 2:
+            for r in rows:
+                self._fit(int(r), upto)
+            return
+        idx = np.asarray(rows, dtype=np.int64)
+        keys, xs = self._keys[idx], self._xs[idx]
+        mask = (keys >= self.start_key[idx][:, None]) & (keys <= upto)
+        counts = mask.sum(axis=1)
+        if not counts.all() or not np.isfinite(xs[mask]).all():
+            for r in rows:  # (an empty or non-finite reference: numpy's own median)
+                self._fit(int(r), upto)
+            return
+        mu = _row_medians(np.where(mask, xs, np.inf), counts)
+        dev = np.where(mask, np.abs(xs - mu[:, None]), np.inf)
+        self.mu0[idx] = mu
+        self.sigma[idx] = np.maximum(self.min_sigma, 1.4826 * _row_medians(dev, counts))
 
     def _refit(self, live: np.ndarray, key: int) -> None:
         """Every live rank's level and noise from its reference, in one masked pass: the
@@ -179,10 +203,10 @@ class CusumBank:
         else:
             fits, alarms, live = self._step(key, ratios, col)
         out: list[Change | None] = [None] * self.n
-        for r in fits:
-            self._fit(int(r), key)
-            self.s[r] = 0.0
-            self.zero_key[r] = key
+        if len(fits):
+            self._fit_many(fits, key)
+            self.s[fits] = 0.0
+            self.zero_key[fits] = key
         if not fits and not alarms and self._pos % self.REFIT_EVERY:
             return out  # the common step: nothing else to do
         if not live.any():

@@ -178,13 +178,32 @@ class OutlierBank:
         self._excess[:, p] = c - peers
 
     def _test(self, key: int, step_s: float) -> list[Outlier]:
+        """The ranks whose window passes the sign test now. The critical counts are looked
+        up once per window length present and compared as one vector (a Python loop over
+        10,000 ranks every ``stride`` steps before), so only the ranks that pass cost
+        Python."""
         log2a = alpha_per_test(self.alpha, self.stride, step_s)
         ready = np.flatnonzero(self.filled >= self.min_window)
+        if not ready.size:
+            return []
+        m_all = self.filled[ready]
+        lengths = np.unique(m_all)
+        crit = np.asarray([critical(int(m), log2a) for m in lengths.tolist()], dtype=np.int64)
+        need = crit[np.searchsorted(lengths, m_all)]
+        return self._alarms(key, ready[self.count[ready] >= need].tolist())
+
+    def _test_each(self, key: int, step_s: float) -> list[Outlier]:
+        """``_test`` one rank at a time (the reference it is tested against)."""
+        log2a = alpha_per_test(self.alpha, self.stride, step_s)
+        ready = np.flatnonzero(self.filled >= self.min_window)
+        passed = [r for r in ready.tolist()
+                  if int(self.count[r]) >= critical(int(self.filled[r]), log2a)]
+        return self._alarms(key, passed)
+
+    def _alarms(self, key: int, passed: list[int]) -> list[Outlier]:
         out = []
-        for r in ready.tolist():
+        for r in passed:
             m, k = int(self.filled[r]), int(self.count[r])
-            if k < critical(m, log2a):
-                continue
             idx = (self._pos - 1 - np.arange(m)) % self.window
             level = math.exp(float(np.median(self._logrel[r, idx])))
             out.append(Outlier(r, int(self._keys[idx[-1]]), key, level,
