@@ -210,9 +210,11 @@ class LossyCollective(Receiving, Sending, Phases):
             self._sync()
         return r
 
-    def reduce_scatter(self, flat: np.ndarray) -> tuple[np.ndarray, PhaseStats]:
+    def reduce_scatter(self, flat: np.ndarray, avg_out: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, PhaseStats]:
         """Phase 1 of the current round: returns this rank's shard, averaged per chunk over the
-        contributions that arrived (its own always)."""
+        contributions that arrived (its own always) -- written into ``avg_out`` when given
+        (it may be ``flat``'s own shard: everything of ``flat`` is sent by then)."""
         flat = np.ascontiguousarray(flat, dtype=np.float32)
         t0 = time.perf_counter()
         st = self._rounds[self.round % ROUNDS_OPEN]
@@ -246,14 +248,16 @@ class LossyCollective(Receiving, Sending, Phases):
         out = self._wait(PHASE_GRAD, t0)
         out.sent, out.copies = sent, max(want.values(), default=1)
         out.parity, out.recovered = sum(npar.values()), int(st.recovered[PHASE_GRAD])
-        return st.acc.average(), out
+        return st.acc.average(out=avg_out), out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
-                  stale: np.ndarray | None = None) -> tuple[np.ndarray, PhaseStats]:
+                  stale: np.ndarray | None = None, want_mask: bool = True
+                  ) -> tuple[np.ndarray | None, PhaseStats]:
         """Phase 2: send this rank's shard values to all; write the owners' chunks that arrived
         into ``out`` (the full vector; this rank's own shard is always written; where nothing
         arrived ``out`` keeps its values, or takes ``stale``'s when given). Returns a
-        per-element mask of what was written and the phase statistics."""
+        per-element mask of what was written (None unless ``want_mask``: one byte per element
+        to fill) and the phase statistics."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
@@ -270,26 +274,31 @@ class LossyCollective(Receiving, Sending, Phases):
         ps.sent, ps.copies = sent, max(want.values(), default=1)
         st = self._rounds[self.round % ROUNDS_OPEN]
         ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
-        return self._landed(st, shard_values, out, stale), ps
+        return self._landed(st, shard_values, out, stale, want_mask), ps
 
     def _landed(self, st: RoundState, shard_values: np.ndarray, out: np.ndarray,
-                stale: np.ndarray | None) -> np.ndarray:
+                stale: np.ndarray | None, want_mask: bool = True) -> np.ndarray | None:
         """Write the owners' chunks that arrived into ``out`` (``stale``'s values elsewhere, when
-        given) and this rank's shard; returns the per-element mask of what arrived. A shard
-        that arrived whole -- the common case -- is one copy, not a masked one."""
-        mask = np.empty(self.layout.numel, bool)
+        given) and this rank's shard (unless it is already there: ``reduce_scatter`` averaged
+        into it); returns the per-element mask of what arrived (None unless ``want_mask``). A
+        shard that arrived whole -- the common case -- is one copy, not a masked one."""
+        mask = np.empty(self.layout.numel, bool) if want_mask else None
         b = self.layout.bounds
         for s in range(self.world):
             lo, hi = b[s], b[s + 1]
             if s == self.rank:
-                out[lo:hi] = shard_values
-                mask[lo:hi] = True
+                if hi > lo and out[lo:hi].ctypes.data != shard_values.ctypes.data:
+                    out[lo:hi] = shard_values
+                if mask is not None:
+                    mask[lo:hi] = True
             elif st.vseen[s].all():
                 out[lo:hi] = st.vals[lo:hi]
-                mask[lo:hi] = True
+                if mask is not None:
+                    mask[lo:hi] = True
             else:
                 m = self.layout.expand(s, st.vseen[s])
-                mask[lo:hi] = m
+                if mask is not None:
+                    mask[lo:hi] = m
                 if stale is not None:
                     out[lo:hi] = stale[lo:hi]
                 np.copyto(out[lo:hi], st.vals[lo:hi], where=m)
@@ -328,12 +337,14 @@ class LossyCollective(Receiving, Sending, Phases):
         """Average ``flat`` across ranks (reduce-scatter + broadcast of the averaged shards).
         Chunks whose broadcast was lost keep ``out``'s previous values (``flat``'s if None)."""
         self.begin_round()
-        avg, p1 = self.reduce_scatter(flat)
         if out is None:  # chunks that do not arrive keep flat's values
+            avg, p1 = self.reduce_scatter(flat)
             out = np.empty(self.layout.numel, np.float32)
-            _, p2 = self.broadcast(avg, out, stale=np.asarray(flat, np.float32))
-        else:
-            _, p2 = self.broadcast(avg, out)
+            _, p2 = self.broadcast(avg, out, stale=np.asarray(flat, np.float32),
+                                   want_mask=False)
+        else:  # the average goes straight into out's own shard (no buffer, no copy)
+            avg, p1 = self.reduce_scatter(flat, avg_out=out[self._lo: self._hi])
+            _, p2 = self.broadcast(avg, out, want_mask=False)
         return out, [p1, p2]
 
     def worst_loss_in(self) -> float:

@@ -9,9 +9,11 @@ loss it measures on that peer's packets). Destinations are interleaved run by ru
 ``gso_segments`` consecutive rows sent as one message, segmented by the kernel), so no receiver
 gets a long burst. Nothing is ever retransmitted.
 
-Cost per phase: one pass over the values to copy and tag them (native engine: both in one
-pass, row by row, GIL released), the parity's multiply-adds (k per parity byte), and one
-``sendmmsg`` per 32 messages.
+Cost per phase: one pass over the values to tag them -- native engine, one copy of a packet
+per destination: straight from the values to the kernel (iovecs), GIL released; with
+repetition, or the Python engine, the values are first copied into the rows -- the parity's
+multiply-adds (k per parity byte, none to a link that reports no loss), and one ``sendmmsg``
+per 32 messages.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class Sending:
         return max(self.transport.gso_segments, min(self.transport.gso_long, n // 64))
 
     def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
-              fill: dict[int, np.ndarray] | None = None) -> int:
+              fill: dict[int, np.ndarray] | None = None, direct: bool = False) -> int:
         """Send each (rows, lengths, dest), destinations interleaved so that no receiver gets a
         long burst; the rows are sent in place (no copy). With segmentation offload, runs of
         ``gso_segments`` consecutive rows to one destination go as one message (every row but
@@ -143,6 +145,8 @@ class Sending:
 
         ``fill`` (native engine): rows (by ``id``) whose payloads are still to be copied from
         these values and sealed -- done run by run as they are sent, the first time they are.
+        ``direct`` (native engine, rows that are not sent again): the payloads go from those
+        values straight to the kernel (iovecs), never copied into the rows.
         """
         plan = [p for p in plan if len(p[1])]
         if not plan:
@@ -150,9 +154,15 @@ class Sending:
         g = self._run(max(len(p[1]) for p in plan))
         if self._eng is not None and not self.transport.pace:
             fill = dict(fill or {})
-            entries = [(rows, np.ascontiguousarray(lengths, np.int64),
-                        fill.pop(id(rows), None), d) for rows, lengths, d in plan]
-            sent, nbytes, errors = self._eng.send(entries, g)
+            entries = []
+            for rows, lengths, d in plan:
+                lens = np.ascontiguousarray(lengths, np.int64)
+                if direct and id(rows) in fill:  # every entry sends from the values,
+                    first = len(entries) == 0 or all(e[0] is not rows for e in entries)
+                    entries.append((rows, lens, fill[id(rows)], d, first))  # the first seals
+                else:
+                    entries.append((rows, lens, fill.pop(id(rows), None), d))
+            sent, nbytes, errors = self._eng.send(entries, g, direct)
             self.transport.bytes_sent += nbytes
             self.transport.send_errors += errors
             return sent
@@ -186,8 +196,10 @@ class Sending:
         so a burst of loss rarely takes all of them). Returns (sent, copies per destination)."""
         want = {d: policy.copies(d) for _, _, d in plan}
         sent = 0
-        for k in range(max(want.values(), default=1)):
-            sent += self._send([p for p in plan if want[p[2]] > k], fill if k == 0 else None)
+        rounds = max(want.values(), default=1)
+        for k in range(rounds):  # rows sent again are filled, not sent from the values
+            sent += self._send([p for p in plan if want[p[2]] > k], fill if k == 0 else None,
+                               direct=rounds == 1)
         return sent, want
 
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,
@@ -195,7 +207,7 @@ class Sending:
         pkts = []
         for d, c in counts.items():
             shard = d if phase == PHASE_GRAD else self.rank
-            est = self.loss_in.loss(d)  # what we measure on d's packets, fed back to d
+            est = self.loss_in.report(d)  # what we measure on d's packets, fed back to d
             fb = FB_UNKNOWN if est is None else int(round(est * FB_SCALE))
             pkts.append((d, self.wire.packet(phase, self.round, shard, c,
                                              np.zeros(0, np.float32), flags=FLAG_END,

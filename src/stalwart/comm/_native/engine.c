@@ -258,6 +258,23 @@ static int gmac(EVP_CIPHER_CTX *ctx, const uint8_t *data, int n, uint8_t *out) {
     return 0;
 }
 
+/* the same tag over a packet whose header (HEADER_BYTES at hdr) and payload (n bytes at pay)
+ * are not contiguous: GCM's authenticated data fed in two updates is the same stream */
+static int gmac2(EVP_CIPHER_CTX *ctx, const uint8_t *hdr, const uint8_t *pay, int n,
+                 uint8_t *out) {
+    uint8_t iv[12] = {0};
+    memcpy(iv, hdr + 12, 2);
+    memcpy(iv + 4, hdr + 32, 8);
+    int outl = 0;
+    if (EVP_EncryptInit_ex(ctx, NULL, NULL, NULL, iv) != 1) return -1;
+    if (EVP_EncryptUpdate(ctx, NULL, &outl, hdr, HEADER_BYTES) != 1) return -1;
+    if (n > 0 && EVP_EncryptUpdate(ctx, NULL, &outl, pay, n) != 1) return -1;
+    uint8_t dummy[16];
+    if (EVP_EncryptFinal_ex(ctx, dummy, &outl) != 1) return -1;
+    if (EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, TAG_BYTES, out) != 1) return -1;
+    return 0;
+}
+
 static EVP_CIPHER_CTX *new_ctx(const uint8_t *key) {
     EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
     if (!ctx) return NULL;
@@ -1169,15 +1186,23 @@ static PyObject *Engine_seal(Engine *e, PyObject *args) {
 /* send a phase's rows: plan = [(rows (n, slot) uint8, lengths int64 (n), values float32 or None,
  * dest)], ``g`` rows per message (UDP GSO: the socket's UDP_SEGMENT is the slot size). Runs
  * of g consecutive rows go as one message, destinations interleaved run by run (no receiver
- * gets a long burst); an entry with values has each run's rows filled and sealed just before
- * it is queued, so the receivers start while later runs are still being sealed. Returns
+ * gets a long burst); an entry with values has each run's rows sealed just before it is
+ * queued, so the receivers start while later runs are still being sealed. With ``direct``
+ * the payloads are sent from ``values`` itself -- each datagram is three iovecs (the row's
+ * header, the values, the tag kept in the row after the header) that the kernel gathers
+ * into the message it segments -- so the values are read once (tag) and copied once (by
+ * the kernel), never into the rows: rows sent this way hold no payload, so a caller that
+ * sends the same rows again in a later call (repetition) passes direct=0 and they are
+ * filled. An entry's optional fifth field ``seal`` = 0: its rows are sealed by an earlier
+ * entry of this call (one broadcast to several peers: the same sealed bytes, one tag per
+ * packet); it is sent from its values all the same. Returns
  * (datagrams handed to the kernel, bytes, failed messages); a failed message is skipped, never
  * retried (EINTR is retried). The GIL is released for the whole phase. */
 #define SEND_BURST 32
 static PyObject *Engine_send(Engine *e, PyObject *args) {
     PyObject *plan;
-    int g;
-    if (!PyArg_ParseTuple(args, "Oi", &plan, &g)) return NULL;
+    int g, direct = 0;
+    if (!PyArg_ParseTuple(args, "Oi|p", &plan, &g, &direct)) return NULL;
     PyObject *seq = PySequence_Fast(plan, "plan must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -1186,13 +1211,15 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
     Py_buffer *lens = calloc(n ? n : 1, sizeof(Py_buffer));
     Py_buffer *vals = calloc(n ? n : 1, sizeof(Py_buffer));
     int *dest = calloc(n ? n : 1, sizeof(int));
+    int *sealit = calloc(n ? n : 1, sizeof(int));
     int64_t *voff = NULL;
     Py_ssize_t got = 0, maxruns = 0, total_rows = 0;
-    int bad = !rows || !lens || !vals || !dest;
+    int bad = !rows || !lens || !vals || !dest || !sealit;
     for (; got < n && !bad; got++) {
         PyObject *it = PySequence_Fast_GET_ITEM(seq, got), *r, *l, *v;
-        int d;
-        if (!PyArg_ParseTuple(it, "OOOi", &r, &l, &v, &d)) { bad = 1; break; }
+        int d, sl = 1;
+        if (!PyArg_ParseTuple(it, "OOOi|p", &r, &l, &v, &d, &sl)) { bad = 1; break; }
+        sealit[got] = sl;
         if (PyObject_GetBuffer(r, &rows[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) { bad = 1; break; }
         if (PyObject_GetBuffer(l, &lens[got], PyBUF_C_CONTIGUOUS) < 0) {
             PyBuffer_Release(&rows[got]); bad = 1; break;
@@ -1244,10 +1271,13 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
             sa[s].sin_addr.s_addr = e->peer_addr[s];
             sa[s].sin_port = e->peer_port[s];
         }
+        /* per message of a burst: 3 iovecs per datagram (direct) or 1 */
+        struct iovec *iov = malloc(sizeof(struct iovec) * SEND_BURST * 3 * (size_t)g);
+        if (!iov) fail = 1;
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&e->seal_mu);
         struct mmsghdr msgs[SEND_BURST];
-        struct iovec iov[SEND_BURST];
+        size_t mlen[SEND_BURST];
         int cnt[SEND_BURST];
         int k = 0;
         memset(msgs, 0, sizeof msgs);
@@ -1259,23 +1289,44 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                 Py_ssize_t last = first + g < nr ? first + g - 1 : nr - 1;
                 const int64_t *L = lens[p].buf;
                 uint8_t *base = rows[p].buf;
-                if (vals[p].buf) {
+                struct iovec *v = iov + (size_t)k * 3 * g;
+                size_t nv = 0;
+                mlen[k] = (size_t)(last - first) * e->slot + OVERHEAD + 4 * (size_t)L[last];
+                if (vals[p].buf && direct) {
                     for (Py_ssize_t i = first; i <= last && !fail; i++) {
                         uint8_t *row = base + i * e->slot;
-                        uint64_t q = e->seq++;
-                        memcpy(row + 32, &q, 8);
-                        memcpy(row + HEADER_BYTES, (const uint8_t *)vals[p].buf + 4 * offs[p][i],
-                               4 * (size_t)L[i]);
-                        int m = HEADER_BYTES + 4 * (int)L[i];
-                        fail = gmac(e->tx_ctx, row, m, row + m) != 0;
+                        uint8_t *pay = (uint8_t *)vals[p].buf + 4 * offs[p][i];
+                        if (sealit[p]) { /* else an earlier entry sealed these rows */
+                            uint64_t q = e->seq++;
+                            memcpy(row + 32, &q, 8);
+                            fail = gmac2(e->tx_ctx, row, pay, 4 * (int)L[i],
+                                         row + HEADER_BYTES) != 0;
+                        }
+                        v[nv].iov_base = row; v[nv++].iov_len = HEADER_BYTES;
+                        if (L[i]) { v[nv].iov_base = pay; v[nv++].iov_len = 4 * (size_t)L[i]; }
+                        v[nv].iov_base = row + HEADER_BYTES; v[nv++].iov_len = TAG_BYTES;
                     }
+                } else {
+                    if (vals[p].buf) {
+                        for (Py_ssize_t i = first; i <= last && !fail; i++) {
+                            uint8_t *row = base + i * e->slot;
+                            uint64_t q = e->seq++;
+                            memcpy(row + 32, &q, 8);
+                            memcpy(row + HEADER_BYTES,
+                                   (const uint8_t *)vals[p].buf + 4 * offs[p][i],
+                                   4 * (size_t)L[i]);
+                            int m = HEADER_BYTES + 4 * (int)L[i];
+                            fail = gmac(e->tx_ctx, row, m, row + m) != 0;
+                        }
+                    }
+                    v[0].iov_base = base + first * e->slot;
+                    v[0].iov_len = mlen[k];
+                    nv = 1;
                 }
-                iov[k].iov_base = base + first * e->slot;
-                iov[k].iov_len = (size_t)(last - first) * e->slot + OVERHEAD + 4 * (size_t)L[last];
                 msgs[k].msg_hdr.msg_name = &sa[dest[p]];
                 msgs[k].msg_hdr.msg_namelen = sizeof(struct sockaddr_in);
-                msgs[k].msg_hdr.msg_iov = &iov[k];
-                msgs[k].msg_hdr.msg_iovlen = 1;
+                msgs[k].msg_hdr.msg_iov = v;
+                msgs[k].msg_hdr.msg_iovlen = nv;
                 cnt[k] = (int)(last - first + 1);
                 k++;
                 int final = j == maxruns - 1 && p == n - 1;
@@ -1289,7 +1340,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                             i++;
                             continue;
                         }
-                        for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += iov[q].iov_len; }
+                        for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += (int64_t)mlen[q]; }
                         i += r;
                     }
                     k = 0;
@@ -1306,12 +1357,13 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                     i++;
                     continue;
                 }
-                for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += iov[q].iov_len; }
+                for (int q = i; q < i + r; q++) { dgrams += cnt[q]; bytes += (int64_t)mlen[q]; }
                 i += r;
             }
         }
         pthread_mutex_unlock(&e->seal_mu);
         Py_END_ALLOW_THREADS
+        free(iov);
         free(sa);
         free(offs);
     }
@@ -1319,7 +1371,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
         PyBuffer_Release(&rows[p]); PyBuffer_Release(&lens[p]);
         if (vals[p].buf) PyBuffer_Release(&vals[p]);
     }
-    free(rows); free(lens); free(vals); free(dest); free(voff);
+    free(rows); free(lens); free(vals); free(dest); free(sealit); free(voff);
     Py_DECREF(seq);
     if (bad) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
