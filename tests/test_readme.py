@@ -20,13 +20,14 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
 def test_the_readme_has_its_library_examples() -> None:
-    assert len(BLOCKS) == 2
+    assert len(BLOCKS) == 3
     assert "stalwart.detect.Monitor()" in BLOCKS[0] and "stalwart.comm.attach" in BLOCKS[1]
+    assert "elastic.Job(" in BLOCKS[2]
     assert "Monitor" not in BLOCKS[1]  # the monitor cannot see the lossy transport's traffic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("i", [0, 1], ids=["detect", "lossy"])
+@pytest.mark.parametrize("i", [0, 1, 2], ids=["detect", "lossy", "elastic"])
 def test_a_readme_example_runs_as_written(tmp_path: Path, i: int) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[i])
@@ -50,3 +51,6 @@ def test_a_readme_example_runs_as_written(tmp_path: Path, i: int) -> None:
         assert p.returncode == 0, out[-3000:]
     if i == 0:
         assert all(out.strip().splitlines()[-1].startswith("[") for out in outs)  # report()
+    if i == 2:
+        assert all(out.strip().splitlines()[-1] == "2 ranks, generation 0, step 50"
+                   for out in outs)
