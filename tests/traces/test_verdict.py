@@ -107,3 +107,21 @@ def test_a_trace_without_compute_names_says_which_names_it_saw() -> None:
     t.name[:] = "my-region"
     with pytest.raises(ConfigError, match="my-region"):
         decide(t, Layout(2))
+
+
+def test_more_peers_than_the_exact_limit_still_name_the_slow_rank() -> None:
+    """96 replicas: above EXACT_PEERS the reference is the whole set's median."""
+    lay = Layout(96)
+    v = decide(make_trace(Case("wide", lay, "slow_rank", 1.2, rank=40, steps=list(range(6)),
+                               micro=2)), lay)
+    assert [(f.kind, f.ranks) for f in v.findings] == [(SLOW_RANK, [40])]
+
+
+def test_the_sign_tail_is_the_binomial_tail() -> None:
+    from scipy.stats import binom
+
+    from stalwart.traces.verdict import sign_tail
+
+    for n, k in [(1, 1), (12, 10), (30, 29), (200, 130), (3000, 1600)]:
+        assert sign_tail(n, k) == pytest.approx(float(binom.sf(k - 1, n, 0.5)), rel=0.02)
+    assert sign_tail(5, 0) == 1.0

@@ -99,8 +99,8 @@ def summary(v: Verdict) -> list[str]:
     lines.append(f"  input test: {c['input_test']}")
     r = v.rule
     lines.append(f"  rule: false-alarm rate {r['alpha_per_trace']} per trace over {r['tests']} "
-                 f"tests (z >= {r['z_bound']}), slowdowns >= {r['min_factor']}x, unit "
-                 f"{r['unit']}")
+                 f"tests (z >= {r['z_bound']} or sign test p <= {r['sign_p_bound']:.2g}), "
+                 f"slowdowns >= {r['min_factor']}x, unit {r['unit']}")
     if c["unmapped_names"]:
         lines.append(f"  names counted as neither compute nor comm: "
                      f"{', '.join(c['unmapped_names'])} (--map NAME=KIND to change)")

@@ -39,8 +39,9 @@ numbers micro-batches, else a step.
 
 Guarantees: pure, deterministic, torch-free; partial traces (some ranks, clusters of steps,
 < 50 steps) get a verdict with its confidence (n units, z, the assumed sigma when too few
-residuals to estimate it). Cost: a few sorts per worker over its units; ~1 s per 10^6
-operations.
+residuals to estimate it). Cost: a few medians per worker over its units; measured 1.2 s of
+CPU for 184,320 operations (1,024 ranks, dp=32 pp=4 tp=8, 10 steps of 4 micro-batches), about
+6.5 s per 10^6 operations, most of it in Python loops over the rows.
 """
 
 from __future__ import annotations
@@ -187,16 +188,29 @@ class _Test:
     n: int
     sigma: float
     sigma_assumed: bool
+    above: int  # units in which the worker was above its peers' median
+    sign_p: float  # chance of as many or more under median-zero noise (exact binomial tail)
+
+
+def sign_tail(n: int, k: int) -> float:
+    """P(K >= k) for K ~ Binomial(n, 1/2): exact up to n = 2000, normal beyond."""
+    if k <= 0:
+        return 1.0
+    if n > 2000:
+        return 1 - NormalDist().cdf((k - 0.5 - n / 2) / math.sqrt(n / 4))
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
 
 
 def _tests(diffs: dict[Any, list[float]]) -> list[_Test]:
-    resid = [d - float(np.median(ds)) for ds in diffs.values() for d in ds]
+    meds = {w: float(np.median(ds)) for w, ds in diffs.items()}
+    resid = [d - meds[w] for w, ds in diffs.items() for d in ds]
     sigma, assumed = _sigma(resid)
     out = []
     for w, ds in diffs.items():
-        med = float(np.median(ds))
+        med = meds[w]
+        above = sum(d > 0 for d in ds)
         out.append(_Test(w, med, med / (MEDIAN_SE * sigma / math.sqrt(len(ds))), len(ds),
-                         sigma, assumed))
+                         sigma, assumed, above, sign_tail(sum(d != 0 for d in ds), above)))
     return out
 
 
@@ -246,6 +260,7 @@ def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
         "notes": list(dict.fromkeys(t.notes))[:8],
     }
     rule = {"alpha_per_trace": alpha, "tests": w.n_tests, "z_bound": round(w.zcrit, 3),
+            "sign_p_bound": alpha / (2 * w.n_tests),
             "min_factor": MIN_FACTOR, "sigma_floor": SIGMA_FLOOR,
             "unit": "(step, micro-batch)" if cells.has_micro else "step"}
     kinds_found = list(dict.fromkeys(f.kind for f in findings))
@@ -277,13 +292,16 @@ def _workers(cells: _Cells, ranks: list[int], coord: dict[int, Any], layout: Lay
     gdiffs = _paired(gseries, list(stage_groups.values()))
     rdiffs = _paired(cells.y, list(groups.values()))
     n_tests = len(gdiffs) + len(rdiffs) + 2
-    zcrit = NormalDist().inv_cdf(1 - alpha / n_tests)
+    # each test twice (Gaussian z on the median, sign test), each at alpha / (2 x tests)
+    per_test = alpha / (2 * n_tests)
+    zcrit = NormalDist().inv_cdf(1 - per_test)
     min_shift = math.log(MIN_FACTOR)
     gtests = {x.worker: x for x in _tests(gdiffs)}
     rtests = {x.worker: x for x in _tests(rdiffs)}
 
     def slow(x: _Test | None) -> bool:
-        return x is not None and x.shift >= min_shift and x.z >= zcrit
+        return x is not None and x.shift >= min_shift and (x.z >= zcrit
+                                                            or x.sign_p <= per_test)
 
     findings: list[Finding] = []
     slow_ranks: set[int] = set()
@@ -322,7 +340,8 @@ def _median_series(series: list[dict[tuple[int, int], float]]) -> dict[tuple[int
 
 
 def _conf(x: _Test, zcrit: float, against: str) -> str:
-    s = (f"z = {x.z:.1f} (bound {zcrit:.2f}) over {x.n} units against {against}")
+    s = (f"z = {x.z:.1f} (bound {zcrit:.2f}), above in {x.above} of {x.n} units (sign test "
+         f"p = {x.sign_p:.2g}) against {against}")
     if x.sigma_assumed:
         s += f"; too few residuals to estimate the noise: sigma {SIGMA_FEW} assumed"
     if x.n < 5:
