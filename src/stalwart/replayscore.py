@@ -80,6 +80,7 @@ def totals(scores: list[dict[str, Any]]) -> dict[str, Any]:
     faults = [f for s in scores for f in s["faults"]]
     det = [f for f in faults if f["detected"]]
     clean = [s for s in scores if not s["faults"]]
+    born = [f for f in faults if f["applied"] == 0]
     lat = [f["latency_steps"] for f in det]
     lat_s = [f["latency_s"] for f in det]
     return {"runs": len(scores), "right_runs": sum(s["right"] for s in scores),
@@ -89,6 +90,8 @@ def totals(scores: list[dict[str, Any]]) -> dict[str, Any]:
             if det else None,
             "median_latency_steps": statistics.median(lat) if lat else None,
             "median_latency_s": round(statistics.median(lat_s), 3) if lat_s else None,
+            "born_faults": len(born), "born_detected": sum(f["detected"] for f in born),
+            "born_never_healthy": sum(bool(f.get("never_healthy")) for f in born),
             "false_positives": sum(s["false_positives"] for s in scores),
             "clean_runs_with_findings": sum(s["false_positives"] > 0 for s in clean),
             "unexplained": sum(s["unexplained"] for s in scores),
@@ -123,7 +126,9 @@ def total_lines(t: dict[str, Any]) -> list[str]:
     return [f"total: {t['runs']} runs ({t['right_runs']} right), {t['faults']} faults: "
             f"detection_rate {t['detection_rate']}, localization_accuracy "
             f"{t['localization_accuracy']}, median latency {t['median_latency_steps']} steps / "
-            f"{t['median_latency_s']} s; false_positives {t['false_positives']} "
+            f"{t['median_latency_s']} s; from step 0: {t['born_detected']} of "
+            f"{t['born_faults']} found, {t['born_never_healthy']} as never healthy; "
+            f"false_positives {t['false_positives']} "
             f"({t['clean_runs_with_findings']} of {t['clean_runs']} clean runs); "
             f"{t['unexplained']} unexplained slowdowns; {t['unmatched_alarms']} alarms "
             "without recorded validation"]

@@ -32,9 +32,7 @@ TUNE: dict[str, list[str]] = {
     "clean-n3": ["--nproc", "3", "--steps", "80"],
     "clean-n4": ["--nproc", "4", "--steps", "80"],
     "clean-n4-seed1": ["--nproc", "4", "--steps", "80", "--seed", "1"],
-    "clean-n4-mb2": ["--nproc", "4", "--steps", "80", "--micro-batches", "2"],
     "clean-n2-lossy": ["--nproc", "2", "--steps", "80", "--comm", "lossy"],
-    "clean-n4-lossy": ["--nproc", "4", "--steps", "80", "--comm", "lossy"],
     "clean-n4-mitigate": ["--nproc", "4", "--steps", "80", "--mitigate", "auto"],
     "compute2x-n2": ["--nproc", "2", "--steps", "80", "--fault", C.format(r=1, f=2, s=30)],
     "compute3x-n4": ["--nproc", "4", "--steps", "80", "--fault", C.format(r=2, f=3, s=30)],
@@ -43,8 +41,6 @@ TUNE: dict[str, list[str]] = {
                           "--fault", "compute:rank=3,factor=2,start=30,end=60"],
     "compute2x-n3-lossy": ["--nproc", "3", "--steps", "80", "--comm", "lossy",
                            "--fault", C.format(r=2, f=2, s=30)],
-    "compute2x-n4-mitigate": ["--nproc", "4", "--steps", "100", "--mitigate", "auto",
-                              "--fault", C.format(r=1, f=2, s=30)],
     "compute3x-n4-mitigate-ends": ["--nproc", "4", "--steps", "110", "--mitigate", "auto",
                                    "--fault", "compute:rank=2,factor=3,start=25,end=70"],
     "compute2x-n3-rebalance": ["--nproc", "3", "--steps", "100", "--mitigate", "rebalance",
@@ -80,6 +76,10 @@ TUNE: dict[str, list[str]] = {
                                        "--", "--seconds", "8"],
     "script-born-compute2x-n2": SCRIPT + ["--nproc", "2", "--fault", "compute:rank=0,factor=2",
                                           "--", "--seconds", "8"],
+    # the scenario of tests/detect/test_e2e.py's born compute straggler (batch 1024)
+    "script-born-compute2x-b1024-n4-netns": SCRIPT + [
+        "--nproc", "4", "--testbed", "netns", "--fault", "compute:rank=2,factor=2",
+        "--", "--seconds", "9", "--batch", "1024"],
 }
 
 
