@@ -130,6 +130,8 @@ class Job:
         try:
             while True:
                 self._check()
+                if self.step >= num_steps:  # done: a change now (a member left) is moot
+                    break
                 if self._newer():
                     self._regroup()
                 if self.step >= num_steps:

@@ -289,9 +289,9 @@ class Runtime:
         t = threading.Thread(target=build, name=f"stalwart-pg-{gen.gen}", daemon=True)
         t.start()
         self.wait_until(lambda: bool(box), superseded)
-        if "err" in box:
-            if superseded():
-                raise Superseded()
+        if "err" in box:  # a peer gone while connecting: wait for the generation that says so
+            with contextlib.suppress(TimeoutError):
+                self.wait_until(lambda: False, superseded, EXPLAIN_S, "a failed group build")
             raise RuntimeError(f"cannot build the group of generation {gen.gen}: "
                                f"{str(box['err']).splitlines()[0]}")
         return box["pg"]
