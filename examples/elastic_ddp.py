@@ -10,7 +10,8 @@ Run it as written, one torchrun agent per node joined by stalwart's store (docs/
         torchrun --standalone --nproc-per-node 2 examples/elastic_ddp.py --steps 300 --out OUT
 
 (the same line on every node), or on one machine with ``torchrun --nproc-per-node 4 ...``,
-or with faults: ``stalwart run --script examples/elastic_ddp.py --nproc 4 -- --steps 300``.
+or under ``stalwart run --script examples/elastic_ddp.py --nproc 4 -- --steps 300`` (there a
+rank's death stops the job unless the launcher keeps going: ``launch(..., keep_going=True)``).
 
 Output (``--out DIR``), one JSONL file per process, ``steps-<host>-<pid>.jsonl``: first
 ``{"start": true, "t_start" (wall clock when the script started), "t_joined" (when it was
@@ -64,6 +65,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="extra compute time per step (a sleep: stands for a bigger model)")
+    p.add_argument("--ckpt", default=None, metavar="PATH",
+                   help="checkpoint file: saved every --ckpt-every steps, resumed from at start "
+                        "(what a restart uses if the membership store is lost)")
+    p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--start-when", default=None, metavar="PATH",
                    help="join the job only once PATH exists (the imports done before: a node "
                         "started again, timed from its join)")
@@ -76,11 +81,13 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {k: v for k, v in vars(a).items() if k not in ("out", "compute_ms", "start_when")}
+    cfg = {k: v for k, v in vars(a).items()
+           if k not in ("out", "compute_ms", "start_when", "ckpt", "ckpt_every")}
     while a.start_when and not os.path.exists(a.start_when):
         time.sleep(0.05)
     try:
-        job = elastic.Job(model, opt, global_batch=a.batch, config=cfg)  # elastic
+        job = elastic.Job(model, opt, global_batch=a.batch, config=cfg,  # elastic
+                          checkpoint=a.ckpt, checkpoint_every=a.ckpt_every if a.ckpt else 0)
         log = open(out / f"steps-{socket.gethostname()}-{os.getpid()}.jsonl", "a")  # noqa: SIM115
         log.write(json.dumps({"start": True, "t_start": t_start, "t_joined": time.time(),
                               "member": job.member, "node": job.node,
