@@ -129,6 +129,8 @@ class Runtime:
             with self.lock:
                 self.gone |= left
                 self.dead |= lost - left
+            for m in lost:
+                self._liveness.forget(m)
         self._advance(keys)
         self._decide(keys)
 
