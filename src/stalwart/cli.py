@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "NVIDIA's detector); their figures are null")
     bench.add_argument("--install-peers", action="store_true",
                        help="pip-install the peers missing here first (detect: "
-                            "nvidia-resiliency-ext, mitigate: torchft; pinned, without "
-                            "touching torch)")
+                            "nvidia-resiliency-ext, mitigate and elastic: torchft; pinned, "
+                            "without touching torch)")
 
     bench.add_argument("--only", nargs="+", default=None, metavar="SCENARIO",
                        help="mitigate: run only these scenarios and report their figures "

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUITES = ("lossy", "detect", "mitigate", "overlap", "traces")
+SUITES = ("lossy", "detect", "mitigate", "overlap", "traces", "elastic")
 
 _OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt,
         "==": operator.eq}

@@ -55,7 +55,7 @@ class Plan:
     nodes: int = 4
     per_node: int = 2
     fault_at: int = 30  # the fault comes once a step >= this is done
-    back_after_s: float = 10.0
+    back_after_s: float | None = 10.0  # None: the killed node is not started again
     cap_s: float = 45.0  # a hang or cut: how long to wait for the survivors
     run_timeout_s: float = 300.0
     ckpt_every: int = 20
@@ -170,8 +170,19 @@ class Stalwart(Arm):
 
 
 class TorchrunElastic(Arm):
+    """examples/plain_ddp_ckpt.py under torchrun's c10d rendezvous with ``--max-restarts``.
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's opt-out): with the default, the store
+    that rank 0's agent serves to the workers is created in the first round and kept, so
+    workers restarted in a later round read their predecessors' addresses from it (gloo's
+    connectFullMesh fails: "Connection refused") and a node that joins waits for a
+    ``MASTER_ADDR`` the old rank 0 never republishes -- the job never resumed, in 3 of 3
+    runs of 4 nodes here."""
+
     name = "torchrun_elastic"
     script = EXAMPLES / "plain_ddp_ckpt.py"
+
+    def env(self, nodes: Nodes, i: int) -> dict[str, str] | None:
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
     def command(self, nodes: Nodes, i: int, rec: Path, first: bool) -> list[str]:
         p = self.plan
@@ -246,7 +257,7 @@ def run_episode(arm: Arm, fault: str, workdir: Path, say: Any = print) -> Episod
                               "cut": nodes.cut}[fault](victim)
                 say(f"bench elastic: {arm.name}: {fault} of node {victim} at step "
                     f">= {p.fault_at}")
-        if fault == "kill" and ep.t_fault is not None:
+        if fault == "kill" and ep.t_fault is not None and p.back_after_s is not None:
             time.sleep(p.back_after_s)
             ep.t_back = time.time()
             nodes.start(victim, arm.command(nodes, victim, rec, first=False),
@@ -263,9 +274,19 @@ def run_episode(arm: Arm, fault: str, workdir: Path, say: Any = print) -> Episod
                 ep.notes.append(f"the survivors did not go on within {p.cap_s:.0f} s")
             ep.finished = False
         else:
-            ep.finished = nodes.wait(max(t_end - time.monotonic(), 1.0))
-            if not ep.finished:
+            ended = nodes.wait(max(t_end - time.monotonic(), 1.0))
+            if not ended:
                 ep.notes.append(f"the run did not end within {p.run_timeout_s:.0f} s")
         ep.seen = dict(nodes.seen)
+        codes = sorted({q.returncode for ps in nodes.agents.values() for q in ps
+                        if q.returncode not in (None, 0, -9)})
+        if codes:
+            ep.notes.append(f"launcher exit codes {codes} (logs in {out})")
     ep.records = read_records(rec)
+    if fault in ("none", "kill"):
+        ks = ef.kept(ep.records)
+        ep.finished = bool(ks) and ks[-1].step == p.steps - 1
+        if not ep.finished:
+            ep.notes.append(f"the job did not train all {p.steps} steps (last kept: "
+                            f"{ks[-1].step if ks else None})")
     return ep

@@ -70,6 +70,10 @@ class Nodes:
         self._cut: set[int] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._closed = False
+        from stalwart.testbed import cleanup
+
+        cleanup.register(self)  # closed at exit and on SIGTERM/SIGHUP as well
         self._watch = threading.Thread(target=self._watch_workers, daemon=True)
         self._watch.start()
 
@@ -205,6 +209,9 @@ class Nodes:
                 p.wait(timeout=10)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         try:
             self.stop_all()
@@ -212,6 +219,9 @@ class Nodes:
         finally:
             if self.hosts is not None:
                 self.hosts.close()
+            from stalwart.testbed import cleanup
+
+            cleanup.unregister(self)
 
     def __enter__(self) -> Nodes:
         return self
