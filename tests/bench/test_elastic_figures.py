@@ -132,3 +132,18 @@ def test_the_figures_module_imports_no_torch() -> None:
     code = ("import sys; import stalwart.bench.elastic_figures; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tries_of_one_step_under_one_restart_count_are_told_apart_by_time() -> None:
+    # torchrun: 6 members wrote step 8 at 0.9 (restart count 0) before the kill; after the
+    # restart from the step-8 checkpoint at 30 s, the same 6 (their agents' counts still 0)
+    # and 2 others (count 1) redo it
+    first = _steps(range(0, 9), 8, 0, 0.0)
+    first = [r for r in first if not (r["step"] == 8 and r["member"] >= 6)]
+    redo = _steps(range(8, 12), 6, 0, 30.0, world=8) \
+        + _steps(range(8, 12), 2, 1, 30.0, world=8, first_member=6)
+    recs = first + redo
+    ks = ef.kept(recs)
+    assert [e.step for e in ks] == list(range(12))
+    assert {e.samples for e in ks} == {64} and ks[8].time == pytest.approx(30.1)
+    assert ef.samples_lost(recs, GB) == 6 * 8  # the first, incomplete try of step 8

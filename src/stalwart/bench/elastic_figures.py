@@ -76,17 +76,20 @@ MERGE_S = 2.0  # records of one step this close, at one world, are one execution
 
 
 def executions(records: Iterable[Record]) -> list[Execution]:
-    """Every (step, generation) of the records, in order of their end time. Groups of one
-    step at one world that are each short of members and ended within ``MERGE_S`` of each
-    other are one execution under the newest generation: a node that joins a torchrun job
-    counts its restarts from 0 while the others count on (``TORCHELASTIC_RESTART_COUNT``),
-    and no two tries of one step end that close (a try is redone only after a restart)."""
+    """Every try of a step, in order of their end time: the records of one (step,
+    generation) with no gap over ``MERGE_S`` between them; tries of one step at one world that
+    are each short of members and ended within ``MERGE_S`` of each other are one execution
+    under the newest generation. torchrun's ``TORCHELASTIC_RESTART_COUNT`` is per agent: a
+    node that joins counts from 0 while the others count on, and an agent whose workers did
+    not fail keeps its count across another's restart; no two tries of one step end that
+    close (a try is redone only after a restart)."""
     groups: dict[tuple[int, int], list[Record]] = {}
     for r in step_records(records):
         groups.setdefault((int(r["step"]), int(r.get("generation", 0) or 0)), []).append(r)
     by_step: dict[int, list[tuple[int, list[Record]]]] = {}
     for (step, gen), rs in groups.items():
-        by_step.setdefault(step, []).append((gen, rs))
+        for part in _tries(rs):
+            by_step.setdefault(step, []).append((gen, part))
     out = []
     for step, parts in by_step.items():
         parts.sort(key=lambda p: max(float(r["time"]) for r in p[1]))
@@ -105,6 +108,20 @@ def executions(records: Iterable[Record]) -> list[Execution]:
             out.append(Execution(step, gen, _end(rs), sum(int(r["samples"]) for r in rs),
                                  n, _world(rs), ok))
     return sorted(out, key=lambda e: (e.time, e.step))
+
+
+def _tries(rs: list[Record]) -> list[list[Record]]:
+    """One generation's records of a step cut where ``MERGE_S`` passes without one: tries of
+    the step that a restart separated but that carry the same generation (a torchrun agent
+    that was not restarted keeps its count)."""
+    rs = sorted(rs, key=lambda r: float(r["time"]))
+    out = [[rs[0]]]
+    for r in rs[1:]:
+        if float(r["time"]) - float(out[-1][-1]["time"]) > MERGE_S:
+            out.append([r])
+        else:
+            out[-1].append(r)
+    return out
 
 
 def _members(rs: list[Record]) -> int:
