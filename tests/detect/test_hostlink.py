@@ -117,3 +117,34 @@ def test_decide_without_host_names_keeps_the_pair_rule() -> None:
     same = {r: "one-machine" for r in range(6)}
     f = decide(evidence(links_for(6, 2, 1, 200.0, rng), same), 30, 40, 3.0)
     assert f.kind == "link" and "host" not in f.evidence
+
+
+# the audit of a testbed run (3 hosts x 2 ranks, host 1's link at 500 mbit from step 0, load
+# average ~30): link-test ratios of every pair and the compute test, as recorded in
+# detect_stats.json. Host 1's crossing pairs read 5-13x; ranks 2 and 3's compute test read
+# 1.7x / 1.5x from the load, so the starved-rank rule alone left it "unknown"
+MODERATE = {"0-1": 1.109, "0-5": 0.891, "0-4": 0.537, "0-3": 12.742, "0-2": 5.711,
+            "1-2": 11.918, "1-4": 0.756, "1-5": 0.552, "1-3": 9.575, "2-3": 1.641,
+            "2-4": 5.311, "2-5": 6.45, "3-4": 5.374, "3-5": 8.532, "4-5": 1.395}
+MODERATE_CT = {0: 1.354, 1: 1.249, 2: 1.712, 3: 1.544, 4: 0.904, 5: 1.0}
+
+
+def test_a_moderate_host_link_beside_noisy_compute_tests_is_named() -> None:
+    """Pairs inside host 1 read like those inside the others: not a starved rank."""
+    hm = hosts(6, 2)
+
+    def starved(r: int, x: float) -> bool:
+        return MODERATE_CT[r] >= 1.12 and x < 70 * MODERATE_CT[r]
+    found = hostlink.name_host(MODERATE, hm, starved)
+    assert found is not None and found.host == "1" and found.ranks == [2, 3]
+    ring = {k: MODERATE[k] for k in ("0-1", "1-2", "2-3", "3-4", "4-5", "0-5")}
+    assert hostlink.name_host(ring, hm, starved).host == "1"
+    # the same crossing pairs with host 1's own pair slow too: a starved rank may explain it
+    starving = {**MODERATE, "2-3": 9.0}
+    assert hostlink.name_host(starving, hm, starved) is None
+    ev = evidence(MODERATE, hm)
+    for e in ev:
+        e.compute_rounds = [MODERATE_CT[e.rank]] * 3
+        e.compute_test = MODERATE_CT[e.rank]
+    f = decide(ev, 17, 17, 1.0, mode="audit")
+    assert f.kind == "link" and f.ranks == [2, 3] and f.evidence["host"] == "1"

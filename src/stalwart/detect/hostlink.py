@@ -10,7 +10,9 @@ Rule: for each host H with at least ``MIN_PAIRS`` tested crossing pairs (pairs w
 are on different hosts; needs ``MIN_HOSTS`` hosts, else the two ends cannot be told apart),
 the ratio of each of its crossing pairs to the reference -- the median of the crossing pairs
 that do not touch H -- must reach ``threshold(...)``; a pair whose slowness a slow rank at
-its end may explain (``explained``, localize's starved-rank rule) does not count.
+its end may explain (``explained``, localize's starved-rank rule) does not count, unless the
+pairs inside the host read as fast as those inside the other hosts (starvation would slow
+them too; a slow host link does not).
 
 Noise model and false-alarm rate: a healthy pair's log ratio is normal with log-sd sigma,
 estimated from this verdict's own reference pairs (1.4826 x MAD, raised by two standard
@@ -102,6 +104,23 @@ def threshold(hosts: int, pairs: int, sigma: float, alpha: float = ALPHA) -> flo
     return max(MIN_RATIO, math.exp(z * sigma))
 
 
+def intra_healthy(links: Mapping[str, float], host_of: Mapping[int, str], host: str,
+                  t: float) -> bool:
+    """Whether the pairs inside ``host`` are no slower than the pairs inside the other
+    hosts (ratio of medians below ``t``). A starved rank moves its bytes slowly to every
+    peer, its host-mates included; a slow host link leaves the pairs inside the host alone.
+    False when either side has no tested pair (nothing to tell them apart)."""
+    mine, others = [], []
+    for k, v in links.items():
+        a, b = _pair(k)
+        if a in host_of and b in host_of and host_of[a] == host_of[b]:
+            (mine if host_of[a] == host else others).append(v)
+    if not mine or not others:
+        return False
+    ref = statistics.median(others)
+    return ref > 0 and statistics.median(mine) / ref < t
+
+
 def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
               explained: Callable[[int, float], bool] | None = None,
               alpha: float = ALPHA) -> HostLink | None:
@@ -110,7 +129,9 @@ def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
     ``links``: pair "a-b" -> link-test time (any unit); ``host_of``: rank -> host name
     (ranks missing from it are on unknown hosts: their pairs are not used);
     ``explained(rank, ratio)``: True when a slow rank at the pair's end may explain a pair
-    this slow (then the pair does not count for its host). With several hosts qualifying,
+    this slow (then the pair does not count for its host) -- unless the pairs inside the
+    host are as fast as inside the others (``intra_healthy``: a starved rank would slow
+    them too). With several hosts qualifying,
     the one whose slowest-but-one pair is slowest."""
     cross = crossing(links, host_of)
     by_host: dict[str, list[str]] = {}
@@ -144,7 +165,7 @@ def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
         ratios = {k: cross[k] / ref for k in mine}
         if min(ratios.values()) < t:
             continue
-        if explained is not None and any(
+        if explained is not None and not intra_healthy(links, host_of, h, t) and any(
                 explained(r, v) for k, v in ratios.items() for r in _pair(k)
                 if host_of[r] == h):
             continue
