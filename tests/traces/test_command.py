@@ -71,3 +71,19 @@ def test_bad_files_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     bad.write_text("rank,step,op,start,duration\n")
     _one_line_error(capsys, ["replay", "--trace", str(bad)], "unknown column 'op'")
     _one_line_error(capsys, ["replay"], "RUN_DIR", "--trace")
+
+
+def test_a_trace_is_judged_where_torch_cannot_be_imported() -> None:
+    import subprocess
+    import sys
+
+    from tests.test_layers import _NO_TORCH
+
+    code = _NO_TORCH + (
+        "from stalwart.cli import main\n"
+        f"assert main(['replay', '--trace', {str(EXAMPLE)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "slow_group" in r.stdout
