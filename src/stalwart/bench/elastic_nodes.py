@@ -125,8 +125,9 @@ class Nodes:
 
     def kill(self, i: int) -> float:
         """SIGKILL every process of node i; the time it was sent."""
+        pids = self.tagged(i)  # (a /proc scan: the clock starts when the signals go)
         t = time.time()
-        self._signal(self.tagged(i), signal.SIGKILL)
+        self._signal(pids, signal.SIGKILL)
         for p in self.agents[i]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
