@@ -103,14 +103,16 @@ def main(a: argparse.Namespace) -> int:
     opts = options(a)
     command = "stalwart " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     run_dir, figures = simulate(opts, command)
-    for k in ("sim_step_error", "planner_ms_10k_groups"):
+    for k in ("sim_step_error", "planner_ms_10k_groups", "sim_wall_s", "sim_cpu_s",
+              "decision_us_per_rank_step"):
         print(f"{k}: {figures.get(k)}")
     for n in opts.ranks:
         from stalwart.simulate.scenarios import scale_tag
 
         tag = scale_tag(n)
         keys = [k for k in figures if k.endswith(f"_{tag}") and (
-            k.startswith(("jct_", "decision_ms_per_step", "false_alarms", "detection",
+            k.startswith(("jct_", "decision_ms_per_step", "decision_us_per_rank_step",
+                          "false_alarms", "detection",
                           "pauses_per_day", "sim_wall_s_" + tag)))]
         for k in keys:
             print(f"{k}: {figures[k]}")

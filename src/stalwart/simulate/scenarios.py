@@ -175,6 +175,9 @@ def figures(res: ScaleResult) -> dict[str, Any]:
         d = np.asarray(auto.decision_s) * 1e3
         if d.size:
             fig[f"decision_ms_per_step_{tag}"] = round(float(np.median(d)), 3)
+            # rank 0's decision CPU per rank and step (median step; us)
+            fig[f"decision_us_per_rank_step_{tag}"] = round(
+                1e3 * float(np.median(d)) / res.job.ranks, 4)
             fig[f"decision_ms_p99_{tag}"] = round(float(np.percentile(d, 99)), 2)
             fig[f"decision_ms_max_{tag}"] = round(float(d.max()), 1)
             if job_steps:
