@@ -10,9 +10,11 @@ monitored steps -- keeping the sample, and at the steps with an exchange due the
 the samples held since and the exchange of rows -- in microseconds, amortised: the median over
 windows of 16 monitored steps of their mean, so a step that analyses eight samples counts at
 its share and one validation pause is one window the median leaves out; the plain per-step
-median is ``monitor_step_cpu_us_per_step_median``). The monitor batches exchanges up to every
-``--max-every`` steps (default 8; ``Monitor(max_every=...)``, ``stalwart run``'s
-``detection.max_every``): with 1 every step exchanges and analyses its own sample.
+median is ``monitor_step_cpu_us_per_step_median``). The monitor exchanges every
+``--check-every`` steps (default 8, fixed: ``Monitor(check_every=8)``; a decision then waits
+up to 2 x 8 steps for its rows), or with 0 at a period it chooses up to ``--max-every``
+(default 8), which falls to 1 while a rank's compute jumps (on a loaded machine: most of the
+time); with 1 every step exchanges and analyses its own sample.
 
 Started by the launcher like any rank: ``python -m stalwart.bench.detect_overhead --config
 CFG --overhead-steps N``.
@@ -177,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stalwart.bench.detect_overhead")
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--overhead-steps", type=int, default=200)
-    ap.add_argument("--check-every", type=int, default=0,
-                    help="the monitor's exchange period; 0 (default, what `stalwart run` "
-                         "does for reliable comm): chosen by the monitor")
+    ap.add_argument("--check-every", type=int, default=8,
+                    help="the monitor's exchange period (default 8: the analysis runs at "
+                         "one step in 8, on the samples held since); 0: chosen by the "
+                         "monitor, up to --max-every")
     ap.add_argument("--max-every", type=int, default=8,
                     help="the most steps per exchange the monitor may choose (default 8)")
     a = ap.parse_args(argv)
