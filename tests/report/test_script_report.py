@@ -79,3 +79,14 @@ def test_a_fault_nothing_found_and_a_run_without_the_monitor(tmp_path: Path) -> 
     assert "not counted (run with --detect)" in page and "no monitor (run with --detect)" in page
     assert "rank 1 failed: RuntimeError: boom" in page
     assert (bare / "timeline.png").exists()
+
+
+def test_a_host_finding_explains_its_hosts_link_fault() -> None:
+    """Several ranks per host: the finding names host 1 (ranks 2 and 3), the fault host 1."""
+    from stalwart.report.script import Span, _who, explains
+
+    span = Span("link:host=1,rate=10mbit", "link", 0.0, None, None, [1])
+    found = {"kind": "link", "ranks": [2, 3], "link": [1, 2], "evidence": {"host": "1"}}
+    assert explains(found, span)
+    assert not explains({**found, "evidence": {"host": "2"}}, span)
+    assert _who(found) == "host 1's link (ranks 2,3)"

@@ -125,6 +125,9 @@ def explains(finding: dict[str, Any], span: Span) -> bool:
     if span.kind == "pairlink":
         return kind == "link" and set(span.hosts) == link
     if span.kind in ("link", "loss") and len(span.hosts) == 1:
+        host = (finding.get("evidence") or {}).get("host")
+        if host is not None:  # named as a host (several ranks per host: hostlink.py)
+            return kind == "link" and str(host) == str(span.hosts[0])
         return kind == "link" and (span.hosts[0] in ranks or (not ranks and
                                                               span.hosts[0] in link))
     return False
@@ -142,6 +145,9 @@ def _who(e: dict[str, Any]) -> str:
     ranks, link = e.get("ranks") or [], e.get("link")
     pair = "-".join(map(str, link)) if isinstance(link, list) else ""
     who = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks else ""
+    host = (e.get("evidence") or {}).get("host")
+    if e.get("kind") == "link" and host is not None:
+        return f"host {host}'s link ({who})"
     if e.get("kind") == "link" and ranks:
         return f"{who}'s link" + (f" (pair {pair})" if pair else "")
     return who or (f"link {pair}" if pair else "-")
