@@ -227,7 +227,7 @@ def make_arm(name: str, plan: Plan, netns: bool) -> Arm:
     return ARM_CLASSES[name](plan, netns)
 
 
-def _max_step(records: list[dict[str, Any]]) -> int:
+def max_step(records: list[dict[str, Any]]) -> int:
     steps = [int(e.step) for e in ef.executions(records) if e.complete]
     return max(steps, default=-1)
 
@@ -249,7 +249,7 @@ def run_episode(arm: Arm, fault: str, workdir: Path, say: Any = print) -> Episod
         t_end = time.monotonic() + START_TIMEOUT_S + p.run_timeout_s
         if fault != "none":
             reached = nodes.wait(START_TIMEOUT_S,
-                                 lambda: _max_step(read_records(rec)) >= p.fault_at)
+                                 lambda: max_step(read_records(rec)) >= p.fault_at)
             if not reached or not nodes.live_agents():
                 ep.notes.append(f"step {p.fault_at} not reached; no fault applied")
             else:
