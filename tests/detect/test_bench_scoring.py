@@ -176,3 +176,13 @@ def test_the_baseline_is_scored_on_each_ranks_compute_time(monkeypatch: pytest.M
     figures = bench.run(quick=True, workdir=tmp_path, peers=False).figures
     assert figures["baseline_detection_rate"] == 1.0
     assert figures["baseline_localization_accuracy"] == 1.0
+
+
+def test_a_finding_named_as_a_host_is_scored_by_its_host() -> None:
+    """Several ranks per host: host 1 holds ranks 2 and 3; its boundary pair 1-2 holds rank 1,
+    which must not make a finding about host 2 count for host 1."""
+    host = Truth("link", 30, None, None, [1])
+    assert localised({"kind": "link", "ranks": [2, 3], "link": [3, 4],
+                      "evidence": {"host": "1"}}, host)
+    assert not localised({"kind": "link", "ranks": [4, 5], "link": [1, 2],
+                          "evidence": {"host": "2"}}, host)

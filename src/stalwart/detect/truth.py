@@ -51,6 +51,9 @@ def localised(d: dict[str, Any], t: Truth) -> bool:
     if t.kind in ("compute", "contention"):
         return d.get("kind") == "compute" and ranks == [t.rank]
     if t.kind == "link":
+        host = (d.get("evidence") or {}).get("host")
+        if host is not None:  # named as a host (several ranks per host: hostlink.py)
+            return d.get("kind") == "link" and str(host) == str(t.hosts[0])
         return d.get("kind") == "link" and (ranks == t.hosts or t.hosts[0] in link)
     if t.kind == "pairlink":
         return d.get("kind") == "link" and sorted(link) == sorted(t.hosts)
