@@ -125,3 +125,13 @@ def test_the_sign_tail_is_the_binomial_tail() -> None:
     for n, k in [(1, 1), (12, 10), (30, 29), (200, 130), (3000, 1600)]:
         assert sign_tail(n, k) == pytest.approx(float(binom.sf(k - 1, n, 0.5)), rel=0.02)
     assert sign_tail(5, 0) == 1.0
+
+
+def test_a_rank_slow_only_from_mid_trace_is_named_with_its_first_step() -> None:
+    """Slow in the last 6 of 20 steps: the whole trace's median stays healthy; the split of
+    its steps finds the slow segment."""
+    lay = Layout(8)
+    v = decide(make_trace(Case("mid", lay, "slow_rank", 1.4, rank=6, steps=list(range(20)),
+                               onset=14, seed=3)), lay)
+    assert [(f.kind, f.ranks, f.from_step) for f in v.findings] == [(SLOW_RANK, [6], 14)]
+    assert "slow from step 14" in v.findings[0].confidence

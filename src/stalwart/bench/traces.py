@@ -4,10 +4,11 @@ Each case (``cases()``) is a job drawn by ``stalwart.traces.generate`` -- slow r
 group, slow host, pipeline-stage imbalance, input imbalance, clean -- in DP x PP x TP layouts,
 written as CSV, parquet (when pyarrow is installed; else CSV, said in the details) or Kineto
 JSON (GPU kernels or CPU ops), partial traces included (one rank per TP group, clusters of
-steps, 4-12 steps), read back through ``read_trace`` and decided by ``verdict.decide``. A
-verdict is correct when its kinds are exactly the case's and every worker finding names
-exactly the case's ranks. Then one real Kineto trace: a 2-rank gloo job profiled by
-torch.profiler with rank 1 slowed 3x (``kineto_job``); correct when the verdict names rank 1.
+steps, 4-12 steps), faults that begin mid-trace, read back through ``read_trace`` and
+decided by ``verdict.decide``. A verdict is correct when its kinds are exactly the case's
+and every worker finding names exactly the case's ranks. Then one real Kineto trace: a
+2-rank gloo job profiled by torch.profiler with rank 1 slowed 3x (``kineto_job``); correct
+when the verdict names rank 1.
 
 Figures: ``trace_verdicts_correct`` (correct / total, generated set), ``trace_verdicts_all``
 (1 when every generated case is right), ``real_kineto_trace_correct``,
@@ -70,6 +71,9 @@ def cases(seeds: int = 1) -> list[Case]:
         Case("slow-rank-5steps-dp8", L(8), "slow_rank", 1.5, rank=0,
              steps=list(range(40, 45)), fmt="parquet"),
         Case("slow-group-dp4-pp2-tp2", L(4, 2, 2), "slow_group", 1.4, group=(1, 0)),
+        Case("slow-rank-from-mid-trace-dp8", L(8), "slow_rank", 1.4, rank=6, onset=14),
+        Case("slow-group-from-mid-trace-partial", part, "slow_group", 1.4, group=(3, 0),
+             traced=_one_per_tp_group(part), onset=15, fmt="parquet"),
         Case("slow-group-partial-dp4-pp2-tp4", part, "slow_group", 1.3, group=(2, 1),
              traced=_one_per_tp_group(part), steps=clusters, fmt="parquet"),
         Case("slow-group-kineto-kernels-dp4-tp2", L(4, 1, 2), "slow_group", 1.3,

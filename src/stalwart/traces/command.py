@@ -87,6 +87,10 @@ def summary(v: Verdict) -> list[str]:
             cost = f"; costs {100 * f.cost_fraction:.1f}% of a step"
             if f.cost_s_per_step is not None:
                 cost += f" ({1e3 * f.cost_s_per_step:.3g} ms)"
+        if f.from_step is not None:
+            where += f" from step {f.from_step}"
+        if f.to_step is not None:
+            where += f" until step {f.to_step}"
         lines.append(f"  {f.kind}:{where} {who}, {f.factor:.2f}x{cost}")
         lines.append(f"    {f.confidence}")
         lines += [f"    note: {n}" for n in f.notes]

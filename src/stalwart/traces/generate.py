@@ -52,6 +52,7 @@ class Case:
     noise: float = 0.03
     outlier_p: float = 0.01  # chance an operation is an outlier (a GC pause, a preemption)
     outlier_x: float = 2.0  # an outlier's factor
+    onset: int = 0  # the worker fault begins at this index of ``steps`` (0: from the start)
 
     def expected(self) -> dict[str, list[int]]:
         """kind -> the ranks it must name (in the trace), per this case's ground truth."""
@@ -94,7 +95,8 @@ def make_trace(case: Case) -> Trace:
     coords = [lay.coord(r) for r in range(W)]
     base = np.array([BASE_S * (case.factor if case.cause == "stage" and c.pp == case.stage
                                else 1.0) for c in coords])
-    wf = np.array([_worker_factor(case, r) for r in range(W)])
+    wf = np.array([_worker_factor(case, r) for r in range(W)])[:, None] * np.ones(S)
+    wf[:, :case.onset] = 1.0  # a fault that begins mid-trace
     size = (np.exp(rng.normal(0, case.input_sigma, (lay.dp, S, M))) if case.cause == "input"
             else np.ones((lay.dp, S, M)))
     step_f = np.exp(rng.normal(0, 0.05, S))
@@ -104,9 +106,9 @@ def make_trace(case: Case) -> Trace:
         return x * np.where(rng.random(shape) < case.outlier_p, case.outlier_x, 1.0)
 
     dp_i = np.array([c.dp for c in coords])
-    fwd = (base[:, None, None] * size[dp_i] * wf[:, None, None] * step_f[None, :, None]
+    fwd = (base[:, None, None] * size[dp_i] * wf[:, :, None] * step_f[None, :, None]
            * noisy((W, S, M)))
-    bwd = 2 * (base[:, None, None] * size[dp_i] * wf[:, None, None] * step_f[None, :, None]
+    bwd = 2 * (base[:, None, None] * size[dp_i] * wf[:, :, None] * step_f[None, :, None]
                * noisy((W, S, M)))
     if case.style == "megatron" and lay.tp > 1:  # timers hold the TP collectives
         for g in {(c.dp, c.pp) for c in coords}:

@@ -16,8 +16,12 @@ numbers micro-batches, else a step.
    unit by unit (the difference to the others' median in the same unit, so a job-wide slow
    step cancels), and each rank with the other traced ranks of its own group. A worker is
    slow when the median of its differences over the units is >= log(``MIN_FACTOR``) and its z
-   (median / (1.2533 sigma / sqrt(n)), the median's standard error under Gaussian noise)
-   exceeds the one-sided Bonferroni bound for ``ALPHA`` over every test made on the trace. A
+   (median / (1.2533 sigma / sqrt(n)), the median's standard error under Gaussian noise) or
+   its sign test (exact, under any median-zero noise) passes the one-sided Bonferroni bound
+   for ``ALPHA`` over every test made on the trace -- or when a segment of its steps (a
+   fault that began or ended mid-trace, >= ``MIN_SEGMENT`` steps each side of the split)
+   is >= ``MIN_FACTOR`` above the peers and the rest, by a rank-sum z past the bound
+   divided by the splits tried. A
    rank slower than its own group's peers is named as a rank; a group whose traced ranks are
    all equally slow is named as one group (one slow worker); a group or rank whose every
    traced rank sits on one host that is entirely slow is named as the host.
@@ -55,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from stalwart.detect.robust import rank_sum_z
 from stalwart.errors import ConfigError
 from stalwart.traces.layout import Layout
 from stalwart.traces.opnames import COMM, COMPUTE, OpMap
@@ -65,6 +70,7 @@ MIN_FACTOR = 1.10  # smallest slowdown reported (FALCON's 10% verification)
 SIGMA_FLOOR = 0.01  # log units: timer resolution and jitter never below 1%
 SIGMA_FEW = 0.10  # assumed noise when fewer than MIN_RESIDUALS residuals estimate it
 MIN_RESIDUALS = 8
+MIN_SEGMENT = 3  # steps on each side of a split of a worker's trace into slow and healthy
 MEDIAN_SE = math.sqrt(math.pi / 2)  # a median of n Gaussian samples: 1.2533 sigma/sqrt(n)
 
 SLOW_RANK, SLOW_GROUP, SLOW_HOST = "slow_rank", "slow_group", "slow_host"
@@ -82,6 +88,8 @@ class Finding:
     group: dict[str, int] | None = None
     host: int | None = None
     stage: int | None = None
+    from_step: int | None = None  # slow only from this step (a fault that began mid-trace)
+    to_step: int | None = None  # slow only until this step
     cost_fraction: float | None = None
     cost_s_per_step: float | None = None
     confidence: str = ""
@@ -153,11 +161,12 @@ EXACT_PEERS = 64  # sets up to this size: each worker against the median of the 
 
 
 def _paired(series: dict[Any, dict[tuple[int, int], float]],
-            sets: list[list[Any]]) -> dict[Any, list[float]]:
+            sets: list[list[Any]]) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
     """Per worker: its log time minus the median of the other workers of its set, unit by
-    unit (the units it and at least one of them have). Sets larger than ``EXACT_PEERS`` use
+    unit (the units it and at least one of them have), with each unit's step, in unit order.
+    Sets larger than ``EXACT_PEERS`` use
     the median of the whole set (self included: at most one order statistic away)."""
-    out: dict[Any, list[float]] = {}
+    out: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
     for ws in sets:
         if len(ws) < 2:
             continue
@@ -176,7 +185,7 @@ def _paired(series: dict[Any, dict[tuple[int, int], float]],
                 ref = whole if whole is not None else np.nanmedian(np.delete(m, i, 0), 0)
                 ok = have[i] & (counts >= 2)
                 if ok.any():
-                    out[w] = (m[i, ok] - ref[ok]).tolist()
+                    out[w] = (m[i, ok] - ref[ok], np.asarray([u[0] for u in units])[ok])
     return out
 
 
@@ -190,6 +199,19 @@ class _Test:
     sigma_assumed: bool
     above: int  # units in which the worker was above its peers' median
     sign_p: float  # chance of as many or more under median-zero noise (exact binomial tail)
+    onset: _Onset | None = None  # the best split of its steps into a slow and a healthy part
+    by_segment: bool = False  # named for a slow segment of its steps, not the whole trace
+
+
+@dataclass
+class _Onset:
+    step: int  # the first step of the later segment
+    slow_later: bool  # slow from ``step`` on (else slow until it)
+    shift: float  # the slow segment's median log difference
+    other: float  # the other segment's
+    z: float  # rank-sum z of the slow segment against the other
+    splits: int  # candidate splits tried (the bound divides by them)
+    n: int  # units in the slow segment
 
 
 def sign_tail(n: int, k: int) -> float:
@@ -201,17 +223,35 @@ def sign_tail(n: int, k: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
 
 
-def _tests(diffs: dict[Any, list[float]]) -> list[_Test]:
-    meds = {w: float(np.median(ds)) for w, ds in diffs.items()}
-    resid = [d - meds[w] for w, ds in diffs.items() for d in ds]
+def _tests(diffs: dict[Any, tuple[np.ndarray, np.ndarray]]) -> list[_Test]:
+    meds = {w: float(np.median(ds)) for w, (ds, _st) in diffs.items()}
+    resid = [float(d) - meds[w] for w, (ds, _st) in diffs.items() for d in ds]
     sigma, assumed = _sigma(resid)
     out = []
-    for w, ds in diffs.items():
+    for w, (ds, st) in diffs.items():
         med = meds[w]
-        above = sum(d > 0 for d in ds)
+        above = int((ds > 0).sum())
         out.append(_Test(w, med, med / (MEDIAN_SE * sigma / math.sqrt(len(ds))), len(ds),
-                         sigma, assumed, above, sign_tail(sum(d != 0 for d in ds), above)))
+                         sigma, assumed, above, sign_tail(int((ds != 0).sum()), above),
+                         _onset(ds, st)))
     return out
+
+
+def _onset(ds: np.ndarray, st: np.ndarray) -> _Onset | None:
+    """The split of the worker's steps (>= ``MIN_SEGMENT`` each side) whose two segments'
+    ranks differ most (Mann-Whitney z of the higher-median segment against the other)."""
+    steps = np.unique(st)
+    cands = steps[MIN_SEGMENT:len(steps) - MIN_SEGMENT + 1]
+    best = None
+    for c in cands.tolist():
+        lo, hi = ds[st < c], ds[st >= c]
+        m_lo, m_hi = float(np.median(lo)), float(np.median(hi))
+        slow_later = m_hi >= m_lo
+        z = rank_sum_z(lo, hi) if slow_later else rank_sum_z(hi, lo)
+        if best is None or z > best.z:
+            best = _Onset(int(c), slow_later, max(m_lo, m_hi), min(m_lo, m_hi), z,
+                          len(cands), len(hi) if slow_later else len(lo))
+    return best
 
 
 def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
@@ -292,16 +332,26 @@ def _workers(cells: _Cells, ranks: list[int], coord: dict[int, Any], layout: Lay
     gdiffs = _paired(gseries, list(stage_groups.values()))
     rdiffs = _paired(cells.y, list(groups.values()))
     n_tests = len(gdiffs) + len(rdiffs) + 2
-    # each test twice (Gaussian z on the median, sign test), each at alpha / (2 x tests)
-    per_test = alpha / (2 * n_tests)
+    # each worker three ways (Gaussian z on the median, sign test, a slow segment of its
+    # steps), each at alpha / (3 x tests); the segment test also divides by its splits
+    per_test = alpha / (3 * n_tests)
     zcrit = NormalDist().inv_cdf(1 - per_test)
     min_shift = math.log(MIN_FACTOR)
     gtests = {x.worker: x for x in _tests(gdiffs)}
     rtests = {x.worker: x for x in _tests(rdiffs)}
 
     def slow(x: _Test | None) -> bool:
-        return x is not None and x.shift >= min_shift and (x.z >= zcrit
-                                                            or x.sign_p <= per_test)
+        if x is None:
+            return False
+        if x.shift >= min_shift and (x.z >= zcrit or x.sign_p <= per_test):
+            return True
+        o = x.onset
+        if o is None or o.shift < min_shift or o.shift - o.other < min_shift:
+            return False
+        if o.z >= NormalDist().inv_cdf(1 - per_test / o.splits):
+            x.shift, x.by_segment = o.shift, True  # the slow segment's level
+            return True
+        return False
 
     findings: list[Finding] = []
     slow_ranks: set[int] = set()
@@ -310,16 +360,14 @@ def _workers(cells: _Cells, ranks: list[int], coord: dict[int, Any], layout: Lay
         inner = [r for r in members if slow(rtests.get(r))]
         for r in inner:  # slower than its own group's peers: the rank itself
             x = rtests[r]
-            findings.append(Finding(SLOW_RANK, [r], math.exp(x.shift), x.z, x.n, group=gd,
-                                    stage=g[1], confidence=_conf(x, zcrit, "its TP group's "
-                                                                 "traced peers")))
+            findings.append(_finding(SLOW_RANK, [r], x, gd, g[1], zcrit, per_test,
+                                     "its TP group's traced peers"))
             slow_ranks.add(r)
         if inner or gt is None or not slow(gt):
             continue
-        conf = _conf(gt, zcrit, f"the {len(stage_groups[g[1]]) - 1} other group(s) of stage "
-                                f"{g[1]}")
-        f = Finding(SLOW_RANK if layout.tp == 1 else SLOW_GROUP, list(members),
-                    math.exp(gt.shift), gt.z, gt.n, group=gd, stage=g[1], confidence=conf)
+        f = _finding(SLOW_RANK if layout.tp == 1 else SLOW_GROUP, list(members), gt, gd, g[1],
+                     zcrit, per_test, f"the {len(stage_groups[g[1]]) - 1} other group(s) of "
+                                      f"stage {g[1]}")
         if layout.tp > 1 and len(members) == 1:
             f.notes.append(f"only rank {members[0]} of this TP group is in the trace: a slow "
                            "rank in it and a slow group look the same here")
@@ -337,6 +385,24 @@ def _median_series(series: list[dict[tuple[int, int], float]]) -> dict[tuple[int
         for u, v in s.items():
             units[u].append(v)
     return {u: float(np.median(v)) for u, v in units.items()}
+
+
+def _finding(kind: str, ranks: list[int], x: _Test, group: dict[str, int], stage: int,
+             zcrit: float, per_test: float, against: str) -> Finding:
+    """A worker finding; for a slow segment, its steps and the segment test's evidence."""
+    f = Finding(kind, ranks, math.exp(x.shift), x.z, x.n, group=group, stage=stage,
+                confidence=_conf(x, zcrit, against))
+    o = x.onset
+    if o is not None and x.by_segment:
+        f.from_step, f.to_step = (o.step, None) if o.slow_later else (None, o.step - 1)
+        f.z, f.units = o.z, o.n
+        f.confidence = (f"slow {'from' if o.slow_later else 'until'} step "
+                        f"{o.step if o.slow_later else o.step - 1}: {math.exp(o.shift):.2f}x "
+                        f"there against {math.exp(o.other):.2f}x elsewhere, rank-sum z = "
+                        f"{o.z:.1f} over {o.n} units (bound "
+                        f"{NormalDist().inv_cdf(1 - per_test / o.splits):.2f}, {o.splits} "
+                        f"splits tried) against {against}")
+    return f
 
 
 def _conf(x: _Test, zcrit: float, against: str) -> str:
