@@ -299,7 +299,7 @@ class Job:
     def _wait_admitted(self) -> None:
         rt = self.rt
         if self.gen is not None and rt.me.id in rt.ever:  # dropped (found hung, or parked)
-            while rt.me.node in rt.keys.parked({rt.me.node}):
+            while rt.me.node in rt.keys.parked():
                 rt.check()
                 time.sleep(rt.heartbeat_s)
             rt.reregister()

@@ -199,7 +199,7 @@ class Runtime:
         alive = [m for m in self.known if m not in dead]
         in_gen = set(self.newest.members) if self.newest else set()
         joiners = [m for m in alive if m not in in_gen and m not in self.ever]
-        parked_nodes = keys.parked({self.known[m].node for m in alive})
+        parked_nodes = keys.parked()
         parked = [m for m in alive if self.known[m].node in parked_nodes]
         weights = None
         wtext = keys.weights()

@@ -130,15 +130,21 @@ class Keys:
         return {i for i in ids if self._call(self.s.check, [f"left/{i}"])}
 
     def park(self, node: str, on: bool) -> None:
-        self._call(self.s.set, f"parked/{node}", "1" if on else "0")
+        """Add ``node`` to (or remove it from) the parked set: one key, compare-and-set."""
+        self._call(self.s.compare_set, "parked", "", "")  # exists from here on
+        while True:
+            cur = self._call(self.s.get, "parked").decode()
+            nodes = {n for n in cur.split("\n") if n}
+            nodes = nodes | {node} if on else nodes - {node}
+            new = "\n".join(sorted(nodes))
+            got = self._call(self.s.compare_set, "parked", cur, new)
+            if (got.decode() if isinstance(got, bytes) else str(got)) == new:
+                return
 
-    def parked(self, nodes: set[str]) -> set[str]:
-        out = set()
-        for n in nodes:
-            k = f"parked/{n}"
-            if self._call(self.s.check, [k]) and self._call(self.s.get, k) == b"1":
-                out.add(n)
-        return out
+    def parked(self) -> set[str]:
+        if not self._call(self.s.check, ["parked"]):
+            return set()
+        return {n for n in self._call(self.s.get, "parked").decode().split("\n") if n}
 
     def set_weights(self, text: str) -> None:
         self._call(self.s.set, "weights", text)
