@@ -64,12 +64,13 @@ TARGETS = {
 
 def plan(quick: bool) -> ea.Plan:
     """The runs' size: long enough that a node started again ``back_after_s`` after the kill
-    is back while the others still train (its start takes 10-30 s on 2 loaded cores)."""
+    is back while the others still train -- a node's start (torchrun, 2 workers importing
+    torch) took 50-60 s on the 2 cores at load ~35, when 400 steps took 60 s."""
     if quick:
-        return ea.Plan(steps=400, compute_ms=100.0, fault_at=60, back_after_s=5.0,
-                       cap_s=40.0, run_timeout_s=400.0)
-    return ea.Plan(steps=800, compute_ms=100.0, fault_at=100, back_after_s=10.0,
-                   cap_s=90.0, run_timeout_s=800.0)
+        return ea.Plan(steps=1000, compute_ms=100.0, fault_at=100, back_after_s=2.0,
+                       cap_s=40.0, run_timeout_s=600.0)
+    return ea.Plan(steps=2000, compute_ms=100.0, fault_at=200, back_after_s=10.0,
+                   cap_s=90.0, run_timeout_s=1200.0)
 
 
 def figure_names() -> list[str]:
