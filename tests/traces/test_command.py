@@ -30,6 +30,9 @@ def test_the_documented_command_names_the_slow_group(tmp_path: Path) -> None:
     proc = stalwart(*args, "--json", str(tmp_path / "v.json"), cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "verdict: slow_group" in proc.stdout and "dp=1,pp=1" in proc.stdout
+    shown = (ROOT / "docs/detect.md").read_text()
+    assert all(line in shown for line in proc.stdout.splitlines()[:6]), \
+        "docs/detect.md shows another output than the command prints"
     v = json.loads((tmp_path / "v.json").read_text())
     assert [(f["kind"], f["ranks"]) for f in v["findings"]] == [("slow_group", [6, 7])]
     assert v["coverage"]["layout"].startswith("dp=2,pp=2,tp=2")  # from the sidecar

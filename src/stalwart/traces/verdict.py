@@ -300,7 +300,7 @@ def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
         "notes": list(dict.fromkeys(t.notes))[:8],
     }
     rule = {"alpha_per_trace": alpha, "tests": w.n_tests, "z_bound": round(w.zcrit, 3),
-            "sign_p_bound": alpha / (2 * w.n_tests),
+            "sign_p_bound": alpha / (3 * w.n_tests),
             "min_factor": MIN_FACTOR, "sigma_floor": SIGMA_FLOOR,
             "unit": "(step, micro-batch)" if cells.has_micro else "step"}
     kinds_found = list(dict.fromkeys(f.kind for f in findings))
