@@ -135,3 +135,5 @@ def test_a_rank_slow_only_from_mid_trace_is_named_with_its_first_step() -> None:
                                onset=14, seed=3)), lay)
     assert [(f.kind, f.ranks, f.from_step) for f in v.findings] == [(SLOW_RANK, [6], 14)]
     assert "slow from step 14" in v.findings[0].confidence
+    # its cost is priced over the slow steps: 0.4 x (M=4 micro-batches x 3 ms fwd+bwd)
+    assert v.findings[0].cost_s_per_step == pytest.approx(0.4 * 12e-3, rel=0.25)

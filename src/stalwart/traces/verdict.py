@@ -273,7 +273,8 @@ def decide(t: Trace, layout: Layout, opmap: OpMap | None = None,
     w = _workers(cells, ranks, coord, layout, alpha)
     findings = _merge_hosts(w.findings, layout, ranks)
     for f in findings:
-        f.cost_s_per_step, f.cost_fraction = _worker_cost(cells, f.ranks, coord, w.slow)
+        f.cost_s_per_step, f.cost_fraction = _worker_cost(cells, f.ranks, coord, w.slow,
+                                                          f.from_step, f.to_step)
     healthy = [r for r in ranks if r not in w.slow]
     stage_f = _stage_imbalance(cells, healthy, coord, layout)
     if stage_f is not None:
@@ -439,15 +440,19 @@ def _merge_hosts(findings: list[Finding], layout: Layout, ranks: list[int]) -> l
     return out
 
 
-def _worker_cost(cells: _Cells, slow: list[int], coord: dict[int, Any],
-                 all_slow: set[int]) -> tuple[float | None, float | None]:
-    """Seconds per step by which the worker's compute exceeds its stage peers' median."""
+def _worker_cost(cells: _Cells, slow: list[int], coord: dict[int, Any], all_slow: set[int],
+                 from_step: int | None = None, to_step: int | None = None
+                 ) -> tuple[float | None, float | None]:
+    """Seconds per step by which the worker's compute exceeds its stage peers' median (in
+    its slow segment's steps, for a fault that began or ended mid-trace)."""
     stage = coord[slow[0]].pp
     peers = [r for r in cells.step_compute if coord[r].pp == stage and r not in all_slow]
     if not peers:
         return None, None
     excess, spans = [], []
     for s, v in cells.step_compute[slow[0]].items():
+        if (from_step is not None and s < from_step) or (to_step is not None and s > to_step):
+            continue
         others = [cells.step_compute[p][s] for p in peers if s in cells.step_compute[p]]
         if others:
             excess.append(v - float(np.median(others)))
