@@ -11,7 +11,8 @@ total. It is how a rule or threshold is changed: score the corpus's tuning part
 What replay decides and what it takes from the recording:
 - the detector sees what the live monitor saw at rank 0: rank 0's step time, and every
   rank's compute time per unit of work (``fb_time`` normalised to the uniform plan's
-  micro-batches), one exchange per step, each row read one step after it was sent;
+  micro-batches), one exchange per step, each row read one step after it was sent (a
+  ``--comm lossy`` run: every K steps, read L exchanges later, as its monitor did);
 - the validation tests cannot be re-run, but their raw measurements can: rank 0 records
   every validation's gathered evidence (each rank's compute-test rounds, link round trips,
   training-time profile and recent steps) and every recovery test in ``validation.jsonl``
@@ -37,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +125,8 @@ class RecordedEvidence:
     ``EvidenceSource``: each record used once, the nearest to the alarm first (module
     docstring). ``unmatched``: alarms that had no recorded validation (or recovery test)."""
 
-    def __init__(self, records: list[dict[str, Any]]) -> None:
+    def __init__(self, records: list[dict[str, Any]], window: int = MATCH_STEPS) -> None:
+        self.window = window
         self.validations = [r for r in records if r.get("kind") == "validation"]
         self.recoveries = [r for r in records if r.get("kind") == "recovery"
                            and r.get("ratio") is not None]
@@ -131,9 +134,8 @@ class RecordedEvidence:
         self.pause_s = 0.0
         self._ev: list[RankEvidence] = []
 
-    @staticmethod
-    def _nearest(recs: list[dict[str, Any]], decided: int) -> dict[str, Any] | None:
-        near = [r for r in recs if abs(int(r["step"]) - decided) <= MATCH_STEPS]
+    def _nearest(self, recs: list[dict[str, Any]], decided: int) -> dict[str, Any] | None:
+        near = [r for r in recs if abs(int(r["step"]) - decided) <= self.window]
         if not near:
             return None
         return min(near, key=lambda r: (abs(int(r["step"]) - decided), int(r["step"])))
@@ -191,30 +193,36 @@ class EventSink:
 
 # ---- the detector ---------------------------------------------------------------------------
 def _replay_detector(inc: Incarnation, source: RecordedEvidence, micro_total: int,
-                     groups: int, on_step: Callable[[int, list[Finding]], bool]
-                     ) -> dict[str, Any]:
+                     groups: int, on_step: Callable[[int, list[Finding]], bool],
+                     every: int = 1, lag: int = 1) -> dict[str, Any]:
     """Drive the decision path (``Detector.step``) over one incarnation (module docstring):
-    each step's sample, then the rows sent one step earlier (every rank's compute), then the
-    alarm they carry, validated on the recorded evidence. ``on_step(step, findings)`` runs
-    after each step's detection, as the policy would; True asks for a recovery test (the
-    policy's ``wants_recovery_test``)."""
+    each step's sample, then the rows read back now (every rank's compute), then the alarm
+    they carry, validated on the recorded evidence -- rows sent every ``every`` steps and read
+    ``lag`` exchanges later, as the live exchange did (exchange.py: 1 and 1, or a lossy job's
+    8 and 2). ``on_step(step, findings)`` runs after each step's detection, as the policy
+    would; True asks for a recovery test (the policy's ``wants_recovery_test``)."""
     sink = EventSink()
     det = Detector(DecisionCore(True, emit=sink.emit), source)
     core = det.core
-    sent: tuple[Alarm, int, list[float]] | None = None
+    inflight: deque[tuple[int, Alarm, list[tuple[int, list[float]]]]] = deque()
+    unsent: list[tuple[int, list[float]]] = []
+    next_issue = every
     alarms: list[dict[str, Any]] = []
-    for srow in inc.steps:
+    for c, srow in enumerate(inc.steps, start=1):  # c: the monitor's check number
         k = srow.step
         m0 = srow.ranks[0]
         comps = [monitor_compute(srow.ranks[r], micro_total, groups) for r in range(inc.world)]
         sample = IterSample(k, float(m0["step_time"]), comps[0], float(m0["comm_time"]))
-        got = None
+        unsent.append((k, comps))
+        got: Alarm | None = None
         rows: list[tuple[int, list[float]]] = []
-        if sent is not None:
-            got, key, prev = sent
-            rows = [(key, prev)]
-        out = det.step(StepInput(sample, rows, got, k))
-        sent = (out.send, k, comps)
+        if inflight and inflight[0][0] <= c:
+            _, got, rows = inflight.popleft()
+        issue = c >= next_issue
+        out = det.step(StepInput(sample, rows, got, k, issue))
+        if issue:
+            inflight.append((c + lag * every, out.send, unsent))
+            unsent, next_issue = [], c + every
         if got is not None and got.action != NONE:
             alarms.append({"step": k, "action": ACTIONS[got.action],
                            "onset_step": got.onset, "ratio": got.severity,
@@ -346,6 +354,10 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
     rounds = read_jsonl(run_dir / VALIDATION_FILE) if (
         run_dir / VALIDATION_FILE).is_file() else []
     source = RecordedEvidence(rounds)
+    # a lossy job's monitor exchanged every K steps and read each row L exchanges later
+    det_cfg = cfg.get("detection") or {}
+    every, lag = (int(det_cfg.get("lossy_check_every", 8)), int(det_cfg.get("lossy_lag", 2))) \
+        if cfg.get("comm") == "lossy" else (1, 1)
     tp = int(cfg.get("tp", 1))
     out: dict[str, Any] = {"run": run_dir.name, "incarnations": []}
     for inc in _incarnations(metrics):
@@ -364,7 +376,7 @@ def replay_run(run_dir: Path) -> dict[str, Any]:
                 return pol.step(by_step[step], findings)
             return False
 
-        det = _replay_detector(inc, source, micro_total, groups, on_step)
+        det = _replay_detector(inc, source, micro_total, groups, on_step, every, lag)
         out["incarnations"].append(_round({
             "world": inc.world, "first_step": inc.steps[0].step, "last_step": inc.steps[-1].step,
             "alarms": det["alarms"], "detect": det["events"], "hiccups": det["hiccups"],

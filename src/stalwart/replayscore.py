@@ -7,7 +7,9 @@ steps: the training time the fault ran undetected; a fault present from the star
 from the first recorded step), the onset it gave, and ``never_healthy`` for a fault present
 from step 0. False positives: every ``straggler_detected`` in a run with no straggler fault,
 and, in a faulted run, every one decided before the first fault was applied or naming a
-culprit that no fault explains. ``slowdown_unexplained`` decisions are counted apart
+culprit that no fault explains -- ranks read in the launch's numbering, through the
+regroups the run recorded (a re-map moves ranks between hosts). ``slowdown_unexplained``
+decisions are counted apart
 (``unexplained``; the job as a whole slowed, which a clean run's neighbours can cause).
 A run is *right* when it has no false positive and every fault is detected and localised.
 
@@ -41,13 +43,37 @@ def _explains(d: dict[str, Any], truths: list[Truth]) -> bool:
     return any(localised(d, t) for t in truths)
 
 
+def _in_launch_terms(found: list[dict[str, Any]], events: list[dict[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    """Findings with their ranks in the numbering the faults were given in: after a regroup
+    (a re-map, an exclusion) rank i of the new world is the launch's rank ``members[i]`` on
+    host ``hosts[i]``; a compute finding names processes (members), a link finding hosts."""
+    regroups = sorted(((int(e["step"]), e) for e in events if e.get("event") == "regroup"
+                       and e.get("members") is not None), key=lambda x: x[0])
+    if not regroups:
+        return found
+    out = []
+    for d in found:
+        g = [e for s, e in regroups if s <= int(d["step"])]
+        if not g:
+            out.append(d)
+            continue
+        m = g[-1]["members"] if d.get("kind") == "compute" else g[-1].get("hosts", [])
+
+        def to(r: int, m: list[int] = m) -> int:
+            return int(m[r]) if 0 <= r < len(m) else r
+        out.append(dict(d, ranks=[to(int(r)) for r in d.get("ranks") or []],
+                        link=None if d.get("link") is None else [to(int(r)) for r in d["link"]]))
+    return out
+
+
 def score_run(run_dir: Path, res: dict[str, Any]) -> dict[str, Any]:
     """One run's score (module docstring)."""
     run_dir = Path(run_dir)
     events = read_jsonl(run_dir / EVENTS) if (run_dir / EVENTS).is_file() else []
     truths = ground_truth(events)
     decisions = _decisions(res)
-    found = straggler_findings(decisions)
+    found = _in_launch_terms(straggler_findings(decisions), events)
     secs = _step_seconds(run_dir)
     first = min(secs, default=0)
     last = max((inc["last_step"] for inc in res["incarnations"]), default=0)

@@ -62,7 +62,11 @@ def test_stragglers_present_from_the_start_of_a_users_script_are_found(
     default batch's 1-3 ms of compute between long waits often fit in it -- the fault
     achieved 1.29-1.42x, with runs of healthy-looking steps (15 in a row in one CI run: a
     real onset at step 32, not a rank slow from its start). At 1024 (~15 ms of compute) it
-    achieved 1.75x and 3-12% of the steps looked healthy."""
+    achieved 1.75x and 3-12% of the steps looked healthy. A rank the audit let go (1.65x,
+    the slowest in 2 of 3 rounds) is tested for 10 rounds, and one a change point brings to
+    validation that sat above its peers over the whole window is named slow since the
+    monitor's first sample (localize._slow_all_along): before, each such alarm was let go as
+    "did not rise" and the rank was named once a rise showed (CI: onset 818)."""
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--script", "tests/scripts/plain_ddp.py",
            "--testbed", "netns", "--nproc", "4", "--detect", "--fault", fault,
            "--out", str(tmp_path), "--name", "born", "--no-progress", "--",
@@ -75,5 +79,5 @@ def test_stragglers_present_from_the_start_of_a_users_script_are_found(
     assert first["kind"] == kind and first["ranks"] == ranks, first
     if link is not None:
         assert first["link"] == link, first
-    assert first["evidence"]["never_healthy"] is True and first["onset_step"] <= 2, \
+    assert first["evidence"].get("never_healthy") is True and first["onset_step"] <= 2, \
         (first["onset_step"], first["evidence"])

@@ -45,8 +45,6 @@ TUNE: dict[str, list[str]] = {
                                    "--fault", "compute:rank=2,factor=3,start=25,end=70"],
     "compute2x-n3-rebalance": ["--nproc", "3", "--steps", "100", "--mitigate", "rebalance",
                                "--fault", C.format(r=0, f=2, s=30)],
-    "contention-n2": ["--nproc", "2", "--steps", "80",
-                      "--fault", "contention:rank=1,procs=2,start=30"],
     "contention-n4": ["--nproc", "4", "--steps", "80",
                       "--fault", "contention:rank=0,procs=2,start=30"],
     "link-n4-netns": ["--nproc", "4", "--steps", "70", "--testbed", "netns",

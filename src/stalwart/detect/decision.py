@@ -172,6 +172,11 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
             self.audit = {"step": s.key}
             self.pending = Alarm(AUDIT, self._first_key, 1.0, -1)
 
+    @property
+    def first_key(self) -> int | None:
+        """The key of the first sample this rank's monitor took (None before it)."""
+        return self._first_key
+
     def _audit_due(self) -> bool:
         after = self._seen - self.detector.warmup
         return self.audit_on and self.audit is None and after >= AUDIT_MIN and (

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from stalwart.detect.alarms import DETECTS, MODES, NONE, RECOVER, Alarm, IterSample
+from stalwart.detect.alarms import DETECTS, MODES, NONE, QUIET, RECOVER, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.localize import decide, more_rounds
@@ -67,6 +67,7 @@ class StepInput:
     rows: Sequence[tuple[int, list[float]]] = ()
     alarm: Alarm | None = None
     decided: int | None = None
+    issue: bool = True  # a row leaves at this step (batched exchanges: every K steps)
 
 
 @dataclass
@@ -134,7 +135,7 @@ class Detector:
         if arrived and core.leader:
             core.alarm_read()
         # the next row leaves before the verdict, as over the live exchange (exchange.py)
-        out = StepOutput(send=core.take_pending())
+        out = StepOutput(send=core.take_pending() if inp.issue else QUIET)
         if arrived:
             assert alarm is not None
             decided = inp.decided if inp.decided is not None else (
@@ -147,7 +148,7 @@ class Detector:
         """An alarm that reached every rank: validated and applied (a change, an outlier, the
         audit) or a recovery judged. What a transport that feeds the core itself (the live
         exchange) calls once it has read the alarm back; ``step`` calls it otherwise."""
-        out = out if out is not None else StepOutput(send=Alarm(NONE, 0, 0.0, -1))
+        out = out if out is not None else StepOutput(send=QUIET)
         if alarm.action in DETECTS:
             out.validation = self.validate(alarm, decided)
             out.paused = True
@@ -166,13 +167,15 @@ class Detector:
             ev = src.more_rounds(extra)
             if not ev or len(ev[0].compute_rounds) <= have:
                 break  # a source that cannot measure more (a recording) decides on what it has
-        finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode)
+        first = self.core.first_key
+        finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode, first)
         if finding.kind == "unknown":
             # a slow link between ranks that are not ring neighbours
             more = src.more_links()
             if more is not None:
                 ev = more
-                finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode)
+                finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode,
+                                 first)
         self.core.apply_verdict(finding, suspect, self._pause_s(), alarm.action)
         return Validation(alarm, decided, ev, finding)
 

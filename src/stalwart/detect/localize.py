@@ -264,9 +264,11 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
     was logged unexplained.
 
     Pure on the gathered evidence, so every rank reaches the same answer and runs the same
-    extra rounds. Asked for only while the candidate is below ``COMPUTE_RATIO``, at least
-    ``COMPUTE_MILD``, and the slowest in every round so far (up to ``MILD_ROUNDS``) or in all
-    but one (up to ``MILD_ROUNDS_LONG``).
+    extra rounds. Asked for while the candidate is at least ``COMPUTE_MILD`` and the slowest
+    in every round so far (up to ``MILD_ROUNDS``; not below ``COMPUTE_RATIO``: decided) or in
+    all but one (up to ``MILD_ROUNDS_LONG``, also at ``COMPUTE_RATIO`` and above: a 2x rank
+    slow from step 0 read 1.65x and was the slowest in 2 of 3 rounds at the audit of a
+    loaded script run, and the audit let it go).
     """
     why: dict[str, Any] = {}
     suspect_rank = candidate_of(ev, suspect_rank, mode, why)
@@ -275,9 +277,11 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
     cr = _compute_ratios(ev)
     r = cr.get(suspect_rank, 0.0)
     done = min((len(e.compute_rounds) for e in ev), default=0)
-    if (r >= COMPUTE_RATIO and not _mild_only(why)) or r < COMPUTE_MILD or done == 0:
+    if r < COMPUTE_MILD or done == 0:
         return 0
     misses = done - slowest_every_round(ev, suspect_rank)
+    if r >= COMPUTE_RATIO and not _mild_only(why) and misses == 0:
+        return 0  # decided: far above and the slowest in every round
     if misses == 0 and done < MILD_ROUNDS:
         return MILD_ROUNDS - done
     if misses == 1 and done < MILD_ROUNDS_LONG:
@@ -286,7 +290,8 @@ def more_rounds(ev: list[RankEvidence], suspect_rank: int | None,
 
 
 def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
-                     severity: float, evidence: dict[str, Any]) -> Finding:
+                     severity: float, evidence: dict[str, Any],
+                     first_step: int | None = None) -> Finding:
     onset = culprit_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
     # ...and over its peers by at least half (in log) of what the compute test reads now
     test = (evidence.get("compute_test_ratio") or {}).get(str(rank), 1.0)
@@ -295,14 +300,41 @@ def _compute_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: i
         evidence["culprit_rise"] = round(math.exp(rise), 3)
         onset = None
     if onset is None:
+        slow = _slow_all_along(ev, rank, step, severity, evidence, first_step)
+        if slow is not None:
+            return slow
         # the test finds the rank slow now, but its own compute did not rise over this
-        # slowdown (or only in the last sample): a change on noise, validated just as a real
-        # fault began. Not this slowdown's culprit; the channels find the fault's own onset.
+        # slowdown (or only in the last sample) and was not above its peers all along: a
+        # change on noise, validated just as a real fault began. Not this slowdown's
+        # culprit; the channels find the fault's own onset.
         evidence["culprit_not_slow_since_onset"] = rank
         return Finding("unknown", onset_step, step, severity, evidence=evidence)
     if onset != onset_step:  # say where the channel that fired had put it
         evidence["channel_onset_step"] = onset_step
     return Finding("compute", onset, step, severity, ranks=[rank], evidence=evidence)
+
+
+def _slow_all_along(ev: list[RankEvidence], rank: int, step: int, severity: float,
+                    evidence: dict[str, Any], first_step: int | None) -> Finding | None:
+    """A rank the compute test confirmed whose compute did not rise over the slowdown but
+    sat above its peers' over the whole evidence window -- the audit's sign test
+    (``AUDIT_SHIFT``, ``AUDIT_P``) on its training-time compute: a straggler slow since
+    before the window, found by a change point on its noise. Its onset is the window's first
+    sample, or the monitor's first (``first_step``, ``never_healthy``) when the window
+    reaches back to it; priced from its peers. None when the sign test does not pass. Why:
+    a 1.5-2x rank slow from step 0 whose audit missed it (1.65x, slowest in 2 of 3 rounds)
+    had its change-point alarms confirmed by the compute test and each let go as "did not
+    rise" (CI: named 25 s in, at an onset of step 818)."""
+    keys, xs = peer_series(ev, rank)
+    k, n, p = sign_test(xs, AUDIT_SHIFT)
+    if n < AUDIT_MIN_SAMPLES or p > AUDIT_P:
+        return None
+    whole = first_step is not None and int(keys[0]) <= first_step
+    evidence.update(never_healthy=whole, slow_all_along=True, sign_test={
+        "rank": rank, "above": k, "of": n, "shift": AUDIT_SHIFT, "p": float(f"{p:.3g}")})
+    onset = first_step if whole and first_step is not None else int(keys[0])
+    return Finding("compute", onset, step, max(born_severity(ev, rank), 1.0), ranks=[rank],
+                   evidence=evidence)
 
 
 def _slow_links(ev: list[RankEvidence],
@@ -358,13 +390,15 @@ def _rose_in_window(ev: list[RankEvidence], rank: int, onset_step: int, step: in
 
 
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
-           suspect_rank: int | None = None, mode: str = CHANGE_MODE) -> Finding:
+           suspect_rank: int | None = None, mode: str = CHANGE_MODE,
+           first_step: int | None = None) -> Finding:
     """Combine every rank's evidence into one verdict (pure: same input, same answer).
 
     ``suspect_rank``: the rank whose own compute time (relative to its peers) triggered the
     detection, if that is how it was found; the compute test must then confirm that rank.
     ``mode``: what raised the alarm (``CHANGE_MODE``, ``OUTLIER_MODE``, ``AUDIT_MODE``; the
-    module docstring).
+    module docstring). ``first_step``: the monitor's first sample, when known (a rank slow
+    over the whole evidence window is then slow since it: ``_slow_all_along``).
     """
     ev = sorted(ev, key=lambda e: e.rank)
     evidence: dict[str, Any] = {}
@@ -400,7 +434,8 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         evidence["rounds_chance"] = _rounds_chance(ev, candidate)
         if born:
             return _born_finding(ev, candidate, onset_step, step, evidence, mode)
-        return _compute_finding(ev, candidate, onset_step, step, severity, evidence)
+        return _compute_finding(ev, candidate, onset_step, step, severity, evidence,
+                                first_step)
     # 2. pairs crossing one host's link, slow together (hostlink.py: moderate congestion
     #    too), else a link tens of times slower than its peers, not explained by a starved rank
     slow_links = _host_link(ev, cr, evidence) or slow_links
@@ -430,5 +465,6 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
                 len(order) == 1 or cr[order[0]] >= STANDOUT * cr[order[1]]) and (
                 not compute_flat or _rose_in_window(ev, order[0], onset_step, step)):
             evidence["rounds_chance"] = _rounds_chance(ev, order[0])
-            return _compute_finding(ev, order[0], onset_step, step, severity, evidence)
+            return _compute_finding(ev, order[0], onset_step, step, severity, evidence,
+                                    first_step)
     return Finding("unknown", onset_step, step, severity, evidence=evidence)
