@@ -45,6 +45,7 @@ BARRIER_PORT = 29620
 ARMS = ("stalwart", "torchrun_elastic", "torchft")
 FAULTS = ("none", "kill", "hang", "cut")
 START_TIMEOUT_S = 180.0
+END_GRACE_S = 20.0  # after the job's last step, for the processes' final lines and exits
 
 
 @dataclass(frozen=True)
@@ -248,35 +249,11 @@ def run_episode(arm: Arm, fault: str, workdir: Path, say: Any = print) -> Episod
                         env=arm.env(nodes, i))
         t_end = time.monotonic() + START_TIMEOUT_S + p.run_timeout_s
         if fault != "none":
-            reached = nodes.wait(START_TIMEOUT_S,
-                                 lambda: max_step(read_records(rec)) >= p.fault_at)
-            if not reached or not nodes.live_agents():
-                ep.notes.append(f"step {p.fault_at} not reached; no fault applied")
-            else:
-                ep.t_fault = {"kill": nodes.kill, "hang": nodes.hang,
-                              "cut": nodes.cut}[fault](victim)
-                say(f"bench elastic: {arm.name}: {fault} of node {victim} at step "
-                    f">= {p.fault_at}")
-        if fault == "kill" and ep.t_fault is not None and p.back_after_s is not None:
-            time.sleep(p.back_after_s)
-            ep.t_back = time.time()
-            nodes.start(victim, arm.command(nodes, victim, rec, first=False),
-                        log=f"node{victim}-back.log", env=arm.env(nodes, victim))
-        if fault in ("hang", "cut") and ep.t_fault is not None:
-            tf = ep.t_fault
-
-            def moved_on() -> bool:
-                r = read_records(rec)
-                res = ef.resume_s(r, tf)
-                return res is not None and time.time() > tf + res + 2.0
-
-            if not nodes.wait(p.cap_s, moved_on):
-                ep.notes.append(f"the survivors did not go on within {p.cap_s:.0f} s")
-            ep.finished = False
+            _apply(arm, nodes, fault, victim, rec, ep, say)
+        if fault in ("hang", "cut"):
+            _wait_survivors(nodes, rec, ep, p.cap_s)
         else:
-            ended = nodes.wait(max(t_end - time.monotonic(), 1.0))
-            if not ended:
-                ep.notes.append(f"the run did not end within {p.run_timeout_s:.0f} s")
+            _wait_end(nodes, rec, ep, p.steps, t_end, p.run_timeout_s)
         ep.seen = dict(nodes.seen)
         codes = sorted({q.returncode for ps in nodes.agents.values() for q in ps
                         if q.returncode not in (None, 0, -9)})
@@ -290,3 +267,54 @@ def run_episode(arm: Arm, fault: str, workdir: Path, say: Any = print) -> Episod
             ep.notes.append(f"the job did not train all {p.steps} steps (last kept: "
                             f"{ks[-1].step if ks else None})")
     return ep
+
+
+def _apply(arm: Arm, nodes: Nodes, fault: str, victim: int, rec: Path, ep: Episode,
+           say: Any) -> None:
+    """The fault once the job has done ``fault_at`` steps; a killed node started again
+    ``back_after_s`` later."""
+    p = arm.plan
+    reached = nodes.wait(START_TIMEOUT_S, lambda: max_step(read_records(rec)) >= p.fault_at)
+    if not reached or not nodes.live_agents():
+        ep.notes.append(f"step {p.fault_at} not reached; no fault applied")
+        return
+    ep.t_fault = {"kill": nodes.kill, "hang": nodes.hang, "cut": nodes.cut}[fault](victim)
+    say(f"bench elastic: {arm.name}: {fault} of node {victim} at step >= {p.fault_at}")
+    if fault == "kill" and p.back_after_s is not None:
+        time.sleep(p.back_after_s)
+        ep.t_back = time.time()
+        nodes.start(victim, arm.command(nodes, victim, rec, first=False),
+                    log=f"node{victim}-back.log", env=arm.env(nodes, victim))
+
+
+def _wait_survivors(nodes: Nodes, rec: Path, ep: Episode, cap_s: float) -> None:
+    """A hang or a cut: until the survivors have gone on for 2 s, or ``cap_s``."""
+    if ep.t_fault is None:
+        return
+    tf = ep.t_fault
+
+    def moved_on() -> bool:
+        res = ef.resume_s(read_records(rec), tf)
+        return res is not None and time.time() > tf + res + 2.0
+
+    if not nodes.wait(cap_s, moved_on):
+        ep.notes.append(f"the survivors did not go on within {cap_s:.0f} s")
+
+
+def _wait_end(nodes: Nodes, rec: Path, ep: Episode, steps: int, t_end: float,
+              timeout_s: float) -> None:
+    """Until every launcher has exited, or ``END_GRACE_S`` after the job's last step (for
+    the final lines) -- what still runs then is named and stopped."""
+    last: list[float] = []
+
+    def trained() -> bool:
+        if not last and max_step(read_records(rec)) >= steps - 1:
+            last.append(time.monotonic())
+        return bool(last) and time.monotonic() > last[0] + END_GRACE_S
+
+    if not nodes.wait(max(t_end - time.monotonic(), 1.0), trained):
+        ep.notes.append(f"the run did not end within {timeout_s:.0f} s")
+    stuck = sorted({i for i, ps in nodes.agents.items() for q in ps if q.poll() is None})
+    if stuck:
+        ep.notes.append(f"node(s) {stuck} still running {END_GRACE_S:.0f} s after the job's "
+                        "last step (stopped by the bench)")
