@@ -5,8 +5,10 @@ metrics)`` hints when the loop gives them, otherwise from the period of the trac
 sequence (tracking.py, period.py) -- no call needed; rank 0's decision state machine
 (decision.py) runs BOCD+V on it and on every rank's compute relative to the job's, whose
 samples reach rank 0 over the exchange (exchange.py); an alarm travels back to every rank in
-rank 0's row, every rank runs the validation tests (validate.py) at the same check, and each
-computes the same verdict (localize.py). Rank 0 appends ``straggler_detected``,
+rank 0's row, every rank runs the validation tests (verify.LiveEvidence) at the same check,
+and each computes the same verdict through the one decision path (detector.py, which replay
+and the simulator drive too); rank 0 records the raw rounds in ``run_dir/validation.jsonl``
+(replay re-decides on them). Rank 0 appends ``straggler_detected``,
 ``straggler_recovered`` and ``slowdown_unexplained`` to ``run_dir/events.jsonl`` and, at close,
 its counters (hiccups, exchanges, cost) to ``run_dir/detect_stats.json``.
 
