@@ -5,10 +5,9 @@ references) and the audit's validation (every rank's evidence, the sign test of 
 against its peers). A 10,000-rank job did not get past step 16 of its first scenario with a
 policy in 10 minutes: the audit compared each rank with its peers one rank at a time
 (O(N^2)). Counted in function calls (Python and built-in, by cProfile: deterministic,
-unlike CPU time on a shared
-machine), the first 45 steps -- warm-up, the channels' starts and the audit -- must grow at
-most ``LINEAR_SLACK`` x as much as the ranks from 1,000 to 10,000 (the O(N^2) audit grew
-~100x for 10x)."""
+unlike CPU time on a shared machine), the first 45 steps -- warm-up, the channels' starts
+and the audit -- must grow at most ``LINEAR_SLACK`` x as much as the ranks from 1,000 to
+10,000 (the O(N^2) audit grew ~100x for 10x)."""
 
 from __future__ import annotations
 

@@ -157,6 +157,9 @@ class PeerTable:
         self.vals = vals  # (K, N) compute seconds
         n = vals.shape[1]
         self._peers: np.ndarray | None = None
+        self._logs: np.ndarray | None = None  # log(own / peers) where both are > 0
+        self._ok: np.ndarray | None = None
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if n < 2 or not len(keys):
             self._peers = np.zeros_like(vals)
             return
@@ -189,11 +192,25 @@ class PeerTable:
         return cls(ranks, np.asarray(keys, dtype=np.int64), vals)
 
     def series(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """``rank``'s series (kept: the audit asks for each rank several times). The
+        arrays returned are shared between calls: read them, do not change them."""
         i = self.index.get(rank)
         if i is None or self._peers is None:
             return np.asarray([], dtype=np.int64), np.asarray([])
-        own, peers = self.vals[:, i], self._peers[:, i]
-        ok = (own > 0) & (peers > 0)
-        xs = [math.log(a / b) for a, b in zip(own[ok].tolist(), peers[ok].tolist(),
-                                              strict=True)]
-        return self.keys[ok], np.asarray(xs)
+        if self._logs is None:
+            ok = (self.vals > 0) & (self._peers > 0)
+            ratio = np.where(ok, self.vals, 1.0) / np.where(ok, self._peers, 1.0)
+            # libm's log per value, as the per-rank path takes it (numpy's may differ in
+            # the last place)
+            self._logs = np.asarray(list(map(math.log, ratio.ravel().tolist()))).reshape(
+                ratio.shape) if ratio.size else np.zeros(ratio.shape)
+            self._ok = ok
+        got = self._kept.get(i)
+        if got is None:
+            assert self._ok is not None
+            ok = self._ok[:, i]
+            got = (self.keys[ok], self._logs[ok, i])
+            for a in got:
+                a.setflags(write=False)  # shared: a caller that writes gets an error
+            self._kept[i] = got
+        return got
