@@ -82,6 +82,10 @@ def test_a_collective_is_given_up_only_when_it_cannot_finish() -> None:
     # a member acked the new generation before starting step 10: it will not contribute
     assert P.must_abandon(cur, gen(2, 1, 2, 3, 9), 10, {3: Ack(9, False)})
     assert not P.must_abandon(cur, gen(2, 1, 2, 3, 9), 10, {3: Ack(10, False)})
+    # a parked member is alive: the step in flight finishes with it...
+    assert not P.must_abandon(cur, gen(2, 1, 2), 10, {}, parked=[3])
+    # ...unless it stopped before the step (it acks the generation that leaves it out)
+    assert P.must_abandon(cur, gen(2, 1, 2), 10, {3: Ack(9, False)}, parked=[3])
 
 
 @pytest.mark.parametrize("batch,world", [(64, 4), (64, 3), (7, 3), (5, 8), (1, 1)])

@@ -183,11 +183,13 @@ class Job:
         flat = torch.cat([g.detach().to("cpu", torch.float32) for g in grads]
                          + [torch.tensor([lv])])
         step = self.step
+        work = self.pg.allreduce([flat])
         try:
-            self.rt.wait_work(self.pg.allreduce([flat]), lambda: self._must_abandon(step))
+            self.rt.wait_work(work, lambda: self._must_abandon(step))
         except Superseded:
-            self._phase = P.REDO
-            return False
+            if not _succeeded(work):  # (it may have finished meanwhile: then apply it)
+                self._phase = P.REDO
+                return False
         except StoreLost as e:
             raise self._store_lost(e) from None
         off = 0
@@ -248,16 +250,25 @@ class Job:
         n = self.rt.newest
         return n is not None and (self.gen is None or n.gen > self.gen.gen)
 
+    def _parked(self) -> set[int]:
+        """Members of this generation whose node is parked (alive: S4)."""
+        assert self.gen is not None
+        known, nodes = self.rt.known, self.rt.parked_nodes
+        return {m for m in self.gen.members if m in known and known[m].node in nodes}
+
     def _lost_member(self) -> bool:
         n = self.rt.newest
-        return (self.gen is not None and n is not None and n.gen > self.gen.gen
-                and any(m not in n.members for m in self.gen.members))
+        if self.gen is None or n is None or n.gen <= self.gen.gen:
+            return False
+        parked = self._parked()
+        return any(m not in n.members and m not in parked for m in self.gen.members)
 
     def _must_abandon(self, step: int) -> bool:
         n = self.rt.newest
         if self.gen is None or n is None or n.gen <= self.gen.gen:
             return False
-        return P.must_abandon(self.gen, n, step, self.rt.keys.acks(n))
+        return P.must_abandon(self.gen, n, step, self.rt.keys.acks(n, self.gen.members),
+                              self._parked())
 
     def _regroup(self) -> None:
         """Move to the newest generation that holds this member: ack, settle, rebuild the
@@ -268,6 +279,10 @@ class Job:
                 self._check()
                 g = rt.newest
                 if g is None or rt.me.id not in g.members:
+                    if g is not None and self.gen is not None and rt.me.id in self.gen.members:
+                        # left out (parked, or found hung): say where it stopped, so that
+                        # members still in a collective with it give that up
+                        rt.keys.ack(g.gen, rt.me.id, P.Ack(self.step - 1, False))
                     self._wait_admitted()
                     continue
                 newer = self._newer_than(g.gen)
@@ -365,3 +380,14 @@ class Job:
                 while time.monotonic() < deadline and \
                         len(keys.left(list(self.gen.members))) < len(self.gen.members):
                     time.sleep(0.05)
+
+
+def _succeeded(work: Any) -> bool:
+    """Whether a collective given up has finished after all, without error."""
+    if not work.is_completed():
+        return False
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001
+        return False
+    return True

@@ -151,11 +151,14 @@ def next_generation(current: Generation | None, alive: Iterable[int], joiners: I
 
 
 def must_abandon(current: Generation, newer: Generation, step: int,
-                 acks: Mapping[int, Ack]) -> bool:
+                 acks: Mapping[int, Ack], parked: Iterable[int] = ()) -> bool:
     """Whether a member in the collective of ``step`` in ``current`` must give it up because
-    ``newer`` exists: when a member of ``current`` is not in ``newer`` (it may never
-    contribute), or when one acked ``newer`` before starting ``step`` (it will not)."""
-    if any(m not in newer.members for m in current.members):
+    ``newer`` exists: when a member of ``current`` left out of ``newer`` for another reason
+    than being parked (dead, hung, gone: it may never contribute), or when a member of
+    ``current`` acked ``newer`` before starting ``step`` (it will not). A parked member is
+    alive: it finishes the step in flight with the others, then leaves."""
+    kept_alive = set(parked)
+    if any(m not in newer.members and m not in kept_alive for m in current.members):
         return True
     return any(acks[m].done < step for m in current.members if m in acks)
 

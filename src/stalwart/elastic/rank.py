@@ -64,6 +64,7 @@ class Runtime:
         self.known: dict[int, P.Member] = {}
         self.dead: set[int] = set()
         self.gone: set[int] = set()  # left cleanly
+        self.parked_nodes: set[str] = set()  # as last read by the watcher
         self.ever: set[int] = set()  # every id some generation held: never a joiner again
         self._pending_ids: set[int] = set()
         self._seen_last = 0
@@ -200,6 +201,7 @@ class Runtime:
         in_gen = set(self.newest.members) if self.newest else set()
         joiners = [m for m in alive if m not in in_gen and m not in self.ever]
         parked_nodes = keys.parked()
+        self.parked_nodes = parked_nodes
         parked = [m for m in alive if self.known[m].node in parked_nodes]
         weights = None
         wtext = keys.weights()

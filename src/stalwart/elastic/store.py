@@ -186,9 +186,11 @@ class Keys:
     def ack(self, g: int, member: int, a: Ack) -> None:
         self._call(self.s.set, f"ack/{g}/{member}", a.to_text())
 
-    def acks(self, g: Generation) -> dict[int, Ack]:
+    def acks(self, g: Generation, others: tuple[int, ...] = ()) -> dict[int, Ack]:
+        """The acks of ``g`` by its members (and by ``others``: members it left out, which
+        ack too, so that the ones still in a collective with them know they stopped)."""
         out = {}
-        for m in g.members:
+        for m in dict.fromkeys([*g.members, *others]):
             k = f"ack/{g.gen}/{m}"
             if self._call(self.s.check, [k]):
                 out[m] = Ack.from_text(self._call(self.s.get, k))
