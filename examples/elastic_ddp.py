@@ -20,7 +20,11 @@ completed, ``{"step", "t" (wall clock at the step's end, s), "samples" (this
 process's share of the step's global batch), "world", "gen" (the membership generation),
 "loss" (the global batch's mean loss), "member", "node", "local_rank"}``, then a final line
 ``{"final": true, "steps", "val_loss"}`` (the validation loss of the trained model) when it
-trained to the end. Deterministic per ``--seed``: the same global batch of samples at each
+trained to the end. A step is applied on every member or on none: when a member is lost, a
+survivor that gave up the step in flight redoes it in the new generation and logs it then; a
+step some survivors logged and others did not was applied with contributions of members that
+gave up waiting for it (they took the state after), so no sample was lost. Deterministic per
+``--seed``: the same global batch of samples at each
 step whatever the world, so a run with a node lost and back trains the same steps.
 """
 
