@@ -94,10 +94,9 @@ def peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarr
     Cost: O(N K) for N ranks' K steps; the audit asks it for every rank of one evidence list,
     so from ``TABLE_RANKS`` ranks on, all ranks' series are computed together once per list
     (``PeerTable``: O(N K log N), vectorised; at 1,000 ranks the per-rank path spent 93 s of
-    one simulated audit's CPU) and kept for that list while it is unchanged (the same list
-    object, length, and first and last entries with the same ``recent`` lists: evidence is
-    gathered once and never edited in place). The same values either way
-    (tests/detect/test_peer_table.py)."""
+    one simulated audit's CPU) and kept for that list, or one of the same entries
+    (``_fingerprint``: evidence is gathered once and never edited in place). The same
+    values either way (tests/detect/test_peer_table.py)."""
     if len(ev) >= TABLE_RANKS:
         table = _table_for(ev)
         if table is not None:
@@ -127,15 +126,19 @@ TABLE_RANKS = 16  # from this many ranks, peer_series computes every rank's seri
 _cache: list[Any] = [None, None]  # [the evidence list, its PeerTable (or None: not eligible)]
 
 
-def _fingerprint(ev: list[RankEvidence]) -> tuple[int, int, int, int, int]:
-    a, b = ev[0], ev[-1]
-    return len(ev), id(a), id(a.recent), id(b), id(b.recent)
+def _fingerprint(ev: list[RankEvidence]) -> tuple[int, ...]:
+    """The list's length and the identities of its first, middle and last entries and their
+    ``recent`` lists: a list of the same entries (``localize.decide`` sorts a copy of the
+    list ``more_rounds`` saw) shares the table; the series do not depend on the order."""
+    a, m, b = ev[0], ev[len(ev) // 2], ev[-1]
+    return len(ev), id(a), id(a.recent), id(m), id(m.recent), id(b), id(b.recent)
 
 
 def _table_for(ev: list[RankEvidence]) -> PeerTable | None:
     held = _cache[0]
-    if held is None or held[0] is not ev or held[1] != _fingerprint(ev):
-        _cache[0] = (ev, _fingerprint(ev))  # (a strong reference: its id is not reused)
+    if held is None or held[1] != _fingerprint(ev):
+        # (the list is held: its entries stay alive, so their ids are not reused)
+        _cache[0] = (ev, _fingerprint(ev))
         _cache[1] = PeerTable.build(ev)
     return _cache[1]
 
