@@ -154,7 +154,7 @@ def script_run(name: str, p: ea.Plan, workdir: Path, netns: bool, kill_at: int |
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--script",
            str(ea.EXAMPLES / "elastic_ddp.py"), "--nproc", "4",
            "--testbed", "netns" if netns else "local", "--out", str(workdir), "--name", name,
-           "--no-progress", "--", "--steps", str(p.steps // 2), "--batch", str(p.batch),
+           "--no-progress", "--", "--steps", str(p.steps), "--batch", str(p.batch),
            "--compute-ms", str(p.compute_ms / 2), "--out", str(rec)]
     t_kill = None
     deadline = time.monotonic() + p.run_timeout_s + ea.START_TIMEOUT_S
@@ -243,7 +243,9 @@ def run(quick: bool, workdir: Path, peers: bool = True,
         t_kill = p.fault_at // 2
         s_recs, s_t, s_rc = script_run("script-kill", p, workdir, netns, t_kill)
         figs["script_failstop_resume_s"] = ef.resume_s(s_recs, s_t) if s_t else None
-        figs["script_samples_lost"] = _f(ef.samples_lost(s_recs, p.batch)) if s_t else None
+        # (samples lost only where the survivors went on: a job that stopped lost the rest)
+        figs["script_samples_lost"] = _f(ef.samples_lost(s_recs, p.batch)) \
+            if figs["script_failstop_resume_s"] is not None else None
         figs["script_val_loss_rel_change"] = ef.rel_change(ef.final_val_loss(s_recs),
                                                            healthy_val)
         if s_t is not None and figs["script_failstop_resume_s"] is None:
