@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stalwart.detect import Monitor
 
+HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -57,7 +59,9 @@ def main() -> int:
         for step in range(a.steps):
             if rank == a.slow_rank and step == a.slow_at:
                 for _ in range(a.hogs):
-                    hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+                    # it spins while its rank lives: a rank killed by the test's timeout
+                    # (no finally) must not leave a core-pinned spinner slowing later jobs
+                    hogs.append(subprocess.Popen([sys.executable, "-c", HOG]))
                     os.sched_setaffinity(hogs[-1].pid, {rank % ncpu})
                 # and a lower CPU weight, so the slowdown stays large on a machine that other
                 # jobs load too (CFS shares by weight: nice 8 vs 0 is about 1:6)
