@@ -312,15 +312,28 @@ class Job:
         return lambda: self.rt.newest is not None and self.rt.newest.gen > gen
 
     def _wait_admitted(self) -> None:
+        """Wait to be in the newest generation. An id that a generation held and the newest
+        does not is buried for good (dropped: found hung, parked, or lost while joining): come
+        back under a new id, once the node is not parked."""
         rt = self.rt
-        if self.gen is not None and rt.me.id in rt.ever:  # dropped (found hung, or parked)
-            while rt.me.node in rt.keys.parked():
-                rt.check()
-                time.sleep(rt.heartbeat_s)
-            rt.reregister()
-        me = rt.me.id
-        rt.wait_until(lambda: rt.newest is not None and me in rt.newest.members,
-                      lambda: False, JOIN_TIMEOUT_S, "waiting to be admitted to the job")
+
+        def buried() -> bool:
+            n = rt.newest
+            return rt.me.id in rt.ever and (n is None or rt.me.id not in n.members)
+
+        while True:
+            if buried():
+                while rt.me.node in rt.keys.parked():
+                    rt.check()
+                    time.sleep(rt.heartbeat_s)
+                rt.reregister()
+            me = rt.me.id
+            try:
+                rt.wait_until(lambda me=me: rt.newest is not None and me in rt.newest.members,
+                              buried, JOIN_TIMEOUT_S, "waiting to be admitted to the job")
+                return
+            except Superseded:
+                continue
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
