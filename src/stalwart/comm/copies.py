@@ -64,6 +64,11 @@ REPORTS_KEPT = 16  # feedback reports (markers) per peer whose maximum sizes era
 # the next ~6,800 datagrams owed (0.5 = 0.97 ** (6800 / 300)), then REPORTS_KEPT more reports
 # keep its parity on at the sender: a loss rate >= ~1/6,800 never reads clean
 CLEAN_LOST = 0.5
+# datagrams a window must hold before "none lost" reads as clean: at a true loss rate q a
+# window of n datagrams shows none with probability (1-q)^n -- 0.7% at q = 1e-3, e^-50 at 1%
+# -- whereas a small window proves nothing (64 datagrams at 1% loss show none half the time:
+# the tiny GPT's 1%-loss runs lost their parity that way, val loss 0.17% off instead of ~0)
+CLEAN_MIN_OWED = 5000.0
 
 
 def copies_for(p: float, target: float, max_copies: int) -> int:
@@ -131,16 +136,17 @@ class LossEstimator:
 
 
     def report(self, sender: int) -> float | None:
-        """What this rank feeds back to ``sender`` in its markers: 0.0 while the window holds
-        no lost datagram (under ``CLEAN_LOST``: the link is clean, the sender sends it no
-        parity), else the upper estimate ``loss()`` (None until enough was owed). Reporting
+        """What this rank feeds back to ``sender`` in its markers: 0.0 while a window of at
+        least ``CLEAN_MIN_OWED`` datagrams holds no lost one (under ``CLEAN_LOST``: the link
+        is clean, the sender sends it no parity), else the upper estimate ``loss()`` (None
+        until enough was owed). Reporting
         the upper estimate on a clean link, as before, made every sender protect it with ~1
         parity packet per 247 data packets: 0.22-0.24 ns of CPU per payload byte, 11% of a
         loss-free all-reduce (docs/comm.md, "Where the CPU goes")."""
         owed = self.owed[sender]
         if owed < MIN_OWED:
             return None
-        if owed - self.got[sender] < CLEAN_LOST:
+        if owed >= CLEAN_MIN_OWED and owed - self.got[sender] < CLEAN_LOST:
             return 0.0
         return self.loss(sender)
 
