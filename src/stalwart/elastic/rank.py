@@ -195,10 +195,17 @@ class Runtime:
             self.wake.set()
 
     def _decide(self, keys: Keys) -> None:
+        in_gen = set(self.newest.members) if self.newest else set()
+        if not in_gen <= set(self.known):
+            # a generation adopted since this round fetched the members holds one this
+            # watcher does not know yet: without its record it would look dead -- fetch
+            # again, and decide nothing until every member is known
+            self._fetch_members(keys)
+            if not in_gen <= set(self.known):
+                return
         with self.lock:
             dead = self.dead | self.gone
         alive = [m for m in self.known if m not in dead]
-        in_gen = set(self.newest.members) if self.newest else set()
         joiners = [m for m in alive if m not in in_gen and m not in self.ever]
         parked_nodes = keys.parked()
         self.parked_nodes = parked_nodes
