@@ -147,3 +147,16 @@ def test_tries_of_one_step_under_one_restart_count_are_told_apart_by_time() -> N
     assert [e.step for e in ks] == list(range(12))
     assert {e.samples for e in ks} == {64} and ks[8].time == pytest.approx(30.1)
     assert ef.samples_lost(recs, GB) == 6 * 8  # the first, incomplete try of step 8
+
+
+def test_a_step_its_dead_member_did_not_live_to_log_is_applied_with_every_share() -> None:
+    # step 5 logged by 6 of 8 (the killed node contributed, then died); nothing redoes it
+    recs = _steps(range(0, 5), 8, 0, 0.0)
+    recs += _steps(range(5, 6), 6, 0, 0.5, world=8)
+    recs += _steps(range(6, 9), 6, 1, 2.0, world=6)
+    ks = ef.kept(recs)
+    assert [e.step for e in ks] == list(range(9)) and ks[5].samples == 64
+    assert ef.samples_lost(recs, GB) == 3 * 4  # only the three 6-member steps' remainder
+    # a try that was redone later is not the last word: waste, as before
+    redo = recs + _steps(range(5, 6), 6, 1, 1.5, world=6)
+    assert ef.kept(redo)[5].generation == 1

@@ -35,7 +35,7 @@ Definitions (what each figure means and what it does not show):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 Record = Mapping[str, Any]
@@ -50,6 +50,12 @@ class Execution:
     records: int
     world: int
     complete: bool
+    committed: bool = True
+    logged: int = -1  # samples in its lines, where ``samples`` credits shares not logged
+
+    @property
+    def logged_samples(self) -> int:
+        return self.samples if self.logged < 0 else self.logged
 
 
 _KEYS = {"t": "time", "gen": "generation", "member": "rank"}
@@ -104,9 +110,9 @@ def executions(records: Iterable[Record]) -> list[Execution]:
                 merged.append((gen, rs))
         for gen, rs in merged:
             n = _members(rs)
-            ok = n >= _world(rs) and all(r.get("committed", True) for r in rs)
+            com = all(r.get("committed", True) for r in rs)
             out.append(Execution(step, gen, _end(rs), sum(int(r["samples"]) for r in rs),
-                                 n, _world(rs), ok))
+                                 n, _world(rs), n >= _world(rs) and com, com))
     return sorted(out, key=lambda e: (e.time, e.step))
 
 
@@ -146,11 +152,23 @@ def kept(records: Iterable[Record]) -> list[Execution]:
     each earlier step its latest complete execution that ended before the one kept after it.
     Left out: a step's earlier tries (a restart from a checkpoint redoes steps), uncommitted
     and incomplete executions, and what a process trained by itself off the job's line (a
-    torchft replica restarted after its peers finished forms a quorum of one)."""
+    torchft replica restarted after its peers finished forms a quorum of one). A step's
+    latest execution that only some members logged, all committed, counts as applied with
+    every member's share (a member died after contributing, before logging)."""
     by: dict[int, list[Execution]] = {}
-    for e in executions(records):
+    latest: dict[int, Execution] = {}
+    for e in executions(records):  # in order of end time
+        latest[e.step] = e
         if e.complete:
             by.setdefault(e.step, []).append(e)
+    for step, e in latest.items():
+        if not e.complete and e.committed and e.records:
+            # the last word on a step, logged by only some members: a member died after
+            # contributing and before logging (torchft: it committed; stalwart: survivors
+            # that gave up waiting took the state after). Applied, with every share
+            by.setdefault(step, []).append(replace(
+                e, samples=round(e.samples * e.world / e.records), complete=True,
+                logged=e.samples))
     if not by:
         return []
     last = max(by)
@@ -204,7 +222,7 @@ def samples_lost(records: Iterable[Record], global_batch: int) -> int | None:
         return None
     ks = kept(recs)
     computed = sum(int(r["samples"]) for r in recs)
-    waste = computed - sum(e.samples for e in ks)
+    waste = computed - sum(e.logged_samples for e in ks)
     short = sum(max(global_batch - e.samples, 0) for e in ks)
     return waste + short
 
