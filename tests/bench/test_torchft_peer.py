@@ -230,7 +230,13 @@ def test_torchft_failstop_episode_end_to_end(tmp_path: Path) -> None:
     assert d.rc == 0, [e for e in d.events if e["event"] in ("rank_lost", "run_finished")]
     assert [e["rank"] for e in d.events_of("rank_lost")] == [3]
     done = tr.committed_done(d.metrics)
-    assert sorted(done) == list(range(20))
+    # every step, but that the killed replica may have committed the step in flight and died
+    # before logging it (seen in 1 of 6 runs: step 7 logged by 0-2 at world 4)
+    missing = set(range(20)) - set(done)
+    assert len(missing) <= 1 and set(done) <= set(range(20)), sorted(done)
+    for s in missing:
+        lines = [m for m in d.metrics if m["step"] == s and m["committed"]]
+        assert {m["rank"] for m in lines} == {0, 1, 2} and {m["world"] for m in lines} == {4}
     # the launcher sees progress every 0.1 s: the kill comes at step 8 or a few steps later
     t_kill, _ = tr.kill_time(d)  # type: ignore[misc]
     after = [m for m in d.metrics if m["time"] > t_kill + 0.5 and m["committed"]]
