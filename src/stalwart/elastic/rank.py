@@ -19,7 +19,6 @@ cannot be reached fails every call with ``StoreLost`` after at most ``STORE_TIME
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import selectors
 import socket
@@ -267,13 +266,11 @@ class Runtime:
             self.wait_until(done.is_set, superseded)
         except Superseded:
             self._abandoned.append(work)
-            _never_free(work)
             raise
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001
             self._abandoned.append(work)
-            _never_free(work)
             with contextlib.suppress(TimeoutError):
                 self.wait_until(lambda: False, superseded, EXPLAIN_S, "a failed collective")
             raise RuntimeError(f"a collective failed and no member was found dead in "
@@ -334,7 +331,6 @@ class Runtime:
         """Keep a given-up group referenced: destroying it would wait on its stuck threads."""
         if pg is not None:
             self._abandoned.append(pg)
-            _never_free(pg)
 
     # ---- leaving -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -346,14 +342,6 @@ class Runtime:
         for s in [*self._socks.values(), *self._accepted, self._listener]:
             with contextlib.suppress(OSError):
                 s.close()
-
-
-def _never_free(obj: Any) -> None:
-    """One reference that is never dropped, not even when the interpreter finalizes: a gloo
-    group (or collective) given up may still have a worker thread blocked on a hung peer, and
-    freeing it at exit crashed the process after its last step (SIGSEGV, seen in the hang
-    test: the survivor wrote its final line, then died with -11). The OS reclaims it."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _bopts(root: int) -> Any:
