@@ -11,8 +11,9 @@ What it guarantees:
   runs here unchanged;
 - while they run, supervise.py watches the ranks: if one rank dies, the others are stopped
   and the launcher returns non-zero naming the rank and the last line of its error; nothing
-  hangs (except where a job regroups in place or ``launch(..., keep_going=True)``: the
-  others carry on; see supervise.py);
+  hangs (except where a job regroups in place, ``launch(..., keep_going=True)``, or the
+  rank had joined a script's elastic job -- ``--script`` runs get a membership store of their
+  own, elastic/launcher.py --: the others carry on; see supervise.py);
 - when the ranks checkpoint and leave for a restart (S4, or a failed in-place regroup's
   fallback), the job goes on from that checkpoint on the hosts rank 0 asked for
   (restart.json), at the same global batch;
@@ -112,6 +113,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     else:
         progress = Progress(cfg, run_dir, enabled=show_progress)
     procs: dict[int, subprocess.Popen] = {}
+    store: Any = None  # a script's elastic membership store (elastic/launcher.py)
     rc = 1
     events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
                resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
@@ -119,12 +121,13 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
             all_hosts = list(range(cfg.nproc))
+            store = _script_store(cfg, tb, run_dir)
             clock0 = time.monotonic()  # fault windows in seconds count from here
             tb.on_time(0.0)
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
                 members = _announcer(cfg, run_dir, module)
-                procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation)
+                procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation, store)
                 # a rank started again to rejoin live runs the training worker (supervise.py)
                 again = partial(_start_rank, cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0)
                 rc = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
@@ -147,6 +150,8 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     finally:
         stop_all(procs)
         progress.close()
+        if store is not None:
+            store.close()
     if rc != 130:
         events.log("run_finished", ok=rc == 0, exit_code=rc)
     if module in ("stalwart.train.worker", "stalwart.scriptboot"):
@@ -181,12 +186,25 @@ def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: st
 
 
 def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
-           port: int, incarnation: int = 0) -> dict[int, subprocess.Popen]:
-    """One process per rank, inside its host (the testbed's prefix), with torchrun's env."""
-    procs = {r: _start_rank(cfg, tb, run_dir, module, args, port, incarnation, r)
+           port: int, incarnation: int = 0, store: Any = None) -> dict[int, subprocess.Popen]:
+    """One process per rank, inside its host (the testbed's prefix), with torchrun's env (and
+    a script's membership store: ``_script_store``)."""
+    extra = store.env if store is not None else None
+    procs = {r: _start_rank(cfg, tb, run_dir, module, args, port, incarnation, r, extra)
              for r in range(cfg.nproc)}
     tb.attach_ranks({r: p.pid for r, p in procs.items()})
     return procs
+
+
+def _script_store(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
+    """A ``--script`` job's elastic membership store, in rank 0's host (elastic/launcher.py):
+    a rank of a script that joins it may die without stopping the job."""
+    if cfg.script is None:
+        return None
+    from stalwart.elastic.launcher import LauncherStore
+
+    port = 29400 if cfg.testbed == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
+    return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir)
 
 
 def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,

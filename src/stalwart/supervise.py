@@ -16,7 +16,8 @@ What it guarantees:
   (mitigate/regroup.py); and with ``keep_going`` (ranks that handle a
   lost peer themselves, e.g. a peer framework's replica groups in ``stalwart bench``): it
   only logs ``rank_lost`` and supervises the rest, and the job succeeds when every rank
-  still running exits 0;
+  still running exits 0; the same for a ``--script`` rank that had joined an elastic job
+  (stalwart.elastic: its peers regroup without it, elastic/launcher.py);
 - a host an in-place regroup left out (S4), or the host of a rank lost in place (data
   parallel only: a TP group would need all its ranks back at once), is probed
   for the way back (mitigate/probe.py); once healthy and worth it, its rank is started
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import RunConfig
+from stalwart.elastic.launcher import registered
 from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
 from stalwart.mitigate.fallback import FALLBACK_EXIT
 from stalwart.mitigate.membership import failstop_ok
@@ -222,7 +224,7 @@ class Supervisor:
             failed = self._rejoin_failed(failures(self.procs))
             if failed and (self._lose_in_place(failed) or self._go_on_without(failed)):
                 continue  # the survivors regroup in place, or go on by themselves
-            if self.keep_going and not self.procs:
+            if (self.keep_going or self.cfg.script) and not self.procs:
                 return 1  # every rank died
             code = self._blame()
             if code is not None:
@@ -363,8 +365,13 @@ class Supervisor:
         return True
 
     def _go_on_without(self, failed: list[tuple[int, int]]) -> bool:
-        return self.keep_going and drop_lost(failed, self.procs, self.run_dir, self.events,
-                                              self.say, self.next_step)
+        """``keep_going``, or every failed rank is a member of a script's elastic job
+        (elastic/launcher.py ``registered``: its peers regroup by themselves)."""
+        if not self.keep_going and not (self.cfg.script and all(
+                r in registered(self.run_dir) for r, _ in failed)):
+            return False
+        return drop_lost(failed, self.procs, self.run_dir, self.events, self.say,
+                         self.next_step)
 
     def _new_probe(self, host: int) -> Any:
         from stalwart.mitigate.probe import HostProbe

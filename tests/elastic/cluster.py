@@ -22,7 +22,29 @@ SCRIPT = ROOT / "examples" / "elastic_ddp.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-class Cluster:
+class Records:
+    """The per-process JSONL files examples/elastic_ddp.py wrote to ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def files(self) -> dict[Path, list[dict[str, Any]]]:
+        out = {}
+        for f in sorted(self.out.glob("steps-*.jsonl")):
+            out[f] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [r for rs in self.files().values() for r in rs if "step" in r]
+
+    def by_step(self) -> dict[int, list[dict[str, Any]]]:
+        by: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in self.rows():
+            by[r["step"]].append(r)
+        return by
+
+
+class Cluster(Records):
     def __init__(self, out: Path, min_world: int, script_args: list[str]) -> None:
         self.out = out
         self.args = script_args
@@ -82,21 +104,6 @@ class Cluster:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"node {name} did not finish: " + self.tail()) from None
 
-    def files(self) -> dict[Path, list[dict[str, Any]]]:
-        out = {}
-        for f in sorted(self.out.glob("steps-*.jsonl")):
-            out[f] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        return out
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [r for rs in self.files().values() for r in rs if "step" in r]
-
-    def by_step(self) -> dict[int, list[dict[str, Any]]]:
-        by: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for r in self.rows():
-            by[r["step"]].append(r)
-        return by
-
     def tail(self) -> str:
         return "\n".join(f"--- {n}\n" + p.read_text()[-1500:] for n, p in self.logs.items())
 
@@ -115,7 +122,7 @@ class Cluster:
         return [int(x) for x in out.split()]
 
 
-def check_same_training(c: Cluster, steps: int, batch: int) -> None:
+def check_same_training(c: Records, steps: int, batch: int) -> None:
     """Every step trained once, in one generation, on the whole global batch, none missing;
     each process's steps strictly increase by one (nothing redone but the step in flight --
     which is never logged twice -- nothing skipped). A step may lack the rows of members that

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from stalwart.elastic import launcher
 from stalwart.elastic import protocol as P
 from stalwart.elastic.errors import ElasticError, Refused, StoreLost, UsageError
 from stalwart.elastic.rank import Runtime, Superseded
@@ -85,7 +86,8 @@ class Job:
         world = int(e.get("STALWART_MIN_WORLD") or e.get("WORLD_SIZE") or 1)
         bind = e.get("STALWART_HOST_ADDR") or (host if host.startswith("127.")
                                                else route_source(host, port))
-        node = e.get("STALWART_NODE") or f"{socket.gethostname()}/{os.getppid()}"
+        node = e.get("STALWART_NODE") or (f"host{e['STALWART_HOST']}" if e.get("STALWART_HOST")
+                                          else f"{socket.gethostname()}/{os.getppid()}")
         self.rt = Runtime(host, port, prefix, node, int(e.get("LOCAL_RANK", "0")), bind,
                           min_world if min_world is not None else world)
         self.step = 0
@@ -97,6 +99,14 @@ class Job:
         self._phase = P.IDLE
         self._resume()
         self._regroup()
+        # under `stalwart run`: the launcher goes on without this process if it dies, and
+        # follows its steps (elastic/launcher.py)
+        run_dir = launcher.run_dir_of(e)
+        self._iters: launcher.IterationLog | None = None
+        if run_dir is not None:
+            launch_rank = int(e.get("RANK", "0"))
+            launcher.announce(run_dir, launch_rank, self.rt.me.id)
+            self._iters = launcher.IterationLog(run_dir, launch_rank)
 
     # ---- identity ----------------------------------------------------------------------------
     def _identity_of(self, config: Mapping[str, Any] | None) -> dict[str, str]:
@@ -208,6 +218,8 @@ class Job:
         self._has_state = True
         self._phase = P.COMMITTED
         self._save()
+        if self._iters is not None:
+            self._iters.step(step, self.rank, self.world, self.generation)
         return True
 
     # ---- what the user may read --------------------------------------------------------------
@@ -386,6 +398,9 @@ class Job:
         """Leave the job (``steps()`` does it at its end). The member serving the store waits
         (at most a few seconds) for the others to leave first."""
         self.rt.close()
+        if self._iters is not None:
+            self._iters.close()
+            self._iters = None
         if self._server is not None and self.gen is not None:
             keys = self.rt.keys
             deadline = time.monotonic() + 5.0
