@@ -9,7 +9,8 @@ the last node, once the job has done ``fault_at`` steps: a kill (every process o
 started again ``back_after_s`` later, the run goes to its end), a hang (its ranks
 SIGSTOPped) and a cut link (nftables drops its packets both ways; root only -- without root
 the suite runs kill and hang and says so). The user script through the API under ``stalwart
-run --script`` (4 ranks, rank 3 killed) and its healthy run complete the set.
+run --script`` (4 ranks on 4 hosts, rank 3 killed by the launcher's ``kill`` fault) and its
+healthy run complete the set.
 
 Figures (elastic_figures.py defines each; the arms' prefixes: none = stalwart's API under
 torchrun, ``torchrun_elastic_``, ``torchft_``):
@@ -51,6 +52,7 @@ from stalwart.bench import BenchResult, Steps
 from stalwart.bench import elastic_arms as ea
 from stalwart.bench import elastic_figures as ef
 from stalwart.bench.peers import torchft_run
+from stalwart.rundir import EVENTS, read_jsonl
 
 PREFIX = {"stalwart": "", "torchrun_elastic": "torchrun_elastic_", "torchft": "torchft_"}
 TARGETS = {
@@ -145,67 +147,30 @@ def time_figures(kills: dict[str, ea.Episode]) -> tuple[dict[str, float | None],
 # ---- the user script under ``stalwart run --script`` ------------------------------------------
 def script_run(name: str, p: ea.Plan, workdir: Path, netns: bool, kill_at: int | None
                ) -> tuple[list[dict[str, Any]], float | None, int]:
-    """examples/elastic_ddp.py on 4 ranks under ``stalwart run --script`` -- rank 3's process
-    group SIGKILLed (as the launcher's ``kill`` fault does) once the job has done ``kill_at``
-    steps, when given: its records, the kill's time, the exit status. (The launcher's own
-    kill takes a step only from the monitor's iteration count, or a time since the ranks
-    started; under load a time came before the script's first step.)"""
+    """examples/elastic_ddp.py on 4 ranks under ``stalwart run --script``, with the launcher's
+    own fault ``kill:rank=3,at=KILL_AT`` when given (``--detect``: the step counter is the
+    elastic job's steps, which it writes to iterations.jsonl): its records, the time the
+    launcher sent the kill (its ``fault_applied`` event), the exit status."""
     rec = workdir / f"{name}-records"
+    fault = ["--detect", "--fault", f"kill:rank=3,at={kill_at}"] if kill_at is not None else []
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--script",
            str(ea.EXAMPLES / "elastic_ddp.py"), "--nproc", "4",
            "--testbed", "netns" if netns else "local", "--out", str(workdir), "--name", name,
-           "--no-progress", "--", "--steps", str(p.steps), "--batch", str(p.batch),
+           "--no-progress", *fault, "--", "--steps", str(p.steps), "--batch", str(p.batch),
            "--compute-ms", str(p.compute_ms / 2), "--out", str(rec)]
-    t_kill = None
-    deadline = time.monotonic() + p.run_timeout_s + ea.START_TIMEOUT_S
     with open(workdir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                if kill_at is not None and t_kill is None and \
-                        ea.max_step(ea.read_records(rec)) >= kill_at:
-                    t_kill = _kill_rank(workdir / name, 3)
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
+            rc = proc.wait(timeout=p.run_timeout_s + ea.START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
             rc = proc.wait(timeout=60)
-    return ea.read_records(rec), t_kill, rc
-
-
-def _kill_rank(run_dir: Path, rank: int) -> float | None:
-    """SIGKILL to the process group of the rank of ``run_dir`` (found by its environment);
-    the time the signal went."""
-    import signal
-
-    from stalwart.bench.elastic_nodes import _environ, _pids
-
-    want = {f"STALWART_RUN_DIR={run_dir}".encode(), f"RANK={rank}".encode()}
-    for pid in _pids():
-        env = set(_environ(pid))
-        if want <= env:
-            try:
-                pgid = os.getpgid(pid)
-                t = time.time()
-                os.killpg(pgid, signal.SIGKILL)
-                return t
-            except (ProcessLookupError, PermissionError):
-                continue
-    return None
+    kills = [e for e in read_jsonl(workdir / name / EVENTS)
+             if e.get("event") == "fault_applied" and e.get("kind") == "kill"]
+    return ea.read_records(rec), (float(kills[0]["time"]) if kills else None), rc
 
 
 # ---- the suite ------------------------------------------------------------------------------
-def peers_ready(peers: bool, install: bool) -> str | None:
-    """None when torchft runs, else why not (said once; its figures null)."""
-    if not peers:
-        return "--no-peers: torchft not run, its figures are null"
-    if install and torchft_run.available() is not None:
-        print(f"bench elastic: installing torchft=={torchft_run.TORCHFT_VERSION} (pip, no "
-              "torch change)", flush=True)
-        torchft_run.install()
-    return torchft_run.available()
-
-
 def run(quick: bool, workdir: Path, peers: bool = True,
         install_peers: bool = False) -> BenchResult:
     p = plan(quick)
@@ -216,7 +181,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     if not cut:
         notes.append("no cut-link runs: they need root and nftables (the netns testbed); "
                      "kill and hang only")
-    skip = peers_ready(peers, install_peers)
+    skip = torchft_run.ready(peers, install_peers, "elastic")
     if skip is not None:
         print(f"bench elastic: {skip}", flush=True)
         notes.append(skip)

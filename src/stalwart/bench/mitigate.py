@@ -312,13 +312,7 @@ def fault_window(sc: Scenario) -> tuple[int, int]:
 def peer_runs(peers: bool, install: bool = False) -> str | None:
     """None when torchft runs beside us, else why not (said once, its figures null).
     ``install`` (``--install-peers``): pip-install it first when it is missing."""
-    if not peers:
-        return "--no-peers: torchft not run, its figures are null"
-    if install and torchft_run.available() is not None:
-        print(f"bench mitigate: installing torchft=={torchft_run.TORCHFT_VERSION} (pip, no "
-              "torch change)", flush=True)
-        torchft_run.install()
-    return torchft_run.available()
+    return torchft_run.ready(peers, install, "mitigate")
 
 
 def torchft_side(skip: str | None, sc: dict[str, Scenario], workdir: Path, tag: str, st: Steps,

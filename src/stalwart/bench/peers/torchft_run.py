@@ -77,6 +77,18 @@ def install() -> int:
     return rc
 
 
+def ready(peers: bool, install_first: bool, suite: str) -> str | None:
+    """None when torchft runs beside us in bench ``suite``, else why not (said once, its
+    figures null). ``install_first`` (``--install-peers``): pip-install it when missing."""
+    if not peers:
+        return "--no-peers: torchft not run, its figures are null"
+    if install_first and available() is not None:
+        print(f"bench {suite}: installing torchft=={TORCHFT_VERSION} (pip, no torch change)",
+              flush=True)
+        install()
+    return available()
+
+
 def null_figures() -> dict[str, float | None]:
     return dict.fromkeys(FIGURES)
 
