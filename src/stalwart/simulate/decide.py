@@ -7,9 +7,10 @@ What runs is the product's own code, not a re-implementation:
   later, as the row link delivers it, through the product's rules (more compute rounds for a
   mild suspect, ``localize.decide``, what a verdict does, recovery at equal load). Only the
   validation tests' measurements are simulated (``SimEvidence``, the Detector's
-  ``EvidenceSource``): each rank's compute-test rounds = its current compute factor x test
-  noise; the ring's link-test round trips = the slower end's link factor x noise; profiles
-  and recent compute from the simulated history.
+  ``EvidenceSource``): each rank's compute-test rounds = its current compute factor x the
+  testbed's measured test noise; the ring's link-test round trips = the slower end's link
+  factor x the testbed's measured round-trip noise (testnoise.py: resampled from recorded
+  validation rounds); profiles and recent compute from the simulated history.
 - ``SimPolicy`` wraps ``stalwart.mitigate.policy.Policy`` over data-parallel replicas
   (the policy's "rank" is a replica: a finding on any rank of replica d is about d).
 
@@ -29,18 +30,17 @@ from typing import Any
 import numpy as np
 
 from stalwart.detect.alarms import NONE, Alarm, IterSample
-from stalwart.detect.decision import DecisionCore
+from stalwart.detect.decision import VECTOR_RANKS, DecisionCore
 from stalwart.detect.detector import ROUNDS, Detector, StepInput
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.mitigate import planner
 from stalwart.mitigate.decisions import EXCLUDE, REBALANCE, REVERT, Decision
 from stalwart.mitigate.policy import Policy
+from stalwart.simulate.testnoise import TestNoise
 
-TEST_NOISE = 0.05  # log-sd of one compute-test round (testbed: healthy ranks 0.96-1.07x)
-LINK_NOISE = 0.15  # log-sd of one link-test round trip (testbed: healthy pairs up to 13x)
 __all__ = ["EXCLUDE", "REBALANCE", "REVERT", "Decision", "Evidence", "SimDetector",
-           "SimEvidence", "SimPolicy", "planner"]
+           "SimEvidence", "SimPolicy", "TestNoise", "default_test_noise", "planner"]
 
 
 @dataclass
@@ -68,16 +68,26 @@ class _Events:
 class SimEvidence:
     """The validation tests' measurements drawn from the simulated job (module docstring):
     the Detector's ``EvidenceSource``. ``job``: what the job can say now (set per step by
-    ``SimDetector.feed``; None: every rank reads healthy). ``sim_s``: CPU seconds spent
-    building them (simulation, not product work)."""
+    ``SimDetector.feed``; None: every rank reads healthy). ``noise``: the tests' noise as
+    the testbed measured it (testnoise.py). ``sim_s``: CPU seconds spent building them
+    (simulation, not product work).
 
-    def __init__(self, world: int, rng: np.random.Generator) -> None:
+    Cost per pause: O(N x steps) to build the N ranks' ``RankEvidence`` (the product's
+    interface: one object per rank); the rounds, their medians, the ring's pairs are arrays
+    (the pairs and hosts made once per job size)."""
+
+    def __init__(self, world: int, rng: np.random.Generator,
+                 noise: TestNoise | None = None) -> None:
         self.world = world
         self.job: Callable[[], Evidence] | None = None
+        self.noise = noise if noise is not None else default_test_noise()
         self._rng = rng
         self._src: Evidence | None = None
         self._ev: list[RankEvidence] = []
+        self._rounds = np.empty((world, 0))  # (N, rounds so far) of the pause under way
         self._onset = self._decided = 0
+        self._pairs: tuple[np.ndarray, np.ndarray, list[str]] | None = None
+        self._hosts: tuple[np.ndarray, list[str]] | None = None
         self.sim_s = 0.0
 
     def tests(self, alarm: Alarm, decided: int, own: RankEvidence) -> list[RankEvidence]:
@@ -85,13 +95,18 @@ class SimEvidence:
         self._src = self.job() if self.job is not None else None
         self.sim_s += time.thread_time() - t0
         self._onset, self._decided = alarm.onset, decided
-        self._ev = self._evidence(self._src, alarm.onset, decided, ROUNDS)
+        self._ev = self._evidence(self._src, alarm.onset, decided)
         return self._ev
 
     def more_rounds(self, rounds: int) -> list[RankEvidence]:
-        have = len(self._ev[0].compute_rounds) if self._ev else 0
-        self._ev = self._evidence(self._src, self._onset, self._decided, have + rounds,
-                                  self._ev)
+        """``rounds`` more rounds on every rank, the earlier ones kept; every rank's median
+        at once."""
+        t0 = time.thread_time()
+        self._rounds = np.hstack([self._rounds, self._draw(self._src, rounds)])
+        tests = np.median(self._rounds, axis=1)
+        for e, row, t in zip(self._ev, self._rounds.tolist(), tests.tolist(), strict=True):
+            e.compute_rounds, e.compute_test = row, t
+        self.sim_s += time.thread_time() - t0
         return self._ev
 
     def more_links(self) -> list[RankEvidence] | None:
@@ -104,33 +119,44 @@ class SimEvidence:
             return None
         t0 = time.thread_time()
         src = self.job()
-        rounds = src.comp_factor[:, None] * np.exp(
-            self._rng.normal(0.0, TEST_NOISE, (self.world, ROUNDS)))
-        tests = np.median(rounds, axis=1)
+        tests = np.median(self.noise.rounds(self._rng, src.comp_factor, ROUNDS), axis=1)
         peers = np.delete(tests, suspect)
         self.sim_s += time.thread_time() - t0
         return float(tests[suspect] / np.median(peers)) if peers.size else 1.0
 
-    def _evidence(self, src: Evidence | None, onset: int, decided: int, rounds: int,
-                  prev: list[RankEvidence] | None = None) -> list[RankEvidence]:
-        """Every rank's evidence after ``rounds`` compute-test rounds (earlier rounds kept)."""
+    def _draw(self, src: Evidence | None, k: int) -> np.ndarray:
+        factor = src.comp_factor if src is not None else np.ones(self.world)
+        return self.noise.rounds(self._rng, factor, k)
+
+    def _ring(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """The ring's pairs in the passes the product tests (ends, and their keys)."""
+        if self._pairs is None:
+            from stalwart.detect.validate import ring_pair_passes  # (validate imports torch)
+
+            pairs = [p for ps in ring_pair_passes(self.world) for p in ps]
+            a = np.fromiter((p[0] for p in pairs), int, len(pairs))
+            b = np.fromiter((p[1] for p in pairs), int, len(pairs))
+            self._pairs = a, b, [f"{x}-{y}" for x, y in pairs]
+        return self._pairs
+
+    def _host_names(self, host_of: np.ndarray) -> list[str]:
+        if self._hosts is None or not np.array_equal(self._hosts[0], host_of):
+            self._hosts = host_of.copy(), host_of.astype(str).tolist()
+        return self._hosts[1]
+
+    def _evidence(self, src: Evidence | None, onset: int, decided: int
+                  ) -> list[RankEvidence]:
+        """Every rank's evidence after the first ``ROUNDS`` compute-test rounds."""
         t0 = time.thread_time()
         n = self.world
+        self._rounds = self._draw(src, ROUNDS)
+        tests = np.median(self._rounds, axis=1).tolist()
+        rows = self._rounds.tolist()
         if src is None:
-            out = [RankEvidence(r, compute_rounds=[1.0] * rounds, compute_test=1.0, host="")
+            out = [RankEvidence(r, compute_rounds=rows[r], compute_test=tests[r], host="")
                    for r in range(n)]
             self.sim_s += time.thread_time() - t0
             return out
-        have = len(prev[0].compute_rounds) if prev else 0
-        new = src.comp_factor[:, None] * np.exp(
-            self._rng.normal(0.0, TEST_NOISE, (n, rounds - have)))
-        if prev:
-            for e, extra in zip(prev, new.tolist(), strict=True):
-                e.compute_rounds = e.compute_rounds + extra
-                e.compute_test = float(np.median(e.compute_rounds))
-            self.sim_s += time.thread_time() - t0
-            return prev
-        tests = np.median(new, axis=1)
         keys = src.keys
         comm = src.step_s[:, None] - src.compute
         before_m = (keys >= onset - BEFORE) & (keys < onset)
@@ -143,35 +169,40 @@ class SimEvidence:
         rec_m = (keys >= onset - ONSET_SLACK - BEFORE) & (keys <= decided)
         rec_keys = keys[rec_m].tolist()
         rec = src.compute[rec_m].T.tolist()  # (N, steps)
-        rows = new.tolist()
-        hosts = src.host_of.astype(str).tolist()  # ranks of a host share its link (hostlink)
-        out = [RankEvidence(r, cb[r], ca[r], mb[r], ma[r], float(tests[r]), {}, rows[r],
+        hosts = self._host_names(src.host_of)  # ranks of a host share its link (hostlink)
+        out = [RankEvidence(r, cb[r], ca[r], mb[r], ma[r], tests[r], {}, rows[r],
                             list(zip(rec_keys, rec[r], strict=True)), host=hosts[r])
                for r in range(n)]
-        # the ring's pairs, in the passes the product tests; a pair is as slow as the slower
-        # of its hosts' links when it crosses hosts
-        from stalwart.detect.validate import ring_pair_passes  # (validate imports torch)
-
-        pairs = [p for ps in ring_pair_passes(n) for p in ps]
-        a = np.fromiter((p[0] for p in pairs), int, len(pairs))
-        b = np.fromiter((p[1] for p in pairs), int, len(pairs))
+        # the ring's pairs; a pair is as slow as the slower of its hosts' links when it
+        # crosses hosts
+        a, b, names = self._ring()
         ha, hb = src.host_of[a], src.host_of[b]
         slow = np.where(ha != hb, np.maximum(src.link_factor[ha], src.link_factor[hb]), 1.0)
-        rtt = slow * np.exp(self._rng.normal(0.0, LINK_NOISE, len(pairs)))
-        out[0].links = {f"{x}-{y}": float(t) for x, y, t in
-                        zip(a.tolist(), b.tolist(), rtt.tolist(), strict=True)}
+        rtt = self.noise.rtts(self._rng, slow).tolist()
+        out[0].links = dict(zip(names, rtt, strict=True))
         self.sim_s += time.thread_time() - t0
         return out
+
+
+_TEST_NOISE: dict[float, TestNoise] = {}
+
+
+def default_test_noise(scale: float = 1.0) -> TestNoise:
+    """The measured test-noise pools (testnoise.DEFAULT) at ``scale``, loaded once."""
+    if scale not in _TEST_NOISE:
+        _TEST_NOISE[scale] = TestNoise.load(scale=scale)
+    return _TEST_NOISE[scale]
 
 
 class SimDetector:
     """Rank 0's detector of a simulated ``world``-rank job (module docstring)."""
 
-    def __init__(self, world: int, rng: np.random.Generator, warmup: int = 10) -> None:
+    def __init__(self, world: int, rng: np.random.Generator, warmup: int = 10,
+                 noise: TestNoise | None = None) -> None:
         self.world = world
         self.events = _Events()
         self.core = DecisionCore(True, warmup=warmup, emit=self.events)
-        self.source = SimEvidence(world, rng)
+        self.source = SimEvidence(world, rng, noise)
         self.detector = Detector(self.core, self.source)
         self._due: Alarm | None = None
         self.pauses = 0
@@ -191,7 +222,8 @@ class SimDetector:
         due, self._due = self._due, None
         out = self.detector.step(StepInput(
             IterSample(key, float(step_s), float(compute[0]), float(comm0)),
-            [(key, compute.tolist())], due, key))
+            # an array from VECTOR_RANKS on (what DecisionCore.relative's vector path takes)
+            [(key, compute if len(compute) >= VECTOR_RANKS else compute.tolist())], due, key))
         if out.send.action != NONE:
             self._due = out.send
         if out.paused:

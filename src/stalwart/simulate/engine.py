@@ -39,6 +39,7 @@ from stalwart.simulate.decide import (
     Evidence,
     SimDetector,
     SimPolicy,
+    default_test_noise,
     planner,
 )
 from stalwart.simulate.faults import Fault, Schedule
@@ -137,7 +138,8 @@ class Engine:
         s = self.s
         if s.policy == "none":
             return None, None
-        det = SimDetector(len(active) * self.rpg, drng)
+        det = SimDetector(len(active) * self.rpg, drng,
+                          noise=default_test_noise(self.noise.scale))
         if s.policy == "detect" or len(active) < 2:
             return det, None
         return det, SimPolicy(len(active), self.job.m, s.policy, s.restart_s, s.every)

@@ -101,7 +101,7 @@ def run_scale(job: Job, hours: float, noise: Noise, settings: Settings,
             report(name, res.steps, res.steps)
     res.figures = figures(res)
     trials = HOSTLINK_TRIALS if job.ranks <= 4000 else HOSTLINK_TRIALS // 2  # ~30 s at 10k
-    res.figures.update(hostlink_figures(job, settings.seed, trials))
+    res.figures.update(hostlink_figures(job, settings.seed, trials, scale=noise.scale))
     return res
 
 
@@ -193,7 +193,7 @@ def _ring(n: int) -> list[tuple[int, int]]:
 
 
 def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
-                     verdicts: int = HOSTLINK_VERDICTS) -> dict[str, Any]:
+                     verdicts: int = HOSTLINK_VERDICTS, scale: float = 1.0) -> dict[str, Any]:
     """How the product's verdict names host-link faults at this scale (suffix = the scale).
 
     Each trial: one host's link ``factor`` x slower (log-uniform on faults.LINK_FACTOR, as
@@ -205,17 +205,18 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
     of trials whose first verdict names the host (evidence ``host``, its ranks);
     ``hostlink_findings_per_fault`` = distinct findings per trial that named anything.
 
-    What it does not show: the pair noise is the simulator's own (lognormal, independent,
-    0.15 log-sd) and the fault slows exactly the pairs that cross its host, so the rule is
-    scored against the model it was derived for; the testbed's healthy pairs have heavier
-    tails (docs/calibration.md) and real congestion is not a constant factor."""
+    What it does not show: the noise is resampled independently per pair and round (the
+    testbed's pools, not its correlations: a loaded host slows all its pairs at once) and the
+    fault slows exactly the pairs that cross its host by a constant factor (real congestion
+    varies)."""
     from stalwart.detect.evidence import RankEvidence
     from stalwart.detect.localize import decide
     from stalwart.detect.verdicts import same_straggler
-    from stalwart.simulate.decide import LINK_NOISE, TEST_NOISE
+    from stalwart.simulate.decide import default_test_noise
     from stalwart.simulate.faults import LINK_FACTOR, _loguniform
 
     rng = np.random.default_rng(seed + 35)
+    noise = default_test_noise(scale)
     n, host_of = job.ranks, job.host_of()
     hosts = host_of.astype(str).tolist()
     ring = _ring(n)
@@ -230,8 +231,8 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
         touch = crossing & ((host_of[a] == h) | (host_of[b] == h))
         found: list[Any] = []
         for v in range(verdicts):
-            rtt = np.where(touch, factors[i], 1.0) * np.exp(rng.normal(0, LINK_NOISE, len(ring)))
-            rounds = np.exp(rng.normal(0, TEST_NOISE, (n, 3)))
+            rtt = noise.rtts(rng, np.where(touch, factors[i], 1.0))
+            rounds = noise.rounds(rng, np.ones(n), 3)
             tests, rows = np.median(rounds, axis=1).tolist(), rounds.tolist()
             ev = [RankEvidence(r, 1.0, 1.0, 1.0, 2.0, tests[r], {}, rows[r], host=hosts[r])
                   for r in range(n)]
