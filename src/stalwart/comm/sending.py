@@ -10,8 +10,10 @@ loss it measures on that peer's packets). Destinations are interleaved run by ru
 gets a long burst. Nothing is ever retransmitted.
 
 Cost per phase: one pass over the values to tag them -- native engine, one copy of a packet
-per destination: straight from the values to the kernel (iovecs), GIL released; with
-repetition, or the Python engine, the values are first copied into the rows -- the parity's
+per destination: payloads of 4 KB or more (MTU 9000) straight from the values to the kernel
+(iovecs), smaller ones (MTU 1500: 3 iovecs per datagram cost the kernel more than a copy) copied
+into the rows and tagged there while in cache, GIL released; with repetition, or the Python
+engine, the values are first copied into the rows -- the parity's
 multiply-adds (k per parity byte, none to a link that reports no loss), and one ``sendmmsg``
 per 32 messages.
 """
@@ -145,8 +147,9 @@ class Sending:
 
         ``fill`` (native engine): rows (by ``id``) whose payloads are still to be copied from
         these values and sealed -- done run by run as they are sent, the first time they are.
-        ``direct`` (native engine, rows that are not sent again): the payloads go from those
-        values straight to the kernel (iovecs), never copied into the rows.
+        ``direct`` (native engine, rows that are not sent again): payloads of 4 KB or more go
+        from those values straight to the kernel (iovecs), never copied into the rows
+        (smaller ones are copied: ``DIRECT_MIN_PAYLOAD`` in the engine says why).
         """
         plan = [p for p in plan if len(p[1])]
         if not plan:
