@@ -1,9 +1,10 @@
-"""Rank 0's choice of the exchange period (exchange.py), driven through the exchange's own
-check path with a two-rank row link held in memory (the real link is tested in
+"""Rank 0's choice of the exchange period (exchange.py), driven through the exchange's
+read and issue with a two-rank row link held in memory (the real link is tested in
 test_rowlink.py; here only what rank 0 decides from the rows matters)."""
 
 from __future__ import annotations
 
+from stalwart.detect.alarms import QUIET
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.exchange import Exchange
 
@@ -37,7 +38,9 @@ def periods(peer_request: int, checks: int = 40) -> list[int]:
     ex._step_cpu.extend([0.05] * 3)
     out = []
     for c in range(1, checks + 1):
-        ex.check(c)
+        ex.read(c)
+        if ex.issues(c):
+            ex.issue(c, QUIET)
         out.append(ex.check_every)
     ex.close()
     return out

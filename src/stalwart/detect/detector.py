@@ -14,10 +14,11 @@ One step (``Detector.step``, a ``StepInput``): the leader's iteration sample, th
 read back this step (every rank's compute at their steps: the per-rank channels), then the
 alarm raised so far, which the caller sends with its next row (``StepOutput.send``), and last
 the alarm the rows read now carried -- validated through the source and applied. This is the
-live exchange's order (exchange.py reads the rows and issues the next before the monitor
-validates); the live monitor's exchange feeds the rows to the core itself and hands the alarm
-to ``Detector.resolve``. Every rank runs the same verdict on the same gathered evidence; only
-the leader raises alarms and emits.
+live exchange's order: the live monitor's exchange (exchange.py) is only the transport -- it
+reads the rows due, passes them and their alarm in, and sends this rank's next row from the
+``StepInput.send`` callback, before the verdict's tests run. ``step`` is the only entry: the
+live monitor, replay and the simulator call nothing else. Every rank runs the same verdict on
+the same gathered evidence; only the leader raises alarms and emits.
 
 Guarantees: deterministic for a deterministic source (replay twice: the same events); the
 verdict sequence exists once. Cost: the core's per-sample cost; on an alarm, the source's
@@ -26,7 +27,7 @@ tests plus one ``localize.decide`` per evidence set (microseconds).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +69,9 @@ class StepInput:
     alarm: Alarm | None = None
     decided: int | None = None
     issue: bool = True  # a row leaves at this step (batched exchanges: every K steps)
+    # the transport that sends it now, before the verdict's tests (live: the exchange); None:
+    # the caller sends ``StepOutput.send`` itself (replay, the simulator)
+    send: Callable[[Alarm], None] | None = None
 
 
 @dataclass
@@ -136,25 +140,24 @@ class Detector:
             core.alarm_read()
         # the next row leaves before the verdict, as over the live exchange (exchange.py)
         out = StepOutput(send=core.take_pending() if inp.issue else QUIET)
+        if inp.issue and inp.send is not None:
+            inp.send(out.send)
         if arrived:
             assert alarm is not None
             decided = inp.decided if inp.decided is not None else (
                 core.samples[-1].key if core.samples else alarm.onset)
-            self.resolve(alarm, decided, out)
+            self._resolve(alarm, decided, out)
         out.events = self._events
         return out
 
-    def resolve(self, alarm: Alarm, decided: int, out: StepOutput | None = None) -> StepOutput:
+    def _resolve(self, alarm: Alarm, decided: int, out: StepOutput) -> None:
         """An alarm that reached every rank: validated and applied (a change, an outlier, the
-        audit) or a recovery judged. What a transport that feeds the core itself (the live
-        exchange) calls once it has read the alarm back; ``step`` calls it otherwise."""
-        out = out if out is not None else StepOutput(send=QUIET)
+        audit) or a recovery judged."""
         if alarm.action in DETECTS:
             out.validation = self.validate(alarm, decided)
             out.paused = True
         elif alarm.action == RECOVER:
             out.recovery, out.paused = self.recover(alarm, decided)
-        return out
 
     def validate(self, alarm: Alarm, decided: int) -> Validation:
         """The tests on an alarm, the verdict on their gathered evidence, applied."""

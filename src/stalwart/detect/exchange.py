@@ -6,7 +6,9 @@ rank-0 control channel (stalwart/rowlink.py: a TCP connection to rank 0, or the 
 group's all-gather if any rank could not set one up). A row is issued every ``check_every``
 checks and read at a check fixed when it was issued (the next one; ``lag`` exchanges later
 with a fixed period), so no rank ever blocks on it and every rank reads the same rows at the
-same checks.
+same checks. The exchange is transport only: ``read`` hands the rows and rank 0's alarm to
+the decision path (``Detector.step``), which gives back the alarm ``issue`` sends; it reads
+the decision state only to choose a period (``DecisionCore.alert``).
 
 Exchange period: with ``check_every=None`` rank 0 chooses it each exchange -- the smallest k
 that keeps the exchange within ``EXCHANGE_BUDGET`` of the process's CPU time per step, capped
@@ -26,7 +28,7 @@ import time
 from collections import deque
 from typing import Any
 
-from stalwart.detect.alarms import NONE, Alarm
+from stalwart.detect.alarms import Alarm
 from stalwart.detect.decision import DecisionCore
 from stalwart.rowlink import GlooRows, StarRows
 
@@ -79,13 +81,19 @@ class Exchange:
         self._unsent.append((float(key), float(compute)))
 
     def due(self, c: int) -> bool:
-        """Whether check ``c`` reads or issues a row (otherwise ``check`` does nothing but
-        measure, and the monitor skips it)."""
+        """Whether check ``c`` reads or issues a row (otherwise the check has nothing to do,
+        and the monitor skips it)."""
         return bool(self._inflight and self._inflight[0][1] <= c) or c >= self._next_issue
 
-    def check(self, c: int) -> Alarm | None:
-        """Check ``c``: read the rows due now (feeding rank 0's per-rank channels), issue this
-        rank's row if due; the alarm the rows read now carry, if any were due."""
+    def issues(self, c: int) -> bool:
+        """Whether check ``c`` sends this rank's row (``issue``), after its ``read``."""
+        return c >= self._next_issue
+
+    def read(self, c: int) -> tuple[list[tuple[int, list[float]]], Alarm | None]:
+        """Check ``c``'s transport in: the rows due now -- on rank 0 every rank's (step,
+        compute) entries, in step order, for the per-rank channels -- and the alarm rank 0's
+        row carries (None: no row was due). The decision path (``Detector.step``) takes
+        both; nothing here feeds the decision state."""
         if self._measure:
             cpu = time.process_time()
             if self._cpu_at_check is not None and c > self._check_at:
@@ -93,11 +101,20 @@ class Exchange:
                 self._step_cpu.append((cpu - self._cpu_at_check) / (c - self._check_at))
             self._cpu_at_check, self._check_at = cpu, c
         got = self._read(c)
-        if c >= self._next_issue:
-            self._issue(c)
         if got is None:
-            return None
-        return Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+            return [], None
+        rows: list[tuple[int, list[float]]] = []
+        if self.rank == 0:
+            n = int(min(r[4] for r in got))  # entries every rank sent
+            rows = [(int(got[0][j]), [r[j + 1] for r in got])
+                    for j in range(HEADER, HEADER + 2 * n, 2)]
+        return rows, Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+
+    def issue(self, c: int, alarm: Alarm) -> None:
+        """Check ``c``'s transport out: this rank's row, carrying ``alarm`` (rank 0's alarm,
+        ``Detector.step``'s ``send``; QUIET on the other ranks) and the samples since the
+        last row. Called only when ``issues(c)``."""
+        self._issue(c, alarm)
 
     def drain(self) -> None:
         """Wait until the exchanges in flight are complete (they stay queued)."""
@@ -123,23 +140,14 @@ class Exchange:
             # this same check
             self.check_every = max(1, min(int(got[0][5]), self.max_every))
             self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
-        if self.rank == 0:
+        if self.rank == 0 and self._measure:  # (used only to choose a period)
             # the other ranks' requests (rank 0's own row holds its last choice, which must
             # not vote for itself: once 1, the period would stay 1)
-            if self._measure:  # (used only to choose a period)
-                self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
-            n = int(min(r[4] for r in got))  # entries every rank sent
-            for j in range(HEADER, HEADER + 2 * n, 2):
-                self.core.relative(int(got[0][j]), [r[j + 1] for r in got])
-            if got[0][0] != NONE:
-                # only now: a change found in these rows is the slowdown this decision is
-                # about, not a second one (the decision is applied right after this read)
-                self.core.alarm_read()
+            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
         return got
 
-    def _issue(self, c: int) -> None:
+    def _issue(self, c: int, alarm: Alarm) -> None:
         t0 = time.thread_time() if self._measure else 0.0
-        alarm = self.core.take_pending()
         # the same length on every rank; a rank with fewer samples sends fewer entries and
         # rank 0 uses the entries every rank has
         width = self.width(self.max_every)

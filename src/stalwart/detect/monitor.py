@@ -47,7 +47,7 @@ import torch.distributed as dist
 from stalwart.detect import verify
 from stalwart.detect.alarms import NONE, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
-from stalwart.detect.detector import VALIDATION_FILE, Detector, StepOutput
+from stalwart.detect.detector import VALIDATION_FILE, Detector, StepInput, StepOutput
 from stalwart.detect.exchange import Exchange
 from stalwart.detect.sampling import Sampler, comm_busy
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
@@ -212,8 +212,7 @@ class Monitor:
         self._paused = False
         last = self._held.pop()
         self._flush()
-        self._sample(last)
-        self._check()
+        self._check(last)
         if self.core.verdicts != paused or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
         else:
@@ -225,8 +224,7 @@ class Monitor:
             return
         s = self.sampler.from_op(rec)
         if s is not None:
-            self._sample(s)
-            self._check()
+            self._check(s)
 
     def _due(self, c: int) -> bool:
         """Whether check ``c`` has anything to do (a row to read or to send)."""
@@ -235,39 +233,69 @@ class Monitor:
         return self.exchange.due(c)
 
     def _flush(self) -> None:
-        """The held samples into the state machine, each as its own step would have."""
+        """The held samples into the decision path, each as its own step would have (a step
+        with no row to read or send)."""
         held, self._held = self._held, []
         for s in held:
-            self._sample(s)
-            self._note_last()
+            s1 = self._admit(s)
+            if s1 is not None:
+                self.detector.step(StepInput(sample=s1, issue=False))
+                self._sampled(s1)
 
-    def _sample(self, s: IterSample) -> None:
+    def _admit(self, s: IterSample) -> IterSample | None:
+        """The sample, or None for the one iteration that held a validation pause (found
+        from the op sequence: not step time)."""
         if self._skip_next:
             self._skip_next = False
-            return
-        self.core.sample(s)
+            return None
+        return s
+
+    def _sampled(self, s: IterSample) -> None:
+        """After a sample went in: it joins this rank's next row; the caller's hook."""
+        self._note_last()
         if self.on_sample is not None:
             self.on_sample(s)
 
     # ---- checks -----------------------------------------------------------------------------
-    def _check(self) -> None:
-        """Collective: the rows due now are read, this rank's is sent, and an alarm they
-        carry is validated and applied by every rank together (exchange.py)."""
+    def _check(self, s: IterSample) -> None:
+        """Collective: one ``Detector.step`` -- this iteration's sample, the rows due now,
+        this rank's row sent, and an alarm they carry validated and applied by every rank
+        together (exchange.py is the transport)."""
         self._checks += 1
         c = self._checks
-        self._note_last()
-        if self.exchange is None:
-            if c < self._next_check:
-                return
-            self._next_check = c + self.check_every
-            alarm: Alarm | None = self.core.take_pending(travels=False)
+        s1 = self._admit(s)
+        ex = self.exchange
+        rows: list[tuple[int, list[float]]] = []
+        alarm: Alarm | None = None
+        if ex is None:
+            issue = c >= self._next_check
+            if issue:
+                self._next_check = c + self.check_every
         else:
-            alarm = self.exchange.check(c)
-        if alarm is None or alarm.action == NONE:
-            return
-        decided = self.core.samples[-1].key if self.core.samples else alarm.onset
-        with self.tracker.internal():
-            out = self.detector.resolve(alarm, decided)
+            rows, alarm = ex.read(c)
+            issue = ex.issues(c)
+
+        def send(a: Alarm) -> None:  # this check's row leaves before the verdict's tests
+            if s1 is not None:
+                self._sampled(s1)
+            if ex is not None:
+                ex.issue(c, a)
+
+        inp = StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue, send=send)
+        if alarm is not None and alarm.action != NONE:
+            with self.tracker.internal():  # the validation tests' collectives: not training's
+                out = self.detector.step(inp)
+        else:
+            out = self.detector.step(inp)
+        if not issue and s1 is not None:
+            self._sampled(s1)
+        self._after(out)
+        if ex is None and out.send.action != NONE:
+            # one process: the alarm is read back at once (no row to travel)
+            with self.tracker.internal():
+                self._after(self.detector.step(StepInput(alarm=out.send, issue=False)))
+
+    def _after(self, out: StepOutput) -> None:
         if out.paused:
             self._skip_next = not self._hinted  # this iteration holds the pause
             self._paused = True
