@@ -108,6 +108,15 @@ class BOCPDBank:
         self.n[row] = 0
         return row
 
+    def add_rows(self, m: int) -> np.ndarray:
+        """``m`` new rows at once (``add_row``'s fresh prior; the buffers grow once)."""
+        first = len(self.n)
+        self._grow(first + m)
+        for a, v in ((self.mu, 0.0), (self.beta, 1.0), (self.log_beta, 0.0),
+                     (self.logpost, -np.inf), (self.n, 0)):
+            a[first:] = v
+        return np.arange(first, first + m)
+
     def reset(self, row: int, mu0: float, beta0: float) -> None:
         """Forget row's data: only the prior (mu0, beta0) remains."""
         self.mu[row] = mu0
@@ -251,6 +260,28 @@ class BOCPD:
         self.prior = (mu0, kappa0, alpha0, scale * scale * (alpha0 - 1.0))
         bank.reset(self.row, mu0, self.prior[3])
         self.posterior = np.empty(0)
+
+    @classmethod
+    def many(cls, bank: BOCPDBank, rows: np.ndarray, mu0: np.ndarray, scale: np.ndarray,
+             hazard: float) -> list[BOCPD]:
+        """``BOCPD(mu0[i], scale[i], hazard, bank=bank, row=rows[i])`` for each i, the rows
+        reset as one vector assignment each (the same state)."""
+        if hazard != bank.hazard:
+            raise ValueError("a BOCPD must have its bank's hazard, max_run and prior")
+        beta0 = scale * scale * (bank.alpha0 - 1.0)
+        bank.mu[rows] = mu0[:, None]
+        bank.beta[rows] = beta0[:, None]
+        bank.log_beta[rows] = np.array([math.log(b) for b in beta0.tolist()])[:, None]
+        bank.logpost[rows] = -np.inf
+        bank.n[rows] = 0
+        out = []
+        for row, m, b in zip(rows.tolist(), mu0.tolist(), beta0.tolist(), strict=True):
+            d = cls.__new__(cls)
+            d.bank, d.row, d.hazard, d.max_run = bank, row, hazard, bank.max_run
+            d.prior = (m, bank.kappa0, bank.alpha0, b)
+            d.posterior = np.empty(0)
+            out.append(d)
+        return out
 
     def update(self, x: float) -> np.ndarray:
         post = self.bank.update(self.row, x)
