@@ -148,3 +148,31 @@ def test_a_moderate_host_link_beside_noisy_compute_tests_is_named() -> None:
         e.compute_test = MODERATE_CT[e.rank]
     f = decide(ev, 17, 17, 1.0, mode="audit")
     assert f.kind == "link" and f.ranks == [2, 3] and f.evidence["host"] == "1"
+
+
+def test_vector_name_host_equals_the_pair_at_a_time_reference() -> None:
+    """``name_host`` (arrays) gives exactly ``_name_host_each``'s answer -- host, ratios,
+    threshold, sigma, chance, reference pairs -- on noisy rings with slow hosts, a slow rank
+    whose pairs a starved-rank rule explains, unknown hosts and heavy-tailed pairs."""
+    rng = np.random.default_rng(11)
+    named = 0
+    for trial in range(60):
+        n, per = int(rng.choice([24, 40, 96, 400])), int(rng.choice([2, 4, 8]))
+        slow = int(rng.integers(0, n // per)) if trial % 3 else None
+        links = links_for(n, per, slow, float(rng.choice([1.8, 3.0, 20.0])), rng)
+        for k in list(links)[:: int(rng.integers(5, 40))]:  # heavy tails
+            links[k] *= float(np.exp(abs(rng.standard_t(2)) * 0.5))
+        host_of = hosts(n, per)
+        if trial % 5 == 0:
+            del host_of[int(rng.integers(0, n))]  # a rank on an unknown host
+        starved = int(rng.integers(0, n))
+
+        def explained(r: int, x: float, s: int = starved) -> bool:
+            return r == s and x < 50.0
+
+        for ex in (None, explained):
+            got = hostlink.name_host(links, host_of, ex)
+            want = hostlink._name_host_each(links, host_of, ex)
+            assert got == want, (trial, got, want)
+            named += got is not None
+    assert 10 < named < 110  # both answers exercised

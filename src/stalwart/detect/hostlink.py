@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
+import numpy as np
+
 ALPHA = 1e-3  # chance per verdict of naming a healthy host (union bound over the hosts)
 # log-sd of a healthy pair's link-test ratio when the verdict has too few pairs to measure
 # it: 1.4826 x MAD of log ratio of the 34 healthy pairs in the replay corpus's verdicts
@@ -125,6 +127,112 @@ def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
               explained: Callable[[int, float], bool] | None = None,
               alpha: float = ALPHA) -> HostLink | None:
     """The host whose crossing pairs are all slow (module docstring), or None.
+
+    ``links``: pair "a-b" -> link-test time (any unit); ``host_of``: rank -> host name
+    (ranks missing from it are on unknown hosts: their pairs are not used);
+    ``explained(rank, ratio)``: True when a slow rank at the pair's end may explain a pair
+    this slow (then the pair does not count for its host) -- unless the pairs inside the
+    host are as fast as inside the others (``intra_healthy``: a starved rank would slow
+    them too). With several hosts qualifying, the one whose slowest-but-one pair is slowest.
+
+    Cost: the pairs as arrays (their ends parsed once per set of keys), each host that
+    passes the screening one O(pairs) pass in C plus its reference pairs' logs; the same
+    answer as ``_name_host_each``, the pair-at-a-time reference
+    (tests/detect/test_hostlink.py)."""
+    if len(set(host_of.values())) < MIN_HOSTS:
+        return None
+    keys = list(links)
+    a, b = _ends(keys)
+    t = np.fromiter(links.values(), float, len(keys))
+    names = list(dict.fromkeys(host_of.values()))
+    code = {h: i for i, h in enumerate(names)}
+    hid = {r: code[h] for r, h in host_of.items()}
+    ha = np.fromiter((hid.get(r, -1) for r in a.tolist()), np.int64, len(keys))
+    hb = np.fromiter((hid.get(r, -1) for r in b.tolist()), np.int64, len(keys))
+    cross = (ha >= 0) & (hb >= 0) & (ha != hb)
+    ci = np.flatnonzero(cross)  # the crossing pairs, in the links' order
+    if not ci.size:
+        return None
+    ca, cb, ct = ha[ci], hb[ci], t[ci]
+    count = np.bincount(ca, minlength=len(names)) + np.bincount(cb, minlength=len(names))
+    # hosts in order of first appearance among the crossing pairs (a's end, then b's)
+    seq = np.empty(2 * ci.size, np.int64)
+    seq[0::2], seq[1::2] = ca, cb
+    hosts, first = np.unique(seq, return_index=True)
+    tested = hosts[np.argsort(first)]
+    tested = tested[count[tested] >= MIN_PAIRS]
+    # screening (cost): a host is examined only if its pairs all reach MIN_RATIO x the
+    # crossing pairs' lower quartile, which is at most the reference below in all but
+    # contrived cases -- at 10,000 ranks a handful of hosts instead of 1,250
+    floor = MIN_RATIO * float(np.partition(ct, (ct.size - 1) // 4)[(ct.size - 1) // 4])
+    low = np.full(len(names), np.inf)
+    np.minimum.at(low, ca, ct)
+    np.minimum.at(low, cb, ct)
+    best: tuple[float, HostLink] | None = None
+    for h in tested[low[tested] >= floor].tolist():
+        own = (ca == h) | (cb == h)
+        mine = [keys[i] for i in ci[own].tolist()]
+        ref_t = ct[~own]
+        if not ref_t.size:
+            continue
+        ref = float(np.median(ref_t))  # (statistics.median's arithmetic)
+        if ref <= 0:
+            continue
+        logs = [math.log(max(x, 1e-12) / ref) for x in ref_t.tolist()]
+        sigma = spread(logs) * math.sqrt(1.0 + math.pi / (2 * len(logs)))
+        t_h = threshold(len(tested), len(mine), sigma, alpha)
+        ratios = {k: links[k] / ref for k in mine}
+        if min(ratios.values()) < t_h:
+            continue
+        hname = names[h]
+        if explained is not None and not _intra_healthy(t, ha, hb, h, t_h) and any(
+                explained(r, v) for k, v in ratios.items() for r in _pair(k)
+                if host_of[r] == hname):
+            continue
+        chance = len(tested) * NormalDist().cdf(
+            -math.log(min(ratios.values())) / sigma) ** len(mine)
+        ordered = dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
+        ranks = sorted(r for r, hh in host_of.items() if hh == hname)
+        ref_keys = [keys[i] for i in ci[~own][:16].tolist()]
+        found = HostLink(hname, ranks, ordered, t_h, sigma, chance,
+                         {k: round(links[k] / ref, 3) for k in ref_keys})
+        key = sorted(ratios.values())[-2] if len(ratios) > 1 else min(ratios.values())
+        if best is None or key > best[0]:
+            best = (key, found)
+    return None if best is None else best[1]
+
+
+def _intra_healthy(t: np.ndarray, ha: np.ndarray, hb: np.ndarray, h: int,
+                   ratio: float) -> bool:
+    """``intra_healthy`` over the pairs as arrays (host codes, -1: unknown)."""
+    inside = (ha >= 0) & (ha == hb)
+    mine, others = t[inside & (ha == h)], t[inside & (ha != h)]
+    if not mine.size or not others.size:
+        return False
+    ref = float(np.median(others))
+    return ref > 0 and float(np.median(mine)) / ref < ratio
+
+
+_ENDS: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _ends(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The two ranks of each "a-b" key as arrays (the last few key sets kept: a job's
+    verdicts test the same pairs each time)."""
+    k = tuple(keys)
+    if k not in _ENDS:
+        if len(_ENDS) >= 4:
+            _ENDS.pop(next(iter(_ENDS)))
+        ab = np.array([_pair(x) for x in keys], dtype=np.int64).reshape(-1, 2)
+        _ENDS[k] = ab[:, 0].copy(), ab[:, 1].copy()
+    return _ENDS[k]
+
+
+def _name_host_each(links: Mapping[str, float], host_of: Mapping[int, str],
+              explained: Callable[[int, float], bool] | None = None,
+              alpha: float = ALPHA) -> HostLink | None:
+    """``name_host``, one pair at a time: the reference the vector version is tested
+    against.
 
     ``links``: pair "a-b" -> link-test time (any unit); ``host_of``: rank -> host name
     (ranks missing from it are on unknown hosts: their pairs are not used);
