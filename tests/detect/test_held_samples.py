@@ -1,4 +1,4 @@
-"""A hinted step whose check has nothing due only keeps its sample (monitor.py): the samples
+"""A hinted step whose check has nothing due only records its times (monitor.py): the samples
 held go through the decision state machine at the next check with work, in order -- the same
 findings, counters and samples as a monitor that analyses every step."""
 
@@ -20,7 +20,7 @@ def _times(seed: int, n: int = 160) -> np.ndarray:
 def _run(mon: Monitor, times: np.ndarray, held: list[int]) -> None:
     for step, t in enumerate(times.tolist()):
         mon.step(step, {"step_time": t, "compute_time": 0.8 * t, "comm_time": 0.2 * t})
-        held.append(len(mon._held))
+        held.append(mon._n_held)
 
 
 def test_held_samples_decide_as_one_step_at_a_time() -> None:
@@ -29,6 +29,8 @@ def test_held_samples_decide_as_one_step_at_a_time() -> None:
         batched = Monitor(rank=0, world=1, check_every=8)
         ref = Monitor(rank=0, world=1, check_every=8)
         ref._due = lambda c: True  # type: ignore[method-assign]  # every step analysed
+        ref._set_due = lambda: None  # type: ignore[method-assign]  # (no step only records)
+        ref._due_at = 0
         held_b: list[int] = []
         held_r: list[int] = []
         _run(batched, times, held_b)

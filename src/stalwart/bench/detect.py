@@ -298,6 +298,9 @@ def _figures(s: dict[str, Any], b: dict[str, Any], lo: dict[str, Any], ov: dict[
         "baseline_false_positives": b["false_positives"],
         "baseline_detection_rate": b["detection_rate"],
         "baseline_localization_accuracy": b["localization_accuracy"],
+        # issue 36's figure for a tensor-parallel group or host of 2 ranks equally slow: the
+        # bench has no such scenario yet, so it is not measured (None), never assumed
+        "group_detection_rate": None,
         "nvrx_detection_rate_born": nv["born"]["detection_rate"] if nv else None,
         "nvrx_detection_rate_scripts": nv["scripts"]["detection_rate"] if nv else None,
         "nvrx_false_positives": nv["main"]["false_positives"] if nv else None,
@@ -312,7 +315,7 @@ TARGETS = {"false_positives": "<= 0", "detection_rate": ">= 0.95",
            "localization_accuracy": ">= 0.95", "median_latency_iters": "<= 4",
            "detection_rate_born": ">= 0.95", "detection_rate_scripts": ">= 0.95",
            "scripts_2x_missed": "<= 0", "unexplained_on_clean": "<= 0",
-           "tracking_overhead": "<= 0.005", "monitor_step_cpu_us": "<= 150",
+           "tracking_overhead": "<= 0.005", "monitor_step_cpu_us": "<= 60",
            "lossy_detection_rate": ">= 0.9", "lossy_false_positives": "<= 0",
            "replay_score_heldout": ">= 0.95"}
 

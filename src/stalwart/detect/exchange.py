@@ -85,6 +85,13 @@ class Exchange:
         and the monitor skips it)."""
         return bool(self._inflight and self._inflight[0][1] <= c) or c >= self._next_issue
 
+    def next_due(self) -> int:
+        """The first check from now that ``due`` holds for (they change only at checks)."""
+        due = self._next_issue
+        if self._inflight:
+            due = min(due, self._inflight[0][1])
+        return due
+
     def issues(self, c: int) -> bool:
         """Whether check ``c`` sends this rank's row (``issue``), after its ``read``."""
         return c >= self._next_issue
