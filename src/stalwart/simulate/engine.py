@@ -23,6 +23,7 @@ decision code (its own cost is what ``decision_s`` measures).
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -115,6 +116,8 @@ class Engine:
                 last_progress = time.perf_counter()
                 self.progress(k + 1)
         st.out.jct_s = st.t
+        gc.unfreeze()  # (SimEvidence froze the heap out of the collector's scans)
+        gc.collect()
         st.out.wall_s = time.perf_counter() - t_wall
         return st.out
 
