@@ -11,9 +11,12 @@ Bounds: a member whose process exits is found at once (its liveness socket close
 member holds a TCP connection to every other one); a member that stops beating -- hung,
 SIGSTOPped, cut off from the store -- is taken for dead after ``DEAD_AFTER_S``. Neither
 relies on a collective failing: a collective in flight is given up (``wait``) as soon as a
-generation that cannot complete it is known, and its process group is left to time out in
-the background (gloo has no abort; the group is dropped, never waited on). A store that
-cannot be reached fails every call with ``StoreLost`` after at most ``STORE_TIMEOUT_S``.
+generation that cannot complete it is known, and its process group is aborted once no
+member uses it any more (``drop``: its TCP connections shut, sockets.py -- gloo's own abort
+does not reach a collective in flight); at ``close`` every group not in use is aborted and
+its threads waited for (at most ``CLOSE_WAIT_S``), so that none is left blocked on a hung
+peer while the interpreter exits. A store that cannot be reached fails every call with
+``StoreLost`` after at most ``STORE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.elastic import protocol as P
+from stalwart.elastic import sockets
 from stalwart.elastic.errors import StoreLost
 from stalwart.elastic.store import Keys, client
 
@@ -39,6 +44,24 @@ GROUP_TIMEOUT_S = 60.0  # gloo's own timeout: only ever reached by a group alrea
 # a collective that fails (a peer's socket closed) waits this long for the generation that
 # explains it before the failure is raised as is
 EXPLAIN_S = P.DEAD_AFTER_S + 2.0
+
+
+CLOSE_WAIT_S = 2.0  # at close, for given-up collectives and builds to end once aborted
+
+
+@dataclass
+class _Build:
+    """One generation's group: the sockets open before and after its build (the difference:
+    its connections, sockets.py), whether the caller holds it, whether it was aborted."""
+
+    gen: int
+    peers: set[str]  # the members' and the store's addresses: where its connections go
+    before: set[sockets.Sock]
+    after: set[sockets.Sock] | None = None  # None while the build runs
+    pg: Any = None
+    thread: threading.Thread | None = None
+    in_use: bool = False
+    aborted: bool = False
 
 
 class Superseded(Exception):  # noqa: N818 -- a control-flow signal, not an error
@@ -79,6 +102,7 @@ class Runtime:
         self.progress = -1  # the last step this member completed (the caller sets it)
         self._progress_sent = -1
         self._abandoned: list[Any] = []  # groups and works given up: never destroyed, never waited
+        self._builds: list[_Build] = []  # every group built or being built, oldest first
         self._thread = threading.Thread(target=self._watch, name="stalwart-elastic",
                                         daemon=True)
         self._thread.start()
@@ -284,6 +308,9 @@ class Runtime:
         box: dict[str, Any] = {}
         wake = self.wake
         host, port, prefix = self._conn
+        peers = {self.known[m].addr.rpartition(":")[0] for m in gen.members if m in self.known}
+        b = _Build(gen.gen, peers | {host}, sockets.open_sockets())
+        self._builds.append(b)
 
         def build() -> None:
             try:
@@ -291,13 +318,15 @@ class Runtime:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_addr)]
                 opts._timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-                box["pg"] = dist.ProcessGroupGloo(store, gen.rank_of(self.me.id),
-                                                  len(gen.members), opts)
+                b.pg = box["pg"] = dist.ProcessGroupGloo(store, gen.rank_of(self.me.id),
+                                                         len(gen.members), opts)
             except Exception as e:  # noqa: BLE001
                 box["err"] = e
+            b.after = sockets.open_sockets()
             wake.set()
 
-        t = threading.Thread(target=build, name=f"stalwart-pg-{gen.gen}", daemon=True)
+        t = b.thread = threading.Thread(target=build, name=f"stalwart-pg-{gen.gen}",
+                                        daemon=True)
         t.start()
         self.wait_until(lambda: bool(box), superseded)
         if "err" in box:  # a peer gone while connecting: wait for the generation that says so
@@ -305,6 +334,7 @@ class Runtime:
                 self.wait_until(lambda: False, superseded, EXPLAIN_S, "a failed group build")
             raise RuntimeError(f"cannot build the group of generation {gen.gen}: "
                                f"{str(box['err']).splitlines()[0]}")
+        b.in_use = True
         return box["pg"]
 
     def broadcast_state(self, pg: Any, gen: P.Generation, source: int, state: Any,
@@ -328,9 +358,60 @@ class Runtime:
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
     def drop(self, pg: Any) -> None:
-        """Keep a given-up group referenced: destroying it would wait on its stuck threads."""
-        if pg is not None:
-            self._abandoned.append(pg)
+        """The group of a generation left behind (every member of the new one has acked: none
+        uses it any more): aborted -- its connections shut, so that a collective still in
+        flight on it fails at once -- and kept referenced (destroying a gloo group joins its
+        threads)."""
+        if pg is None:
+            return
+        self._abandoned.append(pg)
+        for b in self._builds:
+            if b.pg is pg:
+                b.in_use = False
+                self._abort(b, self._liveness_socks())
+
+    def _liveness_socks(self) -> set[sockets.Sock]:
+        out = set()
+        for s in [*self._socks.values(), *self._accepted, self._listener]:
+            ino = sockets.inode(s)
+            if ino is not None:
+                out.add((s.fileno(), ino))
+        return out
+
+    def _abort(self, b: _Build, keep: set[sockets.Sock]) -> None:
+        """Shut a group's connections: exactly those its build opened once it is done; for a
+        build still running (blocked on a member that is gone), every socket opened since it
+        began that goes to one of its members or the store."""
+        if b.aborted:
+            return
+        port = self._conn[1]  # a store this process serves: its accepted connections stay
+        if b.after is not None:
+            sockets.shut(b.after - b.before - keep, spare_port=port)
+            b.aborted = True
+        else:
+            sockets.shut(sockets.open_sockets() - b.before - keep, b.peers, port)
+
+    def _abort_abandoned(self) -> None:
+        """At close: abort every group not in use (given up, superseded while it was built),
+        then wait up to ``CLOSE_WAIT_S`` for their collectives and builds to end -- so that
+        no gloo thread is left blocked on a hung peer while the interpreter exits (one that
+        woke then, at gloo's timeout, crashed the process with SIGSEGV)."""
+        in_use = set()
+        for b in self._builds:
+            if b.in_use and b.after is not None:
+                in_use |= b.after - b.before
+        for b in self._builds:
+            if not b.in_use:
+                self._abort(b, in_use)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        works = [w for w in self._abandoned if hasattr(w, "is_completed")]
+        threads = [b.thread for b in self._builds if b.thread is not None]
+        while time.monotonic() < deadline and (
+                any(not w.is_completed() for w in works) or any(t.is_alive() for t in threads)):
+            for b in self._builds:
+                if not b.in_use and b.after is not None and not b.aborted:
+                    self._abort(b, in_use)  # a build that ended meanwhile
+            time.sleep(0.01)
 
     # ---- leaving -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -342,6 +423,7 @@ class Runtime:
         for s in [*self._socks.values(), *self._accepted, self._listener]:
             with contextlib.suppress(OSError):
                 s.close()
+        self._abort_abandoned()
 
 
 def _bopts(root: int) -> Any:
