@@ -44,6 +44,13 @@ def test_in_place_a_kill_costs_the_step_in_flight_and_nothing_else() -> None:
     recs.append({"final": True, "steps": 30, "val_loss": 0.5})
     assert ef.resume_s(recs, 1.05) == pytest.approx(0.30)
     assert ef.rejoin_s(recs, 2.0, 8) == pytest.approx(0.35)
+    assert ef.rejoin_split(recs, 2.0, 8) is None  # no process started after 2.0
+    back = [{"start": True, "t_start": 2.1, "member": 8}, {"start": True, "t_start": 2.2,
+                                                          "member": 9}]
+    split = ef.rejoin_split(recs + back, 2.0, 8)
+    assert split is not None
+    assert split["startup_s"] == pytest.approx(0.2) and split["after_start_s"] == \
+        pytest.approx(0.15)
     ks = ef.kept(recs)
     assert [e.step for e in ks] == list(range(30))
     assert [e.generation for e in ks[9:12]] == [0, 1, 1]

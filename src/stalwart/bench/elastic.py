@@ -229,7 +229,9 @@ def run(quick: bool, workdir: Path, peers: bool = True,
             e = ea.run_episode(arm, fault, workdir)
             eps[a][fault] = e
             details["runs"][f"{a}-{fault}"] = e.summary() | {
-                "wall_s": round(time.monotonic() - t0, 1)}
+                "wall_s": round(time.monotonic() - t0, 1),
+                "rejoin_split": ef.rejoin_split(e.records, e.t_back, p.ranks)
+                if e.t_back else None}
             for n in e.notes:
                 print(f"bench elastic: {a} {fault}: {n}", flush=True)
     for a in arms:

@@ -20,7 +20,8 @@ Definitions (what each figure means and what it does not show):
   generation than the one in force at the fault (the survivors' first step in their new
   membership; a torchrun restart from a checkpoint counts at its first redone step).
 - ``rejoin_s(back)``: from the node's restart to the end of the first complete execution at
-  the full world size after it (its ranks' first step in the job).
+  the full world size after it (its ranks' first step in the job); ``rejoin_split`` cuts it
+  where the last process started reached its script's first line (start-up before it).
 - ``samples_lost``: samples computed but not kept (waste) plus, over the kept steps, what
   each lacks of the healthy global batch (a job whose steps shrink with its world trains
   fewer samples in the same steps).
@@ -205,6 +206,21 @@ def rejoin_s(records: Iterable[Record], t_back: float, full_world: int) -> float
     after = [e.time for e in executions(records)
              if e.complete and e.world >= full_world and e.time > t_back]
     return min(after) - t_back if after else None
+
+
+def rejoin_split(records: Iterable[Record], t_back: float, full_world: int
+                 ) -> dict[str, float] | None:
+    """What ``rejoin_s`` is made of: ``startup_s``, from ``t_back`` to the last process
+    started since then reaching its script's first line (``t_start`` of its ``start`` line:
+    interpreter, launcher and ``import torch``), and ``after_start_s``, from there to the
+    first complete execution at ``full_world`` (the script's set-up, joining, the state
+    received). None without such start lines."""
+    starts = [float(r["t_start"]) for r in records
+              if r.get("start") and float(r.get("t_start", 0)) > t_back]
+    total = rejoin_s(records, t_back, full_world)
+    if not starts or total is None:
+        return None
+    return {"startup_s": max(starts) - t_back, "after_start_s": t_back + total - max(starts)}
 
 
 def healthy_batch(records: Iterable[Record]) -> int | None:
