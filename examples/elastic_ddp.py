@@ -10,8 +10,9 @@ Run it as written, one torchrun agent per node joined by stalwart's store (docs/
         torchrun --standalone --nproc-per-node 2 examples/elastic_ddp.py --steps 300 --out OUT
 
 (the same line on every node), or on one machine with ``torchrun --nproc-per-node 4 ...``,
-or under ``stalwart run --script examples/elastic_ddp.py --nproc 4 -- --steps 300`` (there a
-rank's death stops the job unless the launcher keeps going: ``launch(..., keep_going=True)``).
+or under ``stalwart run --script examples/elastic_ddp.py --nproc 4 -- --steps 300 --out OUT``
+(the launcher serves the store; with ``--detect --fault kill:rank=2,at=50`` the other ranks
+train on in place).
 
 Output (``--out DIR``), one JSONL file per process, ``steps-<host>-<pid>.jsonl``: first
 ``{"start": true, "t_start" (wall clock when the script started), "t_joined" (when it was
