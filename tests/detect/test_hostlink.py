@@ -176,3 +176,36 @@ def test_vector_name_host_equals_the_pair_at_a_time_reference() -> None:
             assert got == want, (trial, got, want)
             named += got is not None
     assert 10 < named < 110  # both answers exercised
+
+
+def test_tail_threshold_is_the_reference_pairs_own_quantile() -> None:
+    ratios = [float(x) for x in range(1, 2001)]  # 2,000 reference pairs
+    # 1,000 hosts, 2 pairs each: a share sqrt(1e-3 / 1000) = 1e-3 of pairs beyond: 2 of them
+    assert hostlink.tail_threshold(ratios, 1000, 2) == 1998.0
+    assert hostlink.tail_threshold(ratios[:500], 1000, 2) == 0.0  # too few to read the tail
+
+
+def test_heavy_tailed_healthy_pairs_name_no_host_at_scale() -> None:
+    """10,000 ranks, 8 per host, every pair healthy with the testbed's measured round-trip
+    noise (1% of pairs >= 7x): the normal model of the reference pairs' MAD alone names a
+    healthy host in most verdicts; with their own tail (``tail_threshold``) few do."""
+    from stalwart.simulate.testnoise import TestNoise
+
+    pool = TestNoise.load().link
+    rng = np.random.default_rng(2)
+    n, per = 10000, 8
+    host_of = hosts(n, per)
+    keys = [f"{a}-{b}" for a, b in ring(n)]
+    named = normal_named = 0
+    trials = 12
+    for _ in range(trials):
+        links = dict(zip(keys, np.exp(rng.choice(pool, n)).tolist(), strict=True))
+        named += hostlink.name_host(links, host_of) is not None
+        saved = hostlink.TAIL_PAIRS
+        hostlink.TAIL_PAIRS = 10**9  # the normal model alone
+        try:
+            normal_named += hostlink.name_host(links, host_of) is not None
+        finally:
+            hostlink.TAIL_PAIRS = saved
+    assert normal_named >= trials // 2, normal_named
+    assert named <= 1, named
