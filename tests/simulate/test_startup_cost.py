@@ -1,4 +1,4 @@
-"""Rank 0's first steps at scale cost no more than linearly more with the ranks.
+"""Rank 0's first steps at scale cost far less than linearly more with the ranks.
 
 The simulator's first steps hold every per-rank channel's start (BOCD+V models, CUSUM
 references) and the audit's validation (every rank's evidence, the sign test of every rank
@@ -6,8 +6,10 @@ against its peers). A 10,000-rank job did not get past step 16 of its first scen
 policy in 10 minutes: the audit compared each rank with its peers one rank at a time
 (O(N^2)). Counted in function calls (Python and built-in, by cProfile: deterministic,
 unlike CPU time on a shared machine), the first 45 steps -- warm-up, the channels' starts
-and the audit -- must grow at most ``LINEAR_SLACK`` x as much as the ranks from 1,000 to
-10,000 (the O(N^2) audit grew ~100x for 10x)."""
+and the audit -- must grow at most ``GROWTH_MAX`` x from 1,000 to 10,000 ranks: the O(N^2)
+audit grew ~100x; with every rank's channel started one at a time (a Python call chain per
+rank) 3.3x; with the starts as arrays (changepoint._start_many) 2.4x -- what still grows is
+the evidence's one object per rank (the product's interface) and the gates' C calls."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 from stalwart.simulate.decide import Evidence, SimDetector
 
 STEPS = 45  # warm-up 10, the channels start at ~17 and ~28, the audit at ~40
-LINEAR_SLACK = 1.25
+GROWTH_MAX = 3.0
 
 
 def _first_steps_calls(n: int) -> tuple[int, bool]:
@@ -46,8 +48,8 @@ def _first_steps_calls(n: int) -> tuple[int, bool]:
     return calls, det.core.audit is not None
 
 
-def test_first_steps_grow_at_most_linearly_with_ranks() -> None:
+def test_first_steps_grow_far_less_than_the_ranks() -> None:
     small, audited_small = _first_steps_calls(1000)
     large, audited_large = _first_steps_calls(10000)
     assert audited_small and audited_large  # the audit ran within the steps counted
-    assert large <= LINEAR_SLACK * 10 * small, (small, large)
+    assert large <= GROWTH_MAX * small, (small, large)
