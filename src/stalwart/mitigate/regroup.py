@@ -342,6 +342,22 @@ def agree_state(model: torch.nn.Module, opt: Any, applied: int) -> tuple[int, in
     return best, src
 
 
+def agree_boundary(done: int, held: set, neutral: bool = False) -> set:
+    """The work at step boundary ``done`` (its evaluation and checkpoint, ``("eval" |
+    "ckpt", done)``) counted done on every rank only when every rank did it; ``held``: this
+    rank's record, returned with those two entries agreed. ``neutral``: a rank that joins
+    (it did nothing yet) leaves the choice to the others. One all-gather of two numbers.
+    Each rank deciding alone would split the ranks when a member's loss broke the boundary's
+    collective on some ranks only (one in the evaluation's all-reduce, another in the next
+    step's gradient all-reduce); redoing an evaluation or checkpoint is harmless."""
+    keys = [("eval", done), ("ckpt", done)]
+    mine = torch.tensor([int(neutral or k in held) for k in keys], dtype=torch.int64)
+    got = [torch.zeros(len(keys), dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    agreed = {k for i, k in enumerate(keys) if all(int(t[i]) for t in got)}
+    return (held - set(keys)) | agreed
+
+
 def agree_shards(model: torch.nn.Module, opt: Any, applied: int, held: int,
                  tp: int) -> tuple[int, list[int]]:
     """Tensor parallel: make every rank hold the shard of its new TP index (``rank % tp``) at

@@ -90,9 +90,7 @@ class InPlaceMembership:
         from stalwart.rundir import atomic_write_text
 
         atomic_write_text(ready, json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
-        done = self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
-        self.done_at.update({("eval", done), ("ckpt", done)})  # the others did them
-        return done
+        return self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
 
     def regroup(self, applied: int, why: str, timeout_s: float | None = None) -> int:
         """Rebuild this rank's distributed state for the next generation, in place: process
@@ -100,9 +98,10 @@ class InPlaceMembership:
         the ranks now in the job). Returns the step to run next, agreed by every rank.
         Raises NotAMember when the new generation leaves this rank out."""
         from stalwart.mitigate import membership, work_plan
-        from stalwart.mitigate.regroup import agree_shards, agree_state
+        from stalwart.mitigate.regroup import agree_boundary, agree_shards, agree_state
 
         t0 = time.monotonic()
+        joiner = self.regrouper.joining  # has done nothing yet: the others decide
         cfg, model = self.cfg, self.stepper.model
         self.opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
         self.stepper.close()
@@ -136,6 +135,10 @@ class InPlaceMembership:
             self.data_rank, self.data_parts = self.rank, self.world
             done, src = agree_state(model, self.opt, applied)
         self.agreed = done
+        # the evaluation and checkpoint at the agreed step: a collective the lost member broke
+        # can have completed on some ranks only -- each rank deciding from its own record
+        # would put one in the evaluation's all-reduce, another in the next step's
+        self.done_at = agree_boundary(done, self.done_at, joiner)
         parts["state"] = time.monotonic() - t0
         # a monitor made mid-run that sampled its first step from the ops validated a
         # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step

@@ -186,13 +186,12 @@ class Rank(InPlaceMembership):
         rejoin the step agreed by the generation that takes it back (``join``); None when no
         generation took it back (the caller makes it ``leave``)."""
         if self.joining:  # started again to take its host back: in at the agreed step, or out
-            try:
-                start = self.join()
+            try:  # (the evaluation and checkpoint there: as the others agreed, regroup.py)
+                return self.join()
             except RuntimeError as e:
                 print(f"stalwart: rank {self.rank} was not taken back: {e}", file=sys.stderr)
                 return None
-        else:
-            start = self.resume()
+        start = self.resume()
         if start > 0:  # what the resumed checkpoint already holds is not redone
             self.done_at.update({("eval", start), ("ckpt", start)})
         return start
