@@ -32,10 +32,10 @@ def test_ranks_that_joined_are_registered_and_their_steps_logged(tmp_path: Path)
 @pytest.mark.slow
 def test_a_rank_killed_by_the_launcher_leaves_the_others_training_in_place(
         tmp_path: Path) -> None:
-    steps = 60
+    steps = 40
     rec = tmp_path / "rec"
     r = stalwart("run", "--script", str(SCRIPT), "--nproc", "3", "--detect",
-                 "--fault", "kill:rank=1,at=15", "--out", str(tmp_path), "--name", "run",
+                 "--fault", "kill:rank=1,at=12", "--out", str(tmp_path), "--name", "run",
                  "--no-progress", "--", "--steps", str(steps), "--compute-ms", "5",
                  "--out", str(rec), timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
