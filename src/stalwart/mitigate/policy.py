@@ -394,14 +394,10 @@ class Policy:
         gain = lost * (1.0 - after / before) if before > 0 else 0.0
         if not before > after or gain <= max(s4_gain, self.min_gain):
             return None
-        dec = self._decide(REMAP, [], start_step, -1, gain,
-                           f"the link of the host of ranks {list(s.ranks)}: "
-                           f"{before / 1e6:.2f} MB/step across it, {after / 1e6:.2f} after "
-                           f"re-mapping (S4 would gain {s4_gain:.2f}; {s.rent_s:.1f} s lost "
-                           f"so far, restart {self.restart_s:.1f} s)")
-        dec.hosts = new
-        s.remapped = True  # decided once: the restart ends this incarnation
-        return dec
+        return self._remap_to(s, new, start_step, gain,
+                              f"the link of the host of ranks {list(s.ranks)}: "
+                              f"{before / 1e6:.2f} MB/step across it, {after / 1e6:.2f} after "
+                              f"re-mapping (S4 would gain {s4_gain:.2f}; ")
 
     def _remap(self, s: Straggler, step_s: float, start_step: int) -> Decision | None:
         """S3: once the slow pair has cost a restart, restart on the placement that puts the
@@ -417,13 +413,20 @@ class Policy:
         if not before > after:
             return None
         lost = 1.0 - (self.healthy_step_s or step_s) / step_s  # the slow pair's share
-        dec = self._decide(REMAP, [], start_step, -1, lost * (1.0 - after / before),
-                           f"slow link between hosts {slow[0]} and {slow[1]} (ranks "
-                           f"{s.pair[0]}-{s.pair[1]}): {before / 1e6:.2f} MB/step on it, "
-                           f"{after / 1e6:.2f} after re-mapping ({s.rent_s:.1f} s lost so "
-                           f"far, restart {self.restart_s:.1f} s)")
-        dec.hosts = new
-        s.remapped = True  # decided once: the restart ends this incarnation
+        return self._remap_to(s, new, start_step, lost * (1.0 - after / before),
+                              f"slow link between hosts {slow[0]} and {slow[1]} (ranks "
+                              f"{s.pair[0]}-{s.pair[1]}): {before / 1e6:.2f} MB/step on it, "
+                              f"{after / 1e6:.2f} after re-mapping (")
+
+    def _remap_to(self, s: Straggler, hosts: list[int], start_step: int, gain: float,
+                  why: str) -> Decision:
+        """The S3 decision: restart on ``hosts``; `why` ends with its open parenthesis, the
+        rent and the restart's price close it. Decided once per straggler: the restart ends
+        this incarnation."""
+        dec = self._decide(REMAP, [], start_step, -1, gain,
+                           f"{why}{s.rent_s:.1f} s lost so far, restart {self.restart_s:.1f} s)")
+        dec.hosts = hosts
+        s.remapped = True
         return dec
 
     def s2_price(self, units: list[float]) -> float:

@@ -32,6 +32,8 @@ as the original when the link heals, so going back would cost a restart and gain
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 Pair = tuple[int, int]
 
 
@@ -73,20 +75,24 @@ def placement(traffic: dict[Pair, float], hosts: list[int], slow: Pair) -> list[
     """The rank -> host map with the least traffic on the slow host pair, moving the fewest
     ranks (ties: the lowest rank pair). Returns ``hosts`` itself when nothing is better."""
     world = len(hosts)
-    best = list(hosts)
-    best_key = (traffic_on(traffic, hosts, slow), 0)
-    for x in range(world):
-        for y in range(world):
-            if x == y:
-                continue
-            cand = list(hosts)
-            for rank, host in ((x, slow[0]), (y, slow[1])):
-                j = cand.index(host)
-                cand[rank], cand[j] = cand[j], cand[rank]
-            key = (traffic_on(traffic, cand, slow),
-                   sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
-            if key < best_key:
-                best, best_key = cand, key
+    moves = ([(x, slow[0]), (y, slow[1])] for x in range(world) for y in range(world) if x != y)
+    return _least(hosts, moves, lambda cand: traffic_on(traffic, cand, slow))
+
+
+def _least(hosts: list[int], moves: Iterable[list[tuple[int, int]]],
+           cost: Callable[[list[int]], float]) -> list[int]:
+    """Of ``hosts`` and each candidate made by moving ranks onto slots (a move swaps the rank
+    with the one holding the slot, in order), the one of least ``cost``, then fewest ranks
+    moved; the first such candidate wins a tie, ``hosts`` itself when nothing is better."""
+    best, best_key = list(hosts), (cost(hosts), 0)
+    for move in moves:
+        cand = list(hosts)
+        for rank, slot in move:
+            j = cand.index(slot)
+            cand[rank], cand[j] = cand[j], cand[rank]
+        key = (cost(cand), sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
+        if key < best_key:
+            best, best_key = cand, key
     return best
 
 
@@ -112,18 +118,9 @@ def host_placement(traffic: dict[Pair, float], hosts: list[int],
     k = len(mine)
     if k == 0 or k >= world:
         return list(hosts)
-    best, best_key = list(hosts), (traffic_off_host(traffic, hosts, slots), 0)
-    for start in range(world - k + 1):
-        block = list(range(start, start + k))
-        cand = list(hosts)
-        for rank, slot in zip(block, mine, strict=True):
-            j = cand.index(slot)
-            cand[rank], cand[j] = cand[j], cand[rank]
-        key = (traffic_off_host(traffic, cand, slots),
-               sum(1 for a, b in zip(cand, hosts, strict=True) if a != b))
-        if key < best_key:
-            best, best_key = cand, key
-    return best
+    moves = (list(zip(range(start, start + k), mine, strict=True))
+             for start in range(world - k + 1))
+    return _least(hosts, moves, lambda cand: traffic_off_host(traffic, cand, slots))
 
 
 def model_bytes(n_params: int, micro_per_rank: float, micro_batch: int, block: int,
