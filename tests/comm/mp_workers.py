@@ -27,6 +27,21 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def kernel_drops(sock) -> int:
+    """Datagrams the kernel dropped for this UDP socket (its receive buffer was full): the
+    ``drops`` column of /proc/net/udp for the socket's inode; -1 where it cannot be read."""
+    ino = os.fstat(sock.fileno()).st_ino
+    try:
+        lines = Path("/proc/net/udp").read_text().splitlines()[1:]
+    except OSError:
+        return -1
+    for line in lines:
+        f = line.split()
+        if len(f) >= 13 and f[9] == str(ino):
+            return int(f[12])
+    return -1
+
+
 def _dump(out: str, rank: int, rec: dict) -> None:
     Path(out, f"rank-{rank}.json").write_text(json.dumps(rec))
 
@@ -81,6 +96,7 @@ def allreduce_worker(rank: int, world: int, port: int, numel: int, rounds: int, 
                 rec["out"].append(got.tolist())
         rec["rejected"] = coll.rejected_counts()
         rec["port"] = coll.transport.addr[1]
+        rec["kernel_drops"] = kernel_drops(coll.transport.sock)
     finally:
         dist.barrier()
         coll.close()

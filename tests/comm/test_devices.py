@@ -34,3 +34,20 @@ def test_cpu_staging_round_trips_the_flat_vectors() -> None:
     assert st.slice_values(4, 8).tolist() == v[4:8].tolist()
     st.put_values(v * 2)
     assert torch.equal(b.detach(), torch.from_numpy(v[6:] * 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_round_trips_the_flat_vectors_bit_for_bit() -> None:
+    a = torch.nn.Parameter(torch.randn(300, 7, device="cuda"))
+    b = torch.nn.Parameter(torch.randn(5, device="cuda"))
+    a.grad, b.grad = torch.randn_like(a), None
+    st = HostStaging([a, b])
+    g = st.grads()
+    assert g.tobytes() == torch.cat([a.grad.reshape(-1), torch.zeros(5, device="cuda")]).cpu(
+    ).numpy().tobytes()
+    v = st.values()
+    assert st.slice_values(2095, 2105).tobytes() == v[2095:2105].tobytes()
+    st.put_values(v * 2)
+    y = a * 1  # a kernel on the compute stream: it must see the new values
+    assert torch.equal(b.detach().cpu(), torch.from_numpy(v[2100:] * 2))
+    assert torch.equal(y.detach().cpu().reshape(-1), torch.from_numpy(v[:2100] * 2))

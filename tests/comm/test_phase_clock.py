@@ -49,3 +49,20 @@ def test_a_peer_that_never_starts_costs_one_cap() -> None:
     assert c.step(0.0, all_done=False, all_ended=False, late=True) == 5.0
     assert c.step(5.0, all_done=False, all_ended=False, late=True) is None
     assert c.deadline_hit
+
+
+def test_the_wait_account_names_the_last_peer_and_the_split() -> None:
+    from stalwart.comm.phase import WaitAccount
+    from stalwart.comm.rounds import PhaseStats
+
+    acc = WaitAccount(t0=10.0, sent=10.05)
+    acc.observe(10.1, started=[1], ended=[])
+    acc.observe(10.3, started=[1, 2], ended=[1])
+    acc.observe(10.9, started=[1, 2], ended=[1, 2])  # peer 2 ends last; re-seen 1 keeps 10.3
+    out = PhaseStats(elapsed=1.0)
+    acc.fill(out)
+    assert (round(out.t_sent, 6), round(out.t_started, 6), round(out.t_ended, 6), out.last) == (
+        0.05, 0.3, 0.9, 2)
+    empty = PhaseStats(elapsed=2.0)
+    WaitAccount(t0=0.0).fill(empty)  # nobody seen: the whole phase was the wait
+    assert (empty.t_started, empty.t_ended, empty.last) == (0.0, 2.0, -1)

@@ -69,6 +69,43 @@ class Progress:
               flush=True)
 
 
+PHASE_NAMES = ("reduce-scatter", "broadcast")
+
+
+def tail_account(ours: list[float], waits: list[list[list]]) -> dict:
+    """Where the slow all-reduces' time went (issue 37 item 3). For the iterations at or above
+    the 90th percentile of ``ours`` (slowest rank), the slowest rank's phases split into its
+    own send (its packets, parity and markers handed to the kernel), skew (then until every
+    peer had started the round), transfer (until every peer had completed or sent its end
+    marker) and the end wait (grace, decode or deadline after that); with how each phase
+    ended and which peer came last. ``waits``: per rank, per iteration, per phase [end,
+    t_started, t_ended, elapsed, last, lost, recovered, t_sent]. The times are the waiting
+    thread's wake-ups: on a loaded machine its own scheduling delay is in them."""
+    if not ours or not waits or not all(waits):
+        return {}
+    cut = float(np.percentile(ours, 90))
+    rows = []
+    for it, t in enumerate(ours):
+        if t < cut:
+            continue
+        r = int(np.argmax([sum(ph[3] for ph in w[it]) for w in waits]))  # the slowest rank
+        for k, ph in enumerate(waits[r][it][:2]):
+            end, ts, te, el, last, lost, rec = ph[:7]
+            sent = ph[7] if len(ph) > 7 else 0.0
+            rows.append({"iter": it, "rank": r, "phase": PHASE_NAMES[k], "end": end,
+                         "own_send_s": sent, "skew_s": max(ts - sent, 0.0),
+                         "transfer_s": max(te - max(ts, sent), 0.0),
+                         "end_wait_s": max(el - te, 0.0), "elapsed_s": el, "last": last,
+                         "lost": lost, "recovered": rec, "total_s": t})
+    keys = ("own_send_s", "skew_s", "transfer_s", "end_wait_s")
+    share = {k: float(sum(x[k] for x in rows) / max(sum(x["elapsed_s"] for x in rows), 1e-12))
+             for k in keys}
+    ends: dict[str, int] = {}
+    for x in rows:
+        ends[x["end"]] = ends.get(x["end"], 0) + 1
+    return {"cut_s": cut, "iterations": rows, "share": share, "ends": ends}
+
+
 def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
                     gloo_levels: list[float], progress: Progress | None = None) -> dict:
     """Per loss level: per-iteration times (slowest rank), ours and gloo; chunks lost after
@@ -102,7 +139,8 @@ def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
                   # CPU seconds per all-reduce, all ranks together (iteration by iteration)
                   "cpu": np.sum([v["cpu"] for v in lv], axis=0).tolist(),
                   "gloo_cpu": (np.sum([v["gloo_cpu"] for v in lv], axis=0).tolist()
-                               if lv[0].get("gloo_cpu") else [])}
+                               if lv[0].get("gloo_cpu") else []),
+                  "tail": tail_account(ours, [v.get("waits", []) for v in lv])}
     out["rejected"] = [r["rejected"] for r in recs]
     out["engine"] = recs[0].get("engine")
     return out
@@ -291,7 +329,8 @@ def run(quick: bool, workdir: Path, only: list[str] | None = None) -> BenchResul
                  **({"gloo_cpu_median": _p(v["gloo_cpu"], 50)} if v["gloo_cpu"] else {}),
                  "chunks_lost": v["lost"], "chunks": v["chunks"], "lost_frac": v["lost_frac"],
                  "recovered": v["recovered"], "wire_bytes_ratio": v["wire"],
-                 "deadline_hits": v["deadline_hits"], "n": len(v["ours"])}
+                 "deadline_hits": v["deadline_hits"], "n": len(v["ours"]),
+                 "tail": v.get("tail", {})}
                 if k not in ("rejected", "engine") else v)
             for k, v in ar.items()}
         figures[f"allreduce_median_ratio_loss0{sfx}"] = (

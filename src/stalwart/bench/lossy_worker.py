@@ -35,7 +35,9 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
     """Per loss level: gloo and ours interleaved (ours with the protection training uses:
     ``fec``, for the residual target ``attach`` uses). gloo is skipped at levels not in
     ``gloo_levels`` (at 10% loss one of its all-reduces takes seconds). Records per iteration:
-    times, chunks lost after decoding, chunks rebuilt, UDP bytes sent per payload byte."""
+    times, chunks lost after decoding, chunks rebuilt, UDP bytes sent per payload byte, and per
+    phase where its wait went (``waits``: end state, t_started, t_ended, elapsed, last peer,
+    lost, rebuilt, t_sent; ``rounds.PhaseStats``)."""
     from stalwart.comm.collective import LossyCollective
     from stalwart.testbed.loss import set_loss
 
@@ -59,6 +61,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
             set_loss(netns[rank], p)
             _barrier()
             ours, gloo, lost, chunks, rec, wire, hits, cpu = [], [], [], [], [], [], [], []
+            waits: list[list[list]] = []  # per timed iteration, per phase: the wait's account
             gcpu: list[float] = []
             # warm-up long enough for the loss estimate (a ~10,000-datagram window per link)
             # to settle at this level: the parity is sized from it
@@ -89,9 +92,14 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
                     rec.append(sum(q.recovered for q in ps))
                     wire.append((coll.transport.bytes_sent - b0) / payload_bytes)
                     hits.append(sum(int(q.deadline_hit) for q in ps))
+                    waits.append([[q.end, round(q.t_started, 5), round(q.t_ended, 5),
+                                   round(q.elapsed, 5), q.last, q.lost, q.recovered,
+                                   round(q.t_sent, 5)]
+                                  for q in ps])
             res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost": lost, "chunks": chunks,
                                      "recovered": rec, "wire": wire, "deadline_hits": hits,
                                      "cpu": cpu[settle:], "gloo_cpu": gcpu, "settle": settle,
+                                     "waits": waits,
                                      "lost_frac": [a / max(b, 1) for a, b in zip(
                                          lost, chunks, strict=True)]}
         _barrier()

@@ -23,7 +23,7 @@ the network).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from stalwart.comm.rounds import ROUNDS_OPEN, PhaseStats
@@ -98,6 +98,34 @@ class PhaseClock:
         return wake
 
 
+class WaitAccount:
+    """Where one phase's wait went, from the observations of ``Phases._wait``: when each peer
+    was first seen to have started the round and to have completed or ended the phase. The
+    times are those of this rank's wake-ups (the native engine wakes it when a peer starts,
+    completes or sends a marker), so they include its own scheduling delay."""
+
+    def __init__(self, t0: float, sent: float | None = None) -> None:
+        self.t0 = t0
+        self.sent = t0 if sent is None else sent  # when this rank's own sending was done
+        self.started: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+
+    def observe(self, now: float, started: Iterable[int], ended: Iterable[int]) -> None:
+        for s in started:
+            self.started.setdefault(s, now)
+        for s in ended:
+            self.ended.setdefault(s, now)
+
+    def fill(self, out: PhaseStats) -> None:
+        """``t_sent``, ``t_started`` (every peer seen started), ``t_ended`` (every peer
+        complete or its marker in: the phase's end minus the grace or deadline wait) and
+        ``last``."""
+        out.t_sent = self.sent - self.t0
+        out.t_started = max(self.started.values(), default=self.t0) - self.t0
+        out.t_ended = (max(self.ended.values()) - self.t0) if self.ended else out.elapsed
+        out.last = max(self.ended, key=self.ended.__getitem__) if self.ended else -1
+
+
 class Phases:
     """The phase half of ``LossyCollective`` (a mixin: it works on the collective's state)."""
 
@@ -117,6 +145,7 @@ class Phases:
         out = PhaseStats()
         if self._t_first is None:
             self._t_first = t0
+        account = WaitAccount(t0, time.perf_counter())
         with self._cond:
             while True:
                 self._check_handler()
@@ -139,6 +168,10 @@ class Phases:
                 # late, and waiting a cap for it stalled everyone 5 s
                 late = any(not st.got[:, s].any() and (st.marker[:, s] < 0).all()
                            for s in live)
+                account.observe(now, (s for s in live if st.got[:, s].any()
+                                      or (st.marker[:, s] >= 0).any()),
+                                (s for s in live if st.got[phase, s] >= exp[s]
+                                 or st.marker[phase, s] >= 0))
                 wake = clock.step(now, all_done, all_ended, late)
                 if wake is None:
                     break
@@ -152,6 +185,8 @@ class Phases:
                 self._eng.close_phase(self.round % ROUNDS_OPEN, phase)
             out.deadline_hit = clock.deadline_hit
             out.elapsed = time.perf_counter() - t0
+            out.end = clock.state
+            account.fill(out)
             recv = int(st.got[phase].sum())
             out.recv = recv
             out.lost = total - recv

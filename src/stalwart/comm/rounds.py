@@ -95,5 +95,16 @@ class PhaseStats:
     copies: int = 1  # most copies of a data packet sent to any peer in this phase
     parity: int = 0  # erasure-code parity packets sent
     recovered: int = 0  # data chunks this rank rebuilt from parity
+    # where the phase's time went (``Phases._wait``; seconds from the phase's start, as this
+    # rank observed them at its wake-ups): until its own packets, parity and markers were
+    # sent (t_sent), until every live peer had started the round (skew), until every one had
+    # completed or sent its end marker (transfer), and how the
+    # phase ended (``phase.COMPLETE`` / ``ENDED``: markers + grace / ``DEADLINE``); ``last``
+    # is the peer that completed or ended last (-1: none)
+    end: str = ""
+    t_sent: float = 0.0
+    t_started: float = 0.0
+    t_ended: float = 0.0
+    last: int = -1
 
 

@@ -11,6 +11,9 @@ lossy transport, which reads and writes host memory through numpy.
 
 Guarantee: copies only, so the transport sees bit for bit what the CPU path would and the
 parameters receive exactly what it produced (training without loss is exact, as on CPU).
+Checked: the CPU path by the comm suite; the CUDA path by ``tests/comm/test_devices.py``'s
+round trip, which needs a GPU and is skipped without one (no GPU has run it in this project;
+docs/comm.md says the same).
 
 Cost (CUDA): per step one device ``cat`` and one D2H copy of 4 bytes per parameter, one H2D
 copy of the same size, and 8 bytes per parameter of pinned host memory. At ~20 GB/s over PCIe
