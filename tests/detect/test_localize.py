@@ -403,3 +403,26 @@ def test_a_confirmed_rank_slow_over_the_whole_window_is_slow_since_then() -> Non
     f = decide(evidence(99), onset_step=21, step=29, severity=1.3, suspect_rank=2,
                first_step=0)
     assert f.kind == "unknown" and f.evidence["culprit_not_slow_since_onset"] == 2
+
+
+def test_a_mild_rank_is_confirmed_by_rounds_pooled_over_validations() -> None:
+    from stalwart.detect.localize import POOLED_ALPHA, binom_tail_p
+
+    healthy = [0.20, 0.21, 0.20, 0.22, 0.20, 0.21, 0.20, 0.21, 0.20, 0.22]
+    slow = [0.28] * 10  # 1.4x: under COMPUTE_RATIO
+    # slower than rank 1 in two of the ten rounds: the slowest in 8 of 10 -- not confirmed
+    # by one validation (9 of 10 is the single test's bound)
+    other = [*healthy[:8], 0.30, 0.30]
+    ten = mild({0: other, 1: slow, 2: healthy, 3: healthy})
+    assert decide(ten, 40, 60, 1.1, suspect_rank=1).kind == "unknown"
+    # the same rank the slowest in 3 of 3 rounds of an earlier validation: 11 of 13 in all,
+    # a chance of ~1.1e-5 for a healthy rank of 4 -- confirmed, with the pooled evidence
+    assert binom_tail_p(13, 11, 0.25) <= POOLED_ALPHA < binom_tail_p(16, 11, 0.25)
+    f = decide(ten, 40, 60, 1.1, suspect_rank=1, prior={1: (3, 3)})
+    assert f.kind == "compute" and f.ranks == [1]
+    assert f.evidence["pooled_rounds"]["slowest"] == 11
+    assert f.evidence["pooled_rounds"]["of"] == 13
+    # earlier rounds that a healthy rank could have made (2 of 6) do not tip it
+    assert decide(ten, 40, 60, 1.1, suspect_rank=1, prior={1: (2, 6)}).kind == "unknown"
+    # nor does a prior of another rank
+    assert decide(ten, 40, 60, 1.1, suspect_rank=1, prior={2: (3, 3)}).kind == "unknown"

@@ -38,8 +38,6 @@ KNOWN: dict[str, str] = {
                              "and 1.5x but the slowest in only 4 of 7 and 6 of 10 rounds",
     "h-compute1.3x-n5-seed7": "the 1.3x rank 3 is never confirmed; rank 1, read 1.65x and "
                               "the slowest in 3 of 3 rounds at step 87, is named instead",
-    "h-compute1.5x-n4-seed7-mb2": "rank 1 at 1.5x from step 35: the compute test read 1.44x "
-                                  "and 1.37x, the slowest in 8 and 7 of 10 rounds",
 }
 # runs slow from step 0 whose finding is not marked never healthy at onset 0 (the reason)
 KNOWN_BORN: dict[str, str] = {

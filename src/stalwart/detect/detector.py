@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from stalwart.detect.alarms import DETECTS, MODES, NONE, QUIET, RECOVER, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.evidence import Finding, RankEvidence
-from stalwart.detect.localize import decide, more_rounds
+from stalwart.detect.localize import decide, more_rounds, slowest_counts
 
 ROUNDS = 3  # the compute test's first rounds (validate.compute_test's default)
 VALIDATION_FILE = "validation.jsonl"  # a run directory's raw validation rounds (rank 0)
@@ -119,6 +119,10 @@ class Detector:
         self.source = source
         self.rank = rank
         self._events: list[Any] = []
+        # per rank: (slowest rounds, rounds) of this job's compute tests since it was last
+        # named (localize.decide's ``prior``); reset when the job size changes
+        self._pool: dict[int, tuple[int, int]] = {}
+        self._pool_n = 0
         emit = core.emit
 
         def tee(ev: Any) -> None:
@@ -171,16 +175,41 @@ class Detector:
             if not ev or len(ev[0].compute_rounds) <= have:
                 break  # a source that cannot measure more (a recording) decides on what it has
         first = self.core.first_key
-        finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode, first)
+        if len(ev) != self._pool_n:
+            self._pool, self._pool_n = {}, len(ev)
+        prior = self._pool
+        finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode, first,
+                         prior)
         if finding.kind == "unknown":
             # a slow link between ranks that are not ring neighbours
             more = src.more_links()
             if more is not None:
                 ev = more
                 finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode,
-                                 first)
+                                 first, prior)
+        self._pool_rounds(ev, finding)
         self.core.apply_verdict(finding, suspect, self._pause_s(), alarm.action)
         return Validation(alarm, decided, ev, finding)
+
+    def _pool_rounds(self, ev: list[RankEvidence], finding: Finding) -> None:
+        """This validation's compute rounds join every rank's pool -- except the ranks of a
+        straggler being followed or named now, whose pools restart empty (their slow rounds
+        must not confirm them again once healthy)."""
+        rounds = min((len(e.compute_rounds) for e in ev), default=0)
+        if rounds == 0:
+            return
+        named = set(finding.ranks) if finding.kind in ("compute", "link") else set()
+        active = self.core.active
+        if active is not None:
+            named |= set(active.ranks)
+        slowest = slowest_counts(ev)
+        pool = self._pool
+        for r, k in slowest.items():
+            if r in named:
+                pool.pop(r, None)
+                continue
+            k0, m0 = pool.get(r, (0, 0))
+            pool[r] = (k0 + k, m0 + rounds)
 
     def _pause_s(self) -> float:
         """The seconds the source's tests took (live: wall time; recorded: as recorded)."""

@@ -15,8 +15,11 @@ half of the ranks or pairs -- a fault that slows more than half the job is not a
    slowest rank in every one of ``MILD_ROUNDS`` synchronised rounds, or in all but one of
    ``MILD_ROUNDS_LONG`` (``more_rounds`` tells the monitor to run them when the first rounds
    leave the verdict open; for exchangeable healthy ranks the chance that one is slowest in
-   all of 7 is n^-7, 6e-5 for 4 ranks, and in 9 of 10 about 3e-5) -- and every slow pair of
-   the link test (if any) has it as an end: a CPU-starved rank moves its bytes slowly too;
+   all of 7 is n^-7, 6e-5 for 4 ranks, and in 9 of 10 about 3e-5), or, >= ``COMPUTE_MILD``
+   x, the slowest in so many of this validation's rounds pooled with the job's earlier ones
+   (``decide``'s ``prior``) that a healthy rank would be with chance <= ``POOLED_ALPHA`` --
+   and every slow pair of the link test (if any) has it as an end: a CPU-starved rank moves
+   its bytes slowly too;
 2. else link test: pairs >= ``LINK_RATIO`` x slower -> "link"; several slow pairs sharing one
    rank mean that rank's own link (its host's uplink) is the culprit;
 3. else the compute test alone names a rank only if it is >= ``COMPUTE_ALONE`` x and
@@ -76,6 +79,12 @@ MILD_ROUNDS = 7
 # as unlikely for a healthy rank as 7 of 7 (3e-5 vs 6e-5 at 4 ranks) and costs 3 more rounds
 # only when exactly one of the first 7 missed
 MILD_ROUNDS_LONG = 10
+# ...or, over this validation's rounds pooled with the job's earlier validations of the same
+# ranks (``prior``: a rank not confirmed before), slowest in so many that a healthy rank
+# exchangeable with its n peers would be with chance <= POOLED_ALPHA: P(Bin(m, 1/n) >= k).
+# The bound is the single test's own (9 of 10 at 4 ranks: 2.9e-5), not fitted; on the replay
+# corpus's tuning part no healthy rank's rounds pooled over its whole job come below 1.2e-3
+POOLED_ALPHA = 3e-5
 COMPUTE_ALONE = 1.5  # names a rank on the compute test alone...
 STANDOUT = 1.3  # ...if it is also this much slower than the next rank
 # equal transfers: the testbed's shaped links measured 100-225x the healthy pairs, while load
@@ -153,6 +162,24 @@ def slowest_every_round(ev: list[RankEvidence], rank: int) -> int:
                if all(rounds[rank][i] > v[i] for r, v in rounds.items() if r != rank))
 
 
+def slowest_counts(ev: list[RankEvidence]) -> dict[int, int]:
+    """``slowest_every_round`` for every rank at once: one pass over the rounds (O(n x
+    rounds), where one call per rank would be O(n^2 x rounds))."""
+    rounds = {e.rank: e.compute_rounds for e in ev}
+    counts = dict.fromkeys(rounds, 0)
+    if len({len(v) for v in rounds.values()}) != 1 or len(rounds) < 2:
+        return counts
+    ranks = list(rounds)
+    a = np.asarray([rounds[r] for r in ranks], dtype=float)
+    if a.size == 0:
+        return counts
+    top = a.max(axis=0)
+    alone = np.count_nonzero(a == top, axis=0) == 1  # strictly above every other rank
+    for j in np.flatnonzero(alone).tolist():
+        counts[ranks[int(np.argmax(a[:, j]))]] += 1
+    return counts
+
+
 def _slowest_in_all(ev: list[RankEvidence], rank: int) -> bool:
     """The slowest rank in every round of the test (true when no rounds were recorded). A
     clean local run's channel alarm was confirmed at 1.59x in the median of 3 rounds while
@@ -167,6 +194,30 @@ def _mild_confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int
     misses = rounds - slowest_every_round(ev, candidate)
     return cr.get(candidate, 0.0) >= COMPUTE_MILD and (
         (rounds >= MILD_ROUNDS and misses == 0) or (rounds >= MILD_ROUNDS_LONG and misses <= 1))
+
+
+def binom_tail_p(m: int, k: int, p: float) -> float:
+    """P(Bin(m, p) >= k), exactly."""
+    if k <= 0:
+        return 1.0
+    return math.fsum(math.comb(m, j) * p ** j * (1.0 - p) ** (m - j)
+                     for j in range(k, m + 1))
+
+
+def pooled_rounds(ev: list[RankEvidence], rank: int,
+                  prior: dict[int, tuple[int, int]] | None) -> tuple[int, int, float] | None:
+    """(slowest rounds, rounds, chance) of ``rank`` over this validation's compute rounds and
+    ``prior``'s (its earlier ones: slowest, rounds), or None when there is no prior or fewer
+    than ``MILD_ROUNDS_LONG`` rounds in all. The chance is that of a healthy rank exchangeable
+    with its peers, rounds independent: P(Bin(m, 1/n) >= k)."""
+    if not prior or rank not in prior or len(ev) < 2:
+        return None
+    k0, m0 = prior[rank]
+    m = m0 + min((len(e.compute_rounds) for e in ev), default=0)
+    if m < MILD_ROUNDS_LONG or m0 == 0:
+        return None
+    k = k0 + slowest_every_round(ev, rank)
+    return k, m, binom_tail_p(m, k, 1.0 / len(ev))
 
 
 def sign_test(xs: np.ndarray, shift: float = MIN_SHIFT) -> tuple[int, int, float]:
@@ -393,16 +444,40 @@ def _rose_in_window(ev: list[RankEvidence], rank: int, onset_step: int, step: in
         k >= onset for e in ev if e.rank == rank for k, _ in e.recent)
 
 
+def _confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int,
+               evidence: dict[str, Any], prior: dict[int, tuple[int, int]] | None) -> bool:
+    """The compute test confirms ``candidate``: far above the healthy level and the slowest
+    rank in every round, or mildly above it and the slowest in every round of a longer test
+    (or all but one of 10), or mildly above it and the slowest in enough rounds pooled over
+    the job's validations (``pooled_rounds``; the evidence then says so)."""
+    if (cr.get(candidate, 0.0) >= COMPUTE_RATIO and cr[candidate] >= max(cr.values())
+            and _slowest_in_all(ev, candidate) and not _mild_only(evidence)) or \
+            _mild_confirmed(ev, cr, candidate):
+        return True
+    if cr.get(candidate, 0.0) < COMPUTE_MILD:
+        return False
+    pooled = pooled_rounds(ev, candidate, prior)
+    if pooled is None or pooled[2] > POOLED_ALPHA:
+        return False
+    evidence["pooled_rounds"] = {"slowest": pooled[0], "of": pooled[1],
+                                 "chance": float(f"{pooled[2]:.3g}")}
+    return True
+
+
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
            suspect_rank: int | None = None, mode: str = CHANGE_MODE,
-           first_step: int | None = None) -> Finding:
+           first_step: int | None = None,
+           prior: dict[int, tuple[int, int]] | None = None) -> Finding:
     """Combine every rank's evidence into one verdict (pure: same input, same answer).
 
     ``suspect_rank``: the rank whose own compute time (relative to its peers) triggered the
     detection, if that is how it was found; the compute test must then confirm that rank.
     ``mode``: what raised the alarm (``CHANGE_MODE``, ``OUTLIER_MODE``, ``AUDIT_MODE``; the
     module docstring). ``first_step``: the monitor's first sample, when known (a rank slow
-    over the whole evidence window is then slow since it: ``_slow_all_along``).
+    over the whole evidence window is then slow since it: ``_slow_all_along``). ``prior``:
+    per rank, (slowest rounds, rounds) of the compute tests of this job's earlier
+    validations since the rank was last named (``Detector``): pooled with this one's for a
+    candidate the test reads >= ``COMPUTE_MILD`` (``POOLED_ALPHA``).
     """
     ev = sorted(ev, key=lambda e: e.rank)
     evidence: dict[str, Any] = {}
@@ -417,12 +492,7 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
 
     born = mode != CHANGE_MODE
     candidate = candidate_of(ev, suspect_rank, mode, evidence)
-    # confirmed: far above the healthy level and the slowest rank in every round, or mildly
-    # above it and the slowest in every round of a longer test (or all but one of 10)
-    confirmed = candidate is not None and ((
-        cr.get(candidate, 0.0) >= COMPUTE_RATIO and cr[candidate] >= max(cr.values())
-        and _slowest_in_all(ev, candidate) and not _mild_only(evidence))
-        or _mild_confirmed(ev, cr, candidate))
+    confirmed = candidate is not None and _confirmed(ev, cr, candidate, evidence, prior)
     if candidate is not None and cr:
         evidence["compute_test_rounds"] = min(len(e.compute_rounds) for e in ev)
         evidence["slowest_rounds"] = slowest_every_round(ev, candidate)
