@@ -34,7 +34,9 @@ def _rank(rank: int, world: int, store: str, out: Any) -> None:
 
 
 def test_the_ranks_agree_on_the_boundarys_evaluation_and_checkpoint(tmp_path: Path) -> None:
-    got = spawn_ranks(_rank, 3, str(tmp_path / "store"))
+    # the timeout only keeps a hung rank from hanging the test: 3 spawned torch imports
+    # took over 60 s at load average ~30
+    got = spawn_ranks(_rank, 3, str(tmp_path / "store"), timeout=300)
     # redone by all when one rank lacks it; a joiner leaves it to the others
     assert got[0]["one rank evaluated"] == {("ckpt", 5)}
     assert got[1]["one rank evaluated"] == {("ckpt", 5)}

@@ -1,16 +1,18 @@
-"""In-place membership: the rank side of a job that regroups without a restart
-(stalwart.mitigate.regroup's ``Regrouper`` is the object plugged into the rank as
-``rank.regrouper``). A lost rank (a failed collective), a planned S3/S4 change, or a host
-taken back makes every member rebuild its process groups for the launcher's next generation,
-agree on the model and optimizer state, and go on at the agreed step.
+"""In-place membership: the rank side of a job that regroups without a restart. A lost rank
+(a failed collective), a planned S3/S4 change, or a host taken back makes every member
+rebuild its process groups for the launcher's next generation, agree on the model and
+optimizer state, and go on at the agreed step.
 
-``InPlaceMembership`` is the part of ``Rank`` (train/rank.py) that does it: ``join`` (a rank
-started again to take its host back), ``regroup``, ``restart_due`` (an S3/S4 decision: a
-restart, or in such a job a planned regroup), ``fall_back`` and ``leave``. It reads and
-rebinds the rank's cfg, rank, world, run_dir, device, devices, events, metrics, stepper, opt,
-monitor, work, regrouper, data_rank, data_parts, tp_index, agreed, n_params and done_at;
-in a ``--comm lossy`` job also planned_change, opt_gen, lossy_prev and lossy_extra: there
-the owners' optimizer state is re-sharded over the new group (``_regroup_lossy``, with a
+``InPlace`` is the object a rank of such a job owns (``Rank.inplace``; None in any other
+job): it holds the membership watcher (``regrouper``, mitigate/regroup.py) and the in-place
+state -- the steps the last agreement settled on, a planned change's hosts, and in a
+``--comm lossy`` job the optimizer generations kept for a regroup broken off half-way and
+the shards handed over by members a planned change leaves out. Its operations: ``join`` (a
+rank started again to take its host back), ``regroup``, ``planned`` (an S3/S4 decision in
+such a job), ``fall_back`` and ``leave``. It changes the rank only through the rank's own
+methods: ``release`` (the old groups' parts closed), ``place`` (its rank and data shard in
+the new world) and ``plug`` (the new step, optimizer, monitor and work plan). In a lossy
+job the owners' optimizer state is re-sharded over the new group (``_regroup_lossy``, with a
 leaving member's shard handed over first, ``_hand_over``) and a new lossy optimizer made.
 
 Guarantees:
@@ -18,6 +20,9 @@ Guarantees:
   the step in flight is redone (lossy: the fewest steps any member applied, a member one
   step ahead undoing its shard's last update; a dead owner's per-element optimizer state
   restarts from zero);
+- every member agrees on the evaluation and checkpoint due at that step (``agree_boundary``:
+  redone by all unless every member did it), so no member enters the next step's
+  collectives while another is in the evaluation's;
 - a regroup broken by a further membership change (a member lost during it) is redone on the
   next generation, up to MAX_REGROUPS times in a row (``regroup_until_done``);
 - any other failure of a regroup saves the rank's own state without a collective and exits
@@ -25,8 +30,9 @@ Guarantees:
 - a rank the new generation leaves out exits with LEFT_EXIT without the job's collectives.
 
 Cost: nothing per step; a regroup takes 0.6-0.9 s on the netns testbed (4 ranks on 2 cores):
-new groups on the generation's store, one all-gather to agree on the state (the model and
-optimizer state move only to the ranks that lack it), a new monitor, DDP wrapper and work plan.
+new groups on the generation's store, two all-gathers (the state, the boundary's work; the
+model and optimizer state move only to the ranks that lack it), a new monitor, DDP wrapper
+and work plan.
 """
 
 from __future__ import annotations
@@ -36,13 +42,17 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from stalwart.train import checkpoint as ckpt
 from stalwart.train.steps import DataParallelStep, make_groups
+
+if TYPE_CHECKING:
+    from stalwart.mitigate.regroup import Regrouper
+    from stalwart.train.rank import Rank
 
 # S3/S4's price while no in-place regroup has been measured yet in this job: 0.6-0.9 s
 # measured on the netns testbed (4 ranks on 2 cores), rounded up
@@ -58,15 +68,30 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:240]
 
 
-class InPlaceMembership:
-    """``Rank``'s in-place membership methods (see the module's docstring)."""
+class InPlace:
+    """One rank's in-place membership (see the module's docstring), owned by its ``Rank``."""
+
+    def __init__(self, rank: Rank, regrouper: Regrouper, rejoiner: bool = False) -> None:
+        """``rejoiner``: the process was started again to take its host back (``join``)."""
+        self.r = rank
+        self.regrouper = regrouper
+        self.rejoiner = rejoiner
+        self.agreed = -1  # the steps applied that the last regroup's state agreement settled on
+        self.planned_change: list[int] | None = None  # a planned change's hosts, due now
+        self.opt_gen = 0  # the membership generation the (lossy) optimizer was made for
+        # lossy, after a regroup: (generation, the optimizer exported from) until the new one
+        # has completed a step (a regroup broken off half-way exports it again)
+        self.lossy_prev: tuple[int, Any] | None = None
+        # lossy: (generation, shard) handed over by ranks a planned change leaves out
+        self.lossy_extra: list[tuple[int, Any]] = []
+        regrouper.on_abort.append(self.interrupt_comm)
 
     def regroups_after(self, err: BaseException) -> bool:
-        """Whether ``err``, raised by a step, is one a regroup handles: a job that regroups
-        in place, and a failed collective or a membership change already announced."""
+        """Whether ``err``, raised by a step, is one a regroup handles: a failed collective or
+        a membership change already announced."""
         from stalwart.mitigate.regroup import is_comm_error
 
-        return self.regrouper is not None and (self.regrouper.changed() or is_comm_error(err))
+        return self.regrouper.changed() or is_comm_error(err)
 
     def interrupt_comm(self) -> None:
         """The membership watcher's word that a member is lost (its thread): a lossy
@@ -75,95 +100,96 @@ class InPlaceMembership:
         having trained on without the dead rank's share of the batch; a tensor-parallel step's
         collectives stop waiting on pairs a peer may have shut first (overlap/comm.py)."""
         why = "the job's membership changed (a member was lost)"
-        for part in (self.opt, self.stepper):  # the lossy transport; tensor-parallel steps
+        for part in (self.r.opt, self.r.stepper):  # the lossy transport; tensor-parallel steps
             if hasattr(part, "interrupt"):
                 part.interrupt(why)
+
+    def stepped(self) -> None:
+        """A step completed on the current optimizer: every rank has made it, so the one
+        kept for a regroup broken off half-way is not needed."""
+        self.lossy_prev = None
 
     def join(self) -> int:
         """Say this rank is ready, wait for the generation that takes it back, and regroup
         into it: the parameters and optimizer state come from a peer (``agree_state``).
         Returns the step to run next; raises TimeoutError when no generation takes it."""
         from stalwart.mitigate import membership
-
-        g = self.regrouper.current
-        ready = membership.ready_path(self.run_dir, g.token, self.rank)
         from stalwart.rundir import atomic_write_text
 
+        g = self.regrouper.current
+        ready = membership.ready_path(self.r.run_dir, g.token, self.r.rank)
         atomic_write_text(ready, json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
         return self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
 
     def regroup(self, applied: int, why: str, timeout_s: float | None = None) -> int:
-        """Rebuild this rank's distributed state for the next generation, in place: process
+        """Rebuild the rank's distributed state for the next generation, in place: process
         groups, the model's state agreed, DDP, monitor, work plan (the same global batch over
         the ranks now in the job). Returns the step to run next, agreed by every rank.
         Raises NotAMember when the new generation leaves this rank out."""
         from stalwart.mitigate import membership, work_plan
         from stalwart.mitigate.regroup import agree_boundary, agree_shards, agree_state
 
+        r = self.r
         t0 = time.monotonic()
         joiner = self.regrouper.joining  # has done nothing yet: the others decide
-        cfg, model = self.cfg, self.stepper.model
-        self.opt.zero_grad(set_to_none=True)  # the failed step's partial gradients
-        self.stepper.close()
-        for part in (self.monitor, self.work):  # their exchanges failed with the old groups
-            with contextlib.suppress(Exception):
-                if part is not None:
-                    part.close()
-        self.monitor = self.work = None
+        cfg = r.cfg
+        r.release()
         before = self.regrouper.current
         lossy = cfg.comm == "lossy"
         if lossy:
             self._hand_over()
         try:
-            g = self.regrouper.regroup(self.devices.backend, **(
+            g = self.regrouper.regroup(r.devices.backend, **(
                 {"timeout_s": timeout_s} if timeout_s is not None else {}))
         except TimeoutError as t:  # not a lost peer: the original failure is the news
             raise RuntimeError(f"{why} ({t})") from None
         parts = {"groups": time.monotonic() - t0}
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        cfg.nproc, cfg.hosts = self.world, list(g.hosts)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg.nproc, cfg.hosts = world, list(g.hosts)
+        model, reset = r.stepper.model, 0
         if cfg.tp > 1:  # new TP and DP groups; the shards follow the new TP indices
-            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world,
-                                                                              cfg.tp)
-            self.stepper.rebind(tp_group, dp_group)
-            done, src = agree_shards(model, self.opt, applied, self.tp_index, cfg.tp)
-            self.tp_index = self.rank % cfg.tp
+            tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
+            r.place(rank, world, data_rank, data_parts)
+            r.stepper.rebind(tp_group, dp_group)
+            done, src = agree_shards(model, r.opt, applied, r.tp_index, cfg.tp)
+            r.place(rank, world, data_rank, data_parts, tp_index=rank % cfg.tp)
         elif lossy:  # the owners' state re-sharded; a new optimizer (and DDP) for the world
-            self.data_rank, self.data_parts = self.rank, self.world
+            r.place(rank, world, rank, world)
             done, src, reset = self._regroup_lossy(applied, g.gen)
         else:
-            self.data_rank, self.data_parts = self.rank, self.world
-            done, src = agree_state(model, self.opt, applied)
+            r.place(rank, world, rank, world)
+            done, src = agree_state(model, r.opt, applied)
         self.agreed = done
         # the evaluation and checkpoint at the agreed step: a collective the lost member broke
         # can have completed on some ranks only -- each rank deciding from its own record
         # would put one in the evaluation's all-reduce, another in the next step's
-        self.done_at = agree_boundary(done, self.done_at, joiner)
+        r.done_at = agree_boundary(done, r.done_at, joiner)
         parts["state"] = time.monotonic() - t0
         # a monitor made mid-run that sampled its first step from the ops validated a
         # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step
-        self.monitor = self._make_monitor(hinted=True)
+        r.plug(monitor=r.make_monitor(hinted=True))
         parts["monitor"] = time.monotonic() - t0
         if cfg.tp == 1 and not lossy:  # (lossy: made with its optimizer, _regroup_lossy)
-            self.stepper = DataParallelStep(model, self.device)
+            r.plug(stepper=DataParallelStep(model, r.device))
         parts["ddp"] = time.monotonic() - t0
         regroup_s = time.monotonic() - t0
-        self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
-                              self.n_params, max(regroup_s, 0.1))
-        if g.planned and hasattr(self.work, "measure_from"):
-            self.work.measure_from(g.basis, done + 2)  # its first steps warm up
-        if self.rank == 0:
-            self.events.log("regroup", step=done, generation=g.gen, world=self.world,
-                            members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
-                            joined=membership.joined(before, g),
-                            state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
-                            # lossy: elements whose optimizer state restarted from zero (a
-                            # dead owner's shard)
-                            **({"state_reset": reset} if lossy else {}),
-                            # cumulative seconds at the end of each part
-                            parts={k: round(v, 3) for k, v in parts.items()},
-                            group_parts=self.regrouper.last_parts,
-                            since_announce_s=round(time.time() - g.time, 3), error=why)
+        work = work_plan(cfg, r.monitor, rank, world, r.run_dir, r.n_params,
+                         max(regroup_s, 0.1))
+        if g.planned and hasattr(work, "measure_from"):
+            work.measure_from(g.basis, done + 2)  # its first steps warm up
+        r.plug(work=work)
+        if rank == 0:
+            r.events.log("regroup", step=done, generation=g.gen, world=world,
+                         members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
+                         joined=membership.joined(before, g),
+                         state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
+                         # lossy: elements whose optimizer state restarted from zero (a
+                         # dead owner's shard)
+                         **({"state_reset": reset} if lossy else {}),
+                         # cumulative seconds at the end of each part
+                         parts={k: round(v, 3) for k, v in parts.items()},
+                         group_parts=self.regrouper.last_parts,
+                         since_announce_s=round(time.time() - g.time, 3), error=why)
         return done
 
     def _hand_over(self) -> None:
@@ -173,29 +199,31 @@ class InPlaceMembership:
         its own link only; the new group then gathers everything (``_regroup_lossy``).
         Nothing moves when nobody leaves (a host taken back)."""
         hosts, self.planned_change = self.planned_change, None
-        if hosts is None or not hasattr(self.opt, "piece"):
+        opt = self.r.opt
+        if hosts is None or not hasattr(opt, "piece"):
             return
         g = self.regrouper.current  # the old generation: rank r on host g.hosts[r]
         leaving = [r for r, h in enumerate(g.hosts) if h not in hosts]
         staying = [r for r, h in enumerate(g.hosts) if h in hosts]
         if not leaving or not staying:
             return
-        if self.rank in leaving:
-            dist.send_object_list([(self.opt_gen, self.opt.piece())], dst=staying[0])
-        elif self.rank == staying[0]:
+        if self.r.rank in leaving:
+            dist.send_object_list([(self.opt_gen, opt.piece())], dst=staying[0])
+        elif self.r.rank == staying[0]:
             for r in leaving:
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=r)
                 self.lossy_extra.append(box[0])
 
     def _regroup_lossy(self, applied: int, gen: int) -> tuple[int, int, int]:
-        """The lossy optimizer for the new world (generation ``gen``): agree on the step,
-        gather the whole optimizer over the new group (``gather_full_state``: every member's
-        shard and the pieces handed over by members that left, ``_hand_over``; a rank that
-        joins gets it the same way), close the old optimizer's transport, make DDP and a new
-        lossy optimizer (``_make_optimizer``) and load its shard. Returns (the step to run
-        next, the rank whose replica filled unowned elements, elements whose per-element
-        state restarted from zero).
+        """The lossy optimizer for the new world (generation ``gen``; the rank already placed
+        in it): agree on the step, gather the whole optimizer over the new group
+        (``gather_full_state``: every member's shard and the pieces handed over by members
+        that left, ``_hand_over``; a rank that joins gets it the same way), close the old
+        optimizer's transport, plug DDP and a new lossy optimizer (``Rank.make_optimizer``)
+        into the rank and load its shard. Returns (the step to run next, the rank whose
+        replica filled unowned elements, elements whose per-element state restarted from
+        zero).
 
         The step: the fewest any shard holder applied (``agree_lossy_step``) -- after a
         planned change every member's; after a lost member, a survivor one step ahead (it
@@ -208,14 +236,16 @@ class InPlaceMembership:
         (then: fallback.py) when none of that is possible."""
         from stalwart.comm.optim import ShardedLossyOptimizer, gather_full_state
 
+        r = self.r
+        opt, world = r.opt, dist.get_world_size()
         cands = {}  # generation -> this rank's optimizer of that generation
-        if isinstance(self.opt, ShardedLossyOptimizer):
-            cands[self.opt_gen] = self.opt
+        if isinstance(opt, ShardedLossyOptimizer):
+            cands[self.opt_gen] = opt
         if self.lossy_prev is not None:
             cands.setdefault(*self.lossy_prev)
         cur = max(cands, default=-1)
         mine = [applied, cur, int(cur in cands and cands[cur].can_undo()), min(cands, default=-1)]
-        got = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(self.world)]
+        got = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(world)]
         dist.all_gather(got, torch.tensor(mine, dtype=torch.int64))
         rows = [[int(x) for x in t] for t in got]
         # the oldest generation any rank still has as its newest optimizer
@@ -230,29 +260,28 @@ class InPlaceMembership:
         if old is not None:
             self.lossy_prev = (export, old)
         with contextlib.suppress(Exception):  # its transport (the old world's peers)
-            if isinstance(self.opt, ShardedLossyOptimizer):
-                self.opt.close()
-        self.stepper = DataParallelStep(self.stepper.model, self.device)
-        self.opt = self._make_optimizer()
+            if isinstance(opt, ShardedLossyOptimizer):
+                opt.close()
+        stepper = DataParallelStep(r.stepper.model, r.device)
+        r.plug(stepper=stepper)
+        r.plug(opt=r.make_optimizer(stepper))
         self.opt_gen = gen
-        self.opt.load_full_state(full)
+        r.opt.load_full_state(full)
         return done, src, full.reset
 
-    def restart_due(self, step: int) -> bool:
-        """Whether an S3/S4 decision starts at ``step`` and takes a restart. In a job that
-        regroups in place it is announced here instead (rank 0) and PlannedRegroup raised on
-        every rank, so that the loop regroups."""
-        due = self.work.restart_due(step)
-        if due is None:
-            return False
-        hosts = self.work.planned_hosts(due) if self.regrouper is not None else None
+    def planned(self, due: Any, step: int) -> bool:
+        """An S3/S4 decision (``due``) that starts at ``step``: True when it takes a restart;
+        else it is announced here (rank 0) and PlannedRegroup raised on every rank, so that
+        the loop regroups."""
+        work = self.r.work
+        hosts = work.planned_hosts(due)
         if hosts is None:
             return True
         from stalwart.mitigate.decisions import KIND_NAMES
         from stalwart.mitigate.regroup import PlannedRegroup
 
-        if self.rank == 0:
-            self.regrouper.plan(hosts, step, self.work.basis(due))
+        if self.r.rank == 0:
+            self.regrouper.plan(hosts, step, work.basis(due))
         self.planned_change = hosts  # every member is here, between two steps
         raise PlannedRegroup(f"planned: {KIND_NAMES.get(due.kind, due.kind)} at step {step}, "
                              f"hosts {hosts}")
@@ -264,29 +293,34 @@ class InPlaceMembership:
         from stalwart.mitigate import fallback
         from stalwart.mitigate.regroup import FallbackRequested
 
+        r = self.r
         reason = first_line(err)
-        print(f"stalwart: rank {self.rank} (launch rank {self.regrouper.slot}): in-place "
+        print(f"stalwart: rank {r.rank} (launch rank {self.regrouper.slot}): in-place "
               f"regroup failed ({reason}); saving state for a relaunch", file=sys.stderr)
         token, slot = self.regrouper.current.token, self.regrouper.slot
         step = max(applied, self.agreed)
-        ckpt.save_state(fallback.state_path(self.run_dir, token, slot), step, self.cfg,
-                        self.stepper.model, self.opt)
-        fallback.record(self.run_dir, token, fallback.Saved(
-            slot, step, self.tp_index, reason, isinstance(err, FallbackRequested), time.time(),
-            self.cfg.comm == "lossy"))
-        self.regrouper.close()
-        self.metrics.close()
-        self.events.close()
+        ckpt.save_state(fallback.state_path(r.run_dir, token, slot), step, r.cfg,
+                        r.stepper.model, r.opt)
+        fallback.record(r.run_dir, token, fallback.Saved(
+            slot, step, r.tp_index, reason, isinstance(err, FallbackRequested), time.time(),
+            r.cfg.comm == "lossy"))
+        self.close()
+        r.metrics.close()
+        r.events.close()
         return fallback.FALLBACK_EXIT
 
     def leave(self) -> int:
-        """Left out by a planned regroup (S4): exit without the job's collectives."""
+        """Left out by a planned regroup (S4), or not taken back: exit without the job's
+        collectives."""
         from stalwart.mitigate import LEFT_EXIT
 
-        self.regrouper.close()
-        self.metrics.close()
-        self.events.close()
+        self.close()
+        self.r.metrics.close()
+        self.r.events.close()
         return LEFT_EXIT
+
+    def close(self) -> None:
+        self.regrouper.close()
 
 
 def agree_lossy_step(rows: list[list[int]]) -> tuple[int, int]:
@@ -307,7 +341,7 @@ def agree_lossy_step(rows: list[list[int]]) -> tuple[int, int]:
     return done, min(i for i in owners if rows[i][0] == done)
 
 
-def regroup_until_done(r: InPlaceMembership, applied: int, why: str) -> int:
+def regroup_until_done(r: InPlace, applied: int, why: str) -> int:
     """``r.regroup``, again while it fails because the membership changed meanwhile (a rank
     lost during a regroup -- one started to rejoin that died before joining): the next
     generation is the one to join. Any other failure (and the launcher's fallback) reaches

@@ -1,15 +1,15 @@
 """One rank's job as an object: ``Rank.start`` builds it once -- devices, the process group,
 the run directory and logs, then each capability plugged in as an object -- and the loop
 (train/worker.py) calls its steps: ``enter``, ``set_lr``, ``train_step``, ``record``,
-``after`` (evaluation, checkpoint), ``finish``. The in-place membership side (``join``,
-``regroup``, ``restart_due``, ``fall_back``, ``leave``) is ``InPlaceMembership``
-(train/inplace.py).
+``after`` (evaluation, checkpoint), ``finish``. In a job that regroups in place the rank
+owns its membership (``inplace``: train/inplace.py ``InPlace``), which rebuilds the rank's
+parts through ``release``, ``place`` and ``plug``.
 
 The capabilities and their seams: the step (``stepper``, train/steps.py: DDP or tensor
 parallel, on its device), the optimizer (``opt``: AdamW, or the loss-tolerant one of
 ``stalwart.comm``), the straggler monitor (``monitor``, ``stalwart.detect``), the work plan
-(``work``, ``stalwart.mitigate``) and, in a job that regroups in place, the ``regrouper``
-(mitigate/regroup.py).
+(``work``, ``stalwart.mitigate``) and, in a job that regroups in place, its membership
+(``inplace``).
 
 Guarantees:
 - deterministic: the same seed gives the same losses (model init from the seed, batches a pure
@@ -27,6 +27,7 @@ monitor's hint and the work plan's step end; a checkpoint adds one barrier.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -44,7 +45,7 @@ from stalwart.config import ConfigError, RunConfig
 from stalwart.rundir import METRICS, EventLog, JsonlWriter
 from stalwart.train import checkpoint as ckpt
 from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
-from stalwart.train.inplace import REGROUP_PRICE_S, InPlaceMembership
+from stalwart.train.inplace import REGROUP_PRICE_S, InPlace
 from stalwart.train.model import GPT, PRESETS
 from stalwart.train.steps import (
     DataParallelStep,
@@ -77,12 +78,12 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
 
 
 @dataclass
-class Rank(InPlaceMembership):
+class Rank:
     """One rank's job, built once by ``Rank.start``: the process group and run directory, and
     each capability plugged in as an object -- the step (DDP or tensor parallel, on its
     device), the optimizer (AdamW, or the loss-tolerant one of ``stalwart.comm``), the
-    straggler monitor (``stalwart.detect``), the work plan (``stalwart.mitigate``) and the
-    regrouper (in place; its rank side is ``InPlaceMembership``)."""
+    straggler monitor (``stalwart.detect``), the work plan (``stalwart.mitigate``) and, in a
+    job that regroups in place, its membership (``inplace``, train/inplace.py)."""
 
     cfg: RunConfig
     rank: int
@@ -102,19 +103,10 @@ class Rank(InPlaceMembership):
     data_rank: int = 0
     data_parts: int = 1
     lr: float = 0.0  # this step's learning rate
-    regrouper: Any = None  # a job that regroups in place (mitigate/regroup.py)
-    joining: bool = False  # started again by the launcher to rejoin (a host taken back)
     n_params: int = 0
-    agreed: int = -1  # the steps applied that the last regroup's state agreement settled on
     tp_index: int = 0  # the tensor-parallel shard this rank's model holds
     done_at: set = field(default_factory=set)  # ("eval" | "ckpt", step) already done
-    planned_change: Any = None  # the hosts of a planned regroup due now (between two steps)
-    opt_gen: int = 0  # the membership generation the (lossy) optimizer was made for
-    # lossy, after a regroup: (generation, the optimizer exported from) until the new one has
-    # completed a step (a regroup broken off half-way exports it again: train/inplace.py)
-    lossy_prev: Any = None
-    # lossy: (generation, shard) handed over by ranks a planned change leaves out
-    lossy_extra: list = field(default_factory=list)
+    inplace: InPlace | None = None  # a job that regroups in place: its membership
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Rank:
@@ -163,15 +155,13 @@ class Rank(InPlaceMembership):
         run_dir = Path(os.environ["STALWART_RUN_DIR"])
         r = cls(cfg, slot, 0, device, dplan, run_dir, True, EventLog(run_dir),
                 JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
-        r.joining = True
         torch.manual_seed(cfg.seed)
         r.stepper = DetachedStep(GPT(r.model_cfg).to(device))
         r.opt = torch.optim.AdamW(r.stepper.model.parameters(), lr=cfg.resolved_lr(),
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         with torch.device("meta"):
             r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
-        r.regrouper = Regrouper(run_dir, slot, set(), joining=True)
-        r.regrouper.on_abort.append(r.interrupt_comm)
+        r.inplace = InPlace(r, Regrouper(run_dir, slot, set(), joining=True), rejoiner=True)
         # what joining builds, imported now: the detector's imports took 2.7 s of a live
         # rejoin's regroup on a loaded machine when left to the regroup itself
         import stalwart.detect  # noqa: F401
@@ -185,9 +175,10 @@ class Rank(InPlaceMembership):
         """The step to run next: 0 or a checkpoint's (``resume``), or for a rank started to
         rejoin the step agreed by the generation that takes it back (``join``); None when no
         generation took it back (the caller makes it ``leave``)."""
-        if self.joining:  # started again to take its host back: in at the agreed step, or out
-            try:  # (the evaluation and checkpoint there: as the others agreed, regroup.py)
-                return self.join()
+        if self.inplace is not None and self.inplace.rejoiner:
+            try:  # started again to take its host back: in at the agreed step, or out
+                # (the evaluation and checkpoint there: as the others agreed, regroup.py)
+                return self.inplace.join()
             except RuntimeError as e:
                 print(f"stalwart: rank {self.rank} was not taken back: {e}", file=sys.stderr)
                 return None
@@ -200,7 +191,7 @@ class Rank(InPlaceMembership):
     def model_cfg(self) -> Any:
         return PRESETS[self.cfg.preset]["model"]
 
-    def _make_monitor(self, hinted: bool = False) -> Any:
+    def make_monitor(self, hinted: bool = False) -> Any:
         """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
         its only samples, so its first step is not sampled -- and checked -- from the ops."""
         cfg = self.cfg
@@ -223,7 +214,7 @@ class Rank(InPlaceMembership):
 
     def _plug_in(self) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
-        self.monitor = self._make_monitor()
+        self.monitor = self.make_monitor()
         torch.manual_seed(cfg.seed)
         if cfg.tp > 1:
             tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
@@ -232,7 +223,7 @@ class Rank(InPlaceMembership):
         else:
             self.data_rank, self.data_parts = self.rank, self.world
             self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
-        self.opt = self._make_optimizer()
+        self.opt = self.make_optimizer(self.stepper)
         from stalwart.mitigate import work_plan
 
         with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
@@ -245,22 +236,21 @@ class Rank(InPlaceMembership):
 
             # the first generation's rendezvous store (launch rank 0's TCPStore) is left
             # alone: a regroup never needs it, and shutting its connections would add errors
-            self.regrouper = Regrouper(self.run_dir, self.rank,
-                                       {int(os.environ.get("MASTER_PORT", "0"))})
-            self.regrouper.on_abort.append(self.interrupt_comm)
+            self.inplace = InPlace(self, Regrouper(self.run_dir, self.rank,
+                                                   {int(os.environ.get("MASTER_PORT", "0"))}))
             if hasattr(self.opt, "keep_undo"):  # the step in flight can be taken back
                 self.opt.keep_undo = True
             if hasattr(self.stepper, "interruptible"):  # TP waits give up on a lost member
                 self.stepper.interruptible()
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
                               self.n_params,
-                              REGROUP_PRICE_S if self.regrouper is not None else None)
+                              REGROUP_PRICE_S if self.inplace is not None else None)
         self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
             self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
             cfg.seed)]
 
-    def _make_optimizer(self) -> Any:
-        """AdamW on the step's model, or with ``--comm lossy`` the loss-tolerant optimizer
+    def make_optimizer(self, stepper: Any) -> Any:
+        """AdamW on ``stepper``'s model, or with ``--comm lossy`` the loss-tolerant optimizer
         attached to its DDP wrapper (a collective over the current process group): at start
         and after an in-place regroup (train/inplace.py), the same way. In a job that
         regroups in place the lossy optimizer keeps its last update's undo record."""
@@ -268,13 +258,12 @@ class Rank(InPlaceMembership):
         opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
                   "weight_decay": cfg.weight_decay}
         if cfg.comm != "lossy":
-            return torch.optim.AdamW(self.stepper.model.parameters(), **opt_kw)
+            return torch.optim.AdamW(stepper.model.parameters(), **opt_kw)
         from stalwart.comm import attach
 
         # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-        opt = attach(self.stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip,
-                     **opt_kw)
-        opt.keep_undo = self.regrouper is not None
+        opt = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip, **opt_kw)
+        opt.keep_undo = self.inplace is not None
         return opt
 
     def resume(self) -> int:
@@ -309,8 +298,8 @@ class Rank(InPlaceMembership):
             self.stepper.clip_grad_norm_(cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.lossy_prev is not None:  # every rank has made the new optimizer: not needed
-            self.lossy_prev = None
+        if self.inplace is not None:
+            self.inplace.stepped()
         t1 = time.perf_counter()
         extra: dict[str, Any] = self.opt.stats() if hasattr(self.opt, "stats") else {}
         opt_comm = float(extra.pop("comm_time", 0.0))
@@ -341,6 +330,49 @@ class Rank(InPlaceMembership):
                                      + self.work.normalised(fb)})
         self.work.end_step(step, fb, rec["step_time"])
 
+    def restart_due(self, step: int) -> bool:
+        """Whether an S3/S4 decision starts at ``step`` and takes a restart. In a job that
+        regroups in place it is announced instead and PlannedRegroup raised on every rank
+        (``InPlace.planned``), so that the loop regroups."""
+        due = self.work.restart_due(step)
+        if due is None:
+            return False
+        return self.inplace is None or self.inplace.planned(due, step)
+
+    # ---- the seams a regroup rebuilds the rank through (train/inplace.py) ------------------
+    def release(self) -> None:
+        """Before new groups: the failed step's partial gradients dropped, the step, monitor
+        and work plan closed (their exchanges failed with the old groups)."""
+        self.opt.zero_grad(set_to_none=True)
+        self.stepper.close()
+        for part in (self.monitor, self.work):
+            with contextlib.suppress(Exception):
+                if part is not None:
+                    part.close()
+        self.monitor = self.work = None
+
+    def place(self, rank: int, world: int, data_rank: int, data_parts: int,
+              tp_index: int | None = None) -> None:
+        """This rank's place in the new world: its rank, the world, its data shard (and its
+        tensor-parallel index, once its shard is there)."""
+        self.rank, self.world, self.data_rank, self.data_parts = rank, world, data_rank, \
+            data_parts
+        if tp_index is not None:
+            self.tp_index = tp_index
+
+    def plug(self, stepper: Any = None, opt: Any = None, monitor: Any = None,
+             work: Any = None) -> None:
+        """The new world's step, optimizer, monitor or work plan (each given one replaces
+        the rank's)."""
+        if stepper is not None:
+            self.stepper = stepper
+        if opt is not None:
+            self.opt = opt
+        if monitor is not None:
+            self.monitor = monitor
+        if work is not None:
+            self.work = work
+
     def set_lr(self, step: int) -> None:
         self.lr = lr_at(step, self.cfg)
         for g in self.opt.param_groups:
@@ -370,7 +402,7 @@ class Rank(InPlaceMembership):
             self.done_at.add(("ckpt", done))
 
     def finish(self, code: int) -> int:
-        for part in (self.monitor, self.work, self.opt, self.regrouper):
+        for part in (self.monitor, self.work, self.opt, self.inplace):
             if hasattr(part, "close"):
                 part.close()
         dist.barrier()

@@ -35,14 +35,14 @@ def train(cfg: RunConfig) -> int:
     """Each step: its share of the work, forward/backward and optimizer step, measurements to
     the metrics, the monitor and the plan; evaluations and checkpoints. In a job that regroups
     in place a failed collective (a rank lost) or a planned change (S3/S4) rebuilds the rank's
-    groups and the loop goes on at the agreed step (``Rank.regroup``)."""
+    groups and the loop goes on at the agreed step (``InPlace.regroup``)."""
     from stalwart.mitigate import RESTART_EXIT
     from stalwart.mitigate.regroup import NotAMember
 
     r = Rank.start(cfg)
     applied = r.enter()  # optimizer steps applied: the next step to run
     if applied is None:  # started to rejoin and not taken back
-        return r.leave()
+        return r.inplace.leave() if r.inplace is not None else 1
     stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
     while True:
         try:
@@ -60,16 +60,17 @@ def train(cfg: RunConfig) -> int:
             applied = step + 1
             r.record(step, rec, fb)
         except Exception as e:  # noqa: BLE001 -- only a failed collective is handled here
-            if not r.regroups_after(e):
+            members = r.inplace
+            if members is None or not members.regroups_after(e):
                 raise
             why = first_line(e)
             del e  # its traceback holds the failed step's graph, and with it the old DDP
             try:
-                applied = regroup_until_done(r, applied, why)
+                applied = regroup_until_done(members, applied, why)
             except NotAMember:  # left out by the plan (S4): its host is probed from outside
-                return r.leave()
+                return members.leave()
             except Exception as e:  # noqa: BLE001 -- any failure: checkpoint-and-relaunch
-                return r.fall_back(applied, e)
+                return members.fall_back(applied, e)
     if cfg.halt_at is not None and r.rank == 0:
         r.events.log("halted", step=cfg.halt_at)
     return r.finish(0)
