@@ -15,7 +15,6 @@ from stalwart.testbed._sys import TestbedError
 from stalwart.testbed.cpu import CpuGroup, find_backend
 from stalwart.testbed.hosts import Hosts
 from stalwart.testbed.probe import busy_loop_time, loop_for, tcp_throughput, udp_loss
-from stalwart.testbed.quota_cal import QuotaCalibrator
 
 Row = tuple[str, bool, str]
 
@@ -63,8 +62,7 @@ def _pairlink(h: Hosts) -> Row:
 
 def _cpu(kind: str, factor: float, procs: int) -> Row:
     backend = find_backend()
-    g = CpuGroup(backend, f"stw-{os.getpid()}-99-r0", boost=64,
-                 calibrator=QuotaCalibrator(backend, f"stw-{os.getpid()}-99-cal"))
+    g = CpuGroup(backend, f"stw-{os.getpid()}-99-r0", boost=64)
     try:
         n = loop_for(0.4, g)
         base = busy_loop_time(n, g)

@@ -24,7 +24,7 @@ from stalwart.testbed._sys import PREFIX, pid_alive, quiet, run
 _NETNS_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-h\d+$")
 _BRIDGE_RE = re.compile(rf"^{PREFIX}b(\d+)-\d+$")
 _PORT_RE = re.compile(rf"^{PREFIX}p([0-9a-z]+)-[0-9a-z]+-[0-9a-z]+$")
-_CGROUP_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:r\d+|cal)$")  # a rank's; a quota probe's
+_CGROUP_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-r\d+$")
 
 
 class Closable(Protocol):

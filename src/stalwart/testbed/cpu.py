@@ -37,7 +37,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from stalwart.errors import ConfigError
 from stalwart.testbed._sys import PREFIX
@@ -68,10 +67,6 @@ def quota_period(cpus: float) -> tuple[int, int]:
 # is gone
 _BUSY = ("import os, sys\np=int(sys.argv[1])\nwhile os.getppid()==p:\n"
          "    for _ in range(100000): pass\n")
-
-
-class Calibrator(Protocol):
-    def correct(self, cpus: float, factor: float, boost: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -202,16 +197,12 @@ def _move(pid: int, group: Path) -> bool:
 class CpuGroup:
     """One rank's CPU cgroup: throttling (factor) and contention (busy processes)."""
 
-    def __init__(self, backend: CgroupBackend, name: str, boost: float = 1.0,
-                 calibrator: Calibrator | None = None) -> None:
+    def __init__(self, backend: CgroupBackend, name: str, boost: float = 1.0) -> None:
         """`boost` > 1 raises the group's base CFS weight: measurements use it to shield the
-        quota's effect from unrelated jobs on the machine. Ranks keep the default (1.0).
-        `calibrator` (testbed/quota_cal.py): every quota written is corrected so that the
-        share granted is the one asked for; without it the quota is written as computed."""
+        quota's effect from unrelated jobs on the machine. Ranks keep the default (1.0)."""
         if not name.startswith(PREFIX + "-"):
             raise ValueError(f"cgroup name must start with {PREFIX}-: {name}")
         self.backend = backend
-        self.calibrator = calibrator
         self.path = backend.root / name
         self.path.mkdir(exist_ok=True)
         self._origin: dict[int, Path] = {}  # pid -> cgroup it came from
@@ -251,8 +242,6 @@ class CpuGroup:
         cpus: float | None = share if capped else None
         if factor > 1.0 or procs > 0:
             cpus = share / factor
-        if cpus is not None and self.calibrator is not None:
-            cpus = self.calibrator.correct(cpus, factor, self.boost)
         self.quota = self.backend.write_quota(self.path, cpus)
         weight = self.backend.write_weight(self.path, factor, self.boost)
         self._set_busy(procs)

@@ -53,7 +53,6 @@ from stalwart.testbed import cleanup, traffic
 from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
 from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
 from stalwart.testbed.hosts import Hosts
-from stalwart.testbed.quota_cal import QuotaCalibrator
 
 CPU_KINDS = ("compute", "contention")
 
@@ -76,7 +75,6 @@ class Testbed:
         self._pids: dict[int, int] = {}
         self._groups: dict[int, CpuGroup] = {}
         self._backend = None
-        self._calibrator: QuotaCalibrator | None = None
         self._active: set[Fault] = set()  # desired: scheduled-on at the last step
         self._logged: dict[Fault, str] = {}  # applied and logged -> its mechanism
         self._step = 0
@@ -94,7 +92,6 @@ class Testbed:
         if has_cpu or self._cap:
             require_root("compute/contention faults" if has_cpu else "--cpu-cap fair")
             self._backend = find_backend()
-            self._calibrator = QuotaCalibrator(self._backend, f"{PREFIX}-{self._tag}-cal")
         self._cap_logged = False
         # host -> step -> compute seconds per micro-batch (from the metrics the launcher
         # passes to observe()): the achieved slowdown of a CPU fault, logged at its removal
@@ -282,8 +279,7 @@ class Testbed:
     def _group(self, rank: int) -> CpuGroup:
         if rank not in self._groups:
             assert self._backend is not None
-            g = CpuGroup(self._backend, f"{PREFIX}-{self._tag}-r{rank}",
-                         calibrator=self._calibrator)
+            g = CpuGroup(self._backend, f"{PREFIX}-{self._tag}-r{rank}")
             self._groups[rank] = g
             if rank in self._pids:
                 g.add(self._pids[rank])
