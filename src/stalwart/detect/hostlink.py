@@ -212,17 +212,29 @@ def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
                 explained(r, v) for k, v in ratios.items() for r in _pair(k)
                 if host_of[r] == hname):
             continue
-        chance = len(tested) * NormalDist().cdf(
-            -math.log(min(ratios.values())) / sigma) ** len(mine)
-        ordered = dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
-        ranks = sorted(r for r, hh in host_of.items() if hh == hname)
         ref_keys = [keys[i] for i in ci[~own][:16].tolist()]
-        found = HostLink(hname, ranks, ordered, t_h, sigma, chance,
-                         {k: round(links[k] / ref, 3) for k in ref_keys})
-        key = sorted(ratios.values())[-2] if len(ratios) > 1 else min(ratios.values())
-        if best is None or key > best[0]:
-            best = (key, found)
+        best = _better(best, _finding(hname, host_of, ratios, t_h, sigma, len(tested),
+                                      {k: round(links[k] / ref, 3) for k in ref_keys}))
     return None if best is None else best[1]
+
+
+def _finding(host: Any, host_of: Mapping[int, Any], ratios: dict[str, float], t: float,
+             sigma: float, tested: int, reference: dict[str, float]) -> HostLink:
+    """The finding for `host`, whose crossing pairs read `ratios` (all >= `t`): the chance
+    that `tested` healthy hosts' pairs read as slow under the normal model of `sigma`."""
+    chance = tested * NormalDist().cdf(-math.log(min(ratios.values())) / sigma) ** len(ratios)
+    ordered = dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
+    ranks = sorted(r for r, hh in host_of.items() if hh == host)
+    return HostLink(host, ranks, ordered, t, sigma, chance, reference)
+
+
+def _better(best: tuple[float, HostLink] | None,
+            found: HostLink) -> tuple[float, HostLink]:
+    """Of two findings the one whose second-slowest crossing pair is slower (one pair:
+    its only one); the earlier one on a tie."""
+    r = sorted(found.pairs.values())
+    key = r[-2] if len(r) > 1 else r[0]
+    return (key, found) if best is None or key > best[0] else best
 
 
 def _intra_healthy(t: np.ndarray, ha: np.ndarray, hb: np.ndarray, h: int,
@@ -302,13 +314,6 @@ def _name_host_each(links: Mapping[str, float], host_of: Mapping[int, str],
                 explained(r, v) for k, v in ratios.items() for r in _pair(k)
                 if host_of[r] == h):
             continue
-        chance = len(tested) * NormalDist().cdf(
-            -math.log(min(ratios.values())) / sigma) ** len(mine)
-        ordered = dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
-        ranks = sorted(r for r, hh in host_of.items() if hh == h)
-        found = HostLink(h, ranks, ordered, t, sigma, chance,
-                         {k: round(cross[k] / ref, 3) for k in ref_keys[:16]})
-        key = sorted(ratios.values())[-2] if len(ratios) > 1 else min(ratios.values())
-        if best is None or key > best[0]:
-            best = (key, found)
+        best = _better(best, _finding(h, host_of, ratios, t, sigma, len(tested),
+                                      {k: round(cross[k] / ref, 3) for k in ref_keys[:16]}))
     return None if best is None else best[1]

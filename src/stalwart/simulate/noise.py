@@ -30,6 +30,11 @@ SKIP = 10
 DEFAULT = Path(__file__).with_name("data") / "noise.json"
 
 
+def robust_sd(x: np.ndarray) -> float:
+    """1.4826 x the median absolute deviation (the standard deviation of a normal); 0 empty."""
+    return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
+
+
 @dataclass
 class Noise:
     rank: np.ndarray  # log residuals of one rank against the step's median
@@ -49,9 +54,7 @@ class Noise:
 
     def sigma(self) -> tuple[float, float]:
         """Robust spread (1.4826 MAD) of the two pools after scaling."""
-        def mad(x: np.ndarray) -> float:
-            return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
-        return self.scale * mad(self.rank), self.scale * mad(self.job)
+        return self.scale * robust_sd(self.rank), self.scale * robust_sd(self.job)
 
     @classmethod
     def load(cls, path: Path = DEFAULT, scale: float = 1.0) -> Noise:

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from stalwart.simulate.noise import robust_sd
+
 DEFAULT = Path(__file__).with_name("data") / "validation_noise.json"
 
 
@@ -67,9 +69,7 @@ class TestNoise:
 
     def sigma(self) -> tuple[float, float]:
         """Robust spread (1.4826 MAD) of the compute and link pools after scaling."""
-        def mad(x: np.ndarray) -> float:
-            return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size else 0.0
-        return self.scale * mad(self.compute), self.scale * mad(self.link)
+        return self.scale * robust_sd(self.compute), self.scale * robust_sd(self.link)
 
     @classmethod
     def load(cls, path: Path = DEFAULT, scale: float = 1.0) -> TestNoise:
