@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
+from stalwart.elastic.launcher import LauncherStore
 from stalwart.mitigate import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rankexits import stop_all
@@ -113,7 +114,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     else:
         progress = Progress(cfg, run_dir, enabled=show_progress)
     procs: dict[int, subprocess.Popen] = {}
-    store: Any = None  # a script's elastic membership store (elastic/launcher.py)
+    store: LauncherStore | None = None  # a script's membership store (elastic/launcher.py)
     rc = 1
     events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
                resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
@@ -186,7 +187,8 @@ def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: st
 
 
 def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
-           port: int, incarnation: int = 0, store: Any = None) -> dict[int, subprocess.Popen]:
+           port: int, incarnation: int = 0,
+           store: LauncherStore | None = None) -> dict[int, subprocess.Popen]:
     """One process per rank, inside its host (the testbed's prefix), with torchrun's env (and
     a script's membership store: ``_script_store``)."""
     extra = store.env if store is not None else None
@@ -196,13 +198,11 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
     return procs
 
 
-def _script_store(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
+def _script_store(cfg: RunConfig, tb: Any, run_dir: Path) -> LauncherStore | None:
     """A ``--script`` job's elastic membership store, in rank 0's host (elastic/launcher.py):
     a rank of a script that joins it may die without stopping the job."""
     if cfg.script is None:
         return None
-    from stalwart.elastic.launcher import LauncherStore
-
     port = 29400 if cfg.testbed == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
     return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir)
 
