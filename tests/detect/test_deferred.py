@@ -4,7 +4,7 @@ decision state machine's side, torch-free)."""
 
 from __future__ import annotations
 
-from stalwart.detect.alarms import DETECT, NONE, RECOVER, IterSample
+from stalwart.detect.alarms import AUDIT, DETECT, NONE, RECOVER, IterSample
 from stalwart.detect.changepoint import Change
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.localize import Finding
@@ -97,3 +97,41 @@ def test_a_slowdown_that_waited_and_began_before_the_recovery_is_not_found_again
     core.apply_recovery(70, 82, 1.0, 1.02)
     core.sample(IterSample(83, 0.05, 0.05, 0.0))
     assert core.pending.action == NONE
+
+
+def test_a_slowdown_held_during_a_clean_audit_is_alarmed_after_it() -> None:
+    """The audit looks for ranks slow all along and judges no change: a change point that
+    waited for it is classified once it is done (seen: a 6x rank from step 30, whose change
+    waited for the audit at step 44 and was dropped with it, never found)."""
+    core = DecisionCore(True)
+    for k in range(1, 42):
+        core.sample(IterSample(k, 0.03, 0.02, 0.01))
+        core.relative(k, [0.02, 0.02])
+    assert core.pending.action == AUDIT
+    core.take_pending()
+    core.classify(Change(30, 40, 0.03, 0.25), "iteration")  # held: the audit is under way
+    assert core.pending.action == NONE
+    core.alarm_read()
+    core.apply_verdict(Finding("unknown", 1, 44, 1.0), None, action=AUDIT)
+    core.sample(IterSample(45, 0.25, 0.02, 0.23))
+    assert core.pending.action == DETECT and core.pending.onset == 30
+
+
+def test_a_later_slowdown_held_during_a_verdict_that_named_nothing_is_alarmed() -> None:
+    """A verdict naming nothing judged its own alarm's slowdown only: one that began later
+    (beyond the onset slack) and waited is another slowdown; one at the same onset is not."""
+    core = DecisionCore(True)
+    core.classify(Change(23, 28, 0.03, 0.04), "iteration")
+    core.take_pending()
+    core.classify(Change(24, 29, 0.03, 0.04), "rank0")  # the same slowdown, another channel
+    core.classify(Change(29, 31, 0.03, 0.25), "rank1")  # a later one
+    core.alarm_read()
+    core.apply_verdict(Finding("unknown", 23, 33, 1.3), None)
+    core.sample(IterSample(34, 0.25, 0.02, 0.23))
+    assert core.pending.action == DETECT and core.pending.onset == 29
+    core.take_pending()
+    core.alarm_read()
+    core.apply_verdict(Finding("compute", 29, 36, 6.0, ranks=[1],
+                               evidence={"compute_test_ratio": {"1": 8.0}}), 1)
+    core.sample(IterSample(37, 0.25, 0.02, 0.23))
+    assert core.pending.action == NONE  # the onset-24 change was the first verdict's

@@ -30,7 +30,7 @@ from stalwart.detect.alarms import AUDIT, DETECT, OUTLIER, IterSample
 from stalwart.detect.changepoint import Change, ChangeDetector
 from stalwart.detect.cusum import CusumBank
 from stalwart.detect.evidence import Finding
-from stalwart.detect.onset import BEFORE
+from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.detect.outlier import Outlier, OutlierBank
 from stalwart.detect.robust import rank_sum_z
 from stalwart.events import SlowdownUnexplained, StragglerDetected
@@ -51,6 +51,25 @@ def same_straggler(a: Finding, b: Finding) -> bool:
     the slowest of its pairs, which the verdict also records, varies from test to test (seen:
     host 1's link found at [0, 1], then again at [1, 2] and logged twice)."""
     return a.kind == b.kind and a.ranks == b.ranks and (bool(a.ranks) or a.link == b.link)
+
+
+def still_open(change: Change, verdict: Finding, action: int) -> bool:
+    """Whether a slowdown held while ``verdict`` was decided must still be classified.
+
+    The tests just looked at every rank and link, so a slowdown that began before they ran
+    was in what they measured -- when the verdict judged it: a verdict that names a straggler
+    explains everything before its step. A verdict that names nothing judged only its own
+    alarm's slowdown (from its onset, within ``ONSET_SLACK``): a later one held meanwhile is
+    another slowdown and still open -- the verdict may even have seen its culprit and let it
+    go because it did not rise at the alarm's onset (``localize._compute_finding``). The
+    audit judges no change at all (it looks for ranks slow all along), so nothing it holds is
+    judged. Seen: a 6x rank from step 30 of a 2-rank job, whose change point waited while
+    the audit ran at step 44 and was dropped with it: never found (CI, 40 steps of 6x)."""
+    if verdict.kind != "unknown":
+        return change.onset >= verdict.step
+    if action == AUDIT:
+        return True
+    return change.onset > verdict.onset_step + ONSET_SLACK or change.onset >= verdict.step
 
 
 class VerdictMixin:
@@ -85,9 +104,8 @@ class VerdictMixin:
         """Every rank: the validated verdict on an alarm (the same on every rank);
         ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
         self.verdicts += 1
-        # the tests just looked at every rank and link: a slowdown that began before they ran
-        # was in what they measured; only one that began since waits on
-        self._deferred = [(c, n) for c, n in self._deferred if c.onset >= finding.step]
+        self._deferred = [(c, n) for c, n in self._deferred
+                          if still_open(c, finding, action)]
         switch_to, self._switch_to = self._switch_to, None
         outlier, self._outlier = self._outlier, None
         if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
