@@ -209,3 +209,46 @@ def test_heavy_tailed_healthy_pairs_name_no_host_at_scale() -> None:
             hostlink.TAIL_PAIRS = saved
     assert normal_named >= trials // 2, normal_named
     assert named <= 1, named
+
+
+def test_a_slow_pair_beside_a_noisy_one_is_not_its_hosts_link() -> None:
+    """4 hosts x 1 rank (CI, test_slow_pair_is_remapped_off_the_ring): pair 2-3 shaped to
+    216x, host 3's other crossing pair 0-3 read 2.54x on noise, just over the threshold
+    (2.51x at sigma 0.43): one slow link would slow both alike, so this is pair 2-3, not
+    host 3 (which the policy then excluded instead of re-mapping the pair)."""
+    links = {"0-1": 1.0, "1-2": 1.05, "2-3": 216.0, "0-3": 2.6}
+    assert hostlink.name_host(links, hosts(4, 1)) is None
+    f = decide(evidence(links, hosts(4, 1)), 30, 40, 3.0)
+    assert f.kind == "link" and f.link == [2, 3] and "host" not in f.evidence
+    # the same host with both pairs slow alike is still its link
+    assert hostlink.name_host({**links, "0-3": 150.0}, hosts(4, 1)).host == "3"
+    assert hostlink.alike([216.0, 150.0], 0.43) and not hostlink.alike([216.0, 2.6], 0.43)
+
+
+def test_a_starved_rank_at_a_pairs_far_end_explains_it() -> None:
+    """3 hosts x 2 ranks (CI, test_three_hosts_of_two_ranks...): rank 4 (host 2) at a third
+    of its CPU slows pair 3-4 (4.4x) and its host-mate pair 4-5; host 1's other crossing
+    pair 1-2 read 3.3x on noise. Rank 4 at the far end of 3-4 explains that pair (its own
+    host's inside pair is slow too), so host 1's link is not named."""
+    links = {"0-1": 1.0, "1-2": 3.3, "2-3": 1.1, "3-4": 4.4, "4-5": 3.9, "0-5": 0.95}
+    ct = {0: 1.0, 1: 1.05, 2: 0.98, 3: 1.02, 4: 2.6, 5: 1.1}
+
+    def starved(r: int, x: float) -> bool:
+        return ct[r] >= 1.12 and x < 70 * ct[r]
+    assert hostlink.name_host(links, hosts(6, 2)).host == "1"  # without the explanation
+    assert hostlink.name_host(links, hosts(6, 2), starved) is None
+    assert hostlink._name_host_each(links, hosts(6, 2), starved) is None
+    # a starved far end whose host-mates talk at full speed is not starved: host 1 named
+    assert hostlink.name_host({**links, "4-5": 1.0}, hosts(6, 2), starved).host == "1"
+
+
+def test_a_host_whose_inside_pairs_are_as_slow_as_its_crossing_pairs_is_not_its_link() -> None:
+    """The audit of a CI run (3 hosts x 2 ranks) at step 45, as rank 4's compute fault began
+    (compute test 4.7x): every pair of the ring read slow, host 1's inside pair 2-3 (3.3x)
+    as slow as its crossing pairs (3.5x, 4.9x). A slow link leaves the inside pair alone:
+    not host 1's link (it was logged as a second link finding, onset 15)."""
+    links = {"0-1": 0.846, "0-5": 1.0, "1-2": 3.489, "2-3": 3.289, "3-4": 4.89, "4-5": 5.424}
+    assert hostlink.name_host(links, hosts(6, 2)) is None
+    assert hostlink._name_host_each(links, hosts(6, 2)) is None
+    # the same crossing pairs with the inside pair at full speed: host 1's link
+    assert hostlink.name_host({**links, "2-3": 1.1, "4-5": 1.2}, hosts(6, 2)).host == "1"
