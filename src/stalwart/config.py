@@ -246,7 +246,10 @@ class RunConfig:
         for problem in self.detection.problems() + self.policy.problems():
             raise ConfigError(problem)
         for spec in self.faults:
-            self.parse_fault(spec)  # ConfigError naming the bad part
+            fault = self.parse_fault(spec)  # ConfigError naming the bad part
+            need(fault.back_s is None or self.script is not None,
+                 f"back= in fault {spec!r} needs --script (stalwart's own trainer takes a "
+                 "lost rank's host back by itself: docs/mitigate.md)")
         if self.script is not None or self.script_args:
             self._validate_script_run()
         return self

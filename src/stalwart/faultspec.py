@@ -7,14 +7,17 @@ Kinds (each realised by a kernel mechanism, see docs/testbed.md)::
     link:host=H,rate=RATE           host H's link shaped to RATE     (tc tbf, both directions)
     pairlink:hosts=A-B,rate=RATE    only A<->B traffic shaped        (tc htb + u32 filters)
     loss:host=H|all,p=P             incoming packets dropped w.p. P  (nftables numgen, input hook)
-    kill:rank=R,at=STEP|SECONDSs    rank R's process is killed       (SIGKILL to its process group)
+    kill:rank=R,at=STEP|SECONDSs[,back=SECONDSs]
+                                    rank R's process is killed       (SIGKILL to its process group)
 
 A kill is one event, not a window: ``at`` is the step (or ``at=12.5s``) it happens at, and the
-rank stays dead. Every other kind takes ``start`` and ``end`` (end exclusive; default: the
-whole run), each either a step (``start=20``) or seconds since the ranks were started
-(``start=10s``, ``end=42.5s``): a user's own script has no step counter stalwart can read
-unless the monitor counts its iterations (``--detect``), but the launcher always knows the
-time.
+rank stays dead -- unless ``back`` (``--script`` runs) says how many seconds later the
+launcher starts it again, as a node restarted after a crash: a script that uses
+``stalwart.elastic`` takes it back live (supervise.py). Every other kind takes ``start`` and
+``end`` (end exclusive; default: the whole run), each either a step (``start=20``) or
+seconds since the ranks were started (``start=10s``, ``end=42.5s``): a user's own script
+has no step counter stalwart can read unless the monitor counts its iterations
+(``--detect``), but the launcher always knows the time.
 
 ``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` ranks
 of the given kind, ``ranks_per_host`` to a host (rank r on host r // ranks_per_host); anything
@@ -46,7 +49,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional)
     "link": ({"host", "rate"}, set()),
     "pairlink": ({"hosts", "rate"}, set()),
     "loss": ({"host", "p"}, set()),
-    "kill": ({"rank", "at"}, set()),
+    "kill": ({"rank", "at"}, {"back"}),
 }
 _WINDOW = {"start", "end"}
 _SECONDS_RE = re.compile(r"^(\d+(?:\.\d+)?)s$")
@@ -73,6 +76,7 @@ class Fault:
     rate_bps: int = 0  # link, pairlink: bits per second
     rate: str = ""  # as given, e.g. "50mbit"
     p: float = 0.0  # loss
+    back_s: float | None = None  # kill: seconds after it the rank is started again
 
     def active_at(self, step: int, elapsed: float | None = None) -> bool:
         """Whether the fault is on at `step` and `elapsed` seconds since the ranks started
@@ -119,6 +123,8 @@ class Fault:
             out["hosts"] = list(self.hosts)
         if self.kind in ("link", "pairlink"):
             out["rate"] = self.rate
+        if self.back_s is not None:
+            out["back_s"] = self.back_s
         return out
 
 
@@ -240,8 +246,16 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         at, at_s = _bound("at", kv["at"], spec)
         if at is not None and at < 0:
             raise ConfigError(f"at={at} must be >= 0 in fault {spec!r}")
+        back_s = None
+        if "back" in kv:
+            back, back_s = _bound("back", kv["back"], spec)
+            if back is not None:  # a bare number: seconds too (a step has no meaning here)
+                back_s = float(back)
+            if not back_s or back_s <= 0:
+                raise ConfigError(f"back={kv['back']} must be a positive number of seconds "
+                                  f"in fault {spec!r}")
         return Fault(kind=kind, spec=spec.strip(), start=at or 0, start_s=at_s,
-                     rank=_index("rank", kv["rank"], nproc, spec))
+                     rank=_index("rank", kv["rank"], nproc, spec), back_s=back_s)
     start, start_s = _bound("start", kv.get("start"), spec)
     end, end_s = _bound("end", kv.get("end"), spec)
     start = start or 0

@@ -129,8 +129,9 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
                 members = _announcer(cfg, run_dir, module)
                 procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation, store)
-                # a rank started again to rejoin live runs the training worker (supervise.py)
-                again = partial(_start_rank, cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0)
+                # a rank started again to rejoin live (supervise.py): the training worker, or
+                # a script's rank with its membership store
+                again = _restarter(cfg, tb, run_dir, module, args, port, incarnation, store)
                 rc = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
                                first_step, restart_t0, clock0, members, keep_going)
                 if rc != RESTART_EXIT:
@@ -196,6 +197,18 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
              for r in range(cfg.nproc)}
     tb.attach_ranks({r: p.pid for r, p in procs.items()})
     return procs
+
+
+def _restarter(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
+               port: int, incarnation: int, store: LauncherStore | None
+               ) -> Callable[[int, dict[str, str]], subprocess.Popen]:
+    """How the supervisor starts one rank again: a script's rank as it was started (its
+    store's address included, so it joins the elastic job live); stalwart's own rank as the
+    training worker that rejoins in place (mitigate/membership.py)."""
+    if store is not None:
+        return lambda r, extra: _start_rank(cfg, tb, run_dir, module, args, port, incarnation,
+                                            r, {**store.env, **extra})
+    return partial(_start_rank, cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0)
 
 
 def _script_store(cfg: RunConfig, tb: Any, run_dir: Path) -> LauncherStore | None:

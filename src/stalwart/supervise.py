@@ -206,6 +206,7 @@ class Supervisor:
         self.startup_s: float | None = None  # spawn to the first step: what a restart would cost
         self.rejoin: _Rejoin | None = None
         self.regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
+        self.back: list[int] = []  # ranks a kill fault's back= starts again, once dropped
 
     def run(self) -> int:
         while True:
@@ -224,6 +225,7 @@ class Supervisor:
             failed = self._rejoin_failed(failures(self.procs))
             if failed and (self._lose_in_place(failed) or self._go_on_without(failed)):
                 continue  # the survivors regroup in place, or go on by themselves
+            self._start_again()  # a kill fault's back=: its rank starts again
             if (self.keep_going or self.cfg.script) and not self.procs:
                 return 1  # every rank died
             code = self._blame()
@@ -302,6 +304,22 @@ class Supervisor:
         if self.rejoin is None and probe.tries > REJOIN_TRIES:
             probe.stop()  # its rank failed to rejoin each time: the host stays out
             self.probe = None
+
+    def _start_again(self) -> None:
+        """A ``--script`` rank killed by a fault with ``back=`` (faultspec.py), once the
+        launcher has dropped it (``_go_on_without``), is started again as it was first
+        started, as a node restarted after a crash: a script that uses stalwart.elastic
+        joins the job live (elastic/job.py); ``rank_restarted`` is logged."""
+        if hasattr(self.tb, "restarts_due"):
+            self.back += self.tb.restarts_due()
+        for r in [r for r in self.back if r not in self.procs]:
+            self.back.remove(r)
+            p = self.start_rank(r, {})
+            self.procs[r] = p
+            self.tb.attach_ranks({r: p.pid})
+            self.events.log("rank_restarted", step=self.next_step, rank=r,
+                            reason="kill fault's back=")
+            self.say(f"stalwart: rank {r} started again (its kill fault's back=)")
 
     def _ask_for_rejoin(self) -> None:
         """The rank started to rejoin is ready: rank 0 is asked to take it in."""

@@ -68,6 +68,10 @@ def test_rates_use_tc_units(text: str, bits: int) -> None:
     ("compute:rank=1,factor=2,start=5,end=5", "local", "end=5"),
     ("compute:rank=1,factor=2,start=-3", "local", "start=-3"),
     ("compute:rank=1,factor=2", "cloud", "'cloud'"),
+    ("kill:rank=1,at=5,back=0", "local", "back=0"),
+    ("kill:rank=1,at=5,back=-2s", "local", "back='-2s'"),
+    ("kill:rank=1,at=5,back=soon", "local", "back='soon'"),
+    ("compute:rank=1,factor=2,back=3s", "local", "'back'"),
 ])
 def test_bad_specs_raise_one_line_naming_the_value(spec: str, testbed: str, names: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -80,6 +84,18 @@ def test_runconfig_validate_rejects_a_bad_fault() -> None:
     cfg = RunConfig(nproc=2, testbed="local", faults=["loss:host=0,p=0.1"])
     with pytest.raises(ConfigError, match="needs --testbed netns"):
         cfg.validate()
+    cfg = RunConfig(nproc=2, testbed="local", faults=["kill:rank=1,at=5,back=3s"])
+    with pytest.raises(ConfigError, match=r"back= in fault 'kill:rank=1,at=5,back=3s' needs "
+                                          r"--script"):
+        cfg.validate()
+
+
+def test_a_kill_with_back_names_when_the_rank_starts_again() -> None:
+    f = parse_fault("kill:rank=2,at=12,back=4.5s", 4, "local")
+    assert (f.rank, f.start, f.back_s) == (2, 12, 4.5)
+    assert parse_fault("kill:rank=2,at=3s,back=4", 4, "local").back_s == 4.0
+    assert parse_fault("kill:rank=2,at=3s", 4, "local").back_s is None
+    assert f.event_fields()["back_s"] == 4.5
 
 
 # ---- properties ------------------------------------------------------------------------------

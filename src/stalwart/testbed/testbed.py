@@ -98,6 +98,7 @@ class Testbed:
         self._unit: dict[int, dict[int, float]] = {}
         self._applied_at: dict[Fault, int] = {}
         self._killed: set[Fault] = set()
+        self._back: dict[Fault, float] = {}  # killed ranks to start again: fault -> kill time
 
     # -- placement (contract) --------------------------------------------------------------
     def command_prefix(self, rank: int) -> list[str]:
@@ -198,10 +199,23 @@ class Testbed:
             if pid is None:
                 continue
             self._killed.add(f)
+            if f.back_s is not None:
+                self._back[f] = self._elapsed or 0.0
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # the rank is its session's leader (launch)
             self._log("fault_applied", f, self._step, f"SIGKILL to process group {pid}",
                       False, pid=pid)
+
+    def restarts_due(self) -> list[int]:
+        """The ranks whose kill fault's ``back`` seconds have passed since the kill, each
+        once (the launcher starts them again: supervise.py); a ``fault_removed`` is logged
+        for each."""
+        due = [f for f, t in self._back.items()
+               if f.back_s is not None and self._elapsed - t >= f.back_s]
+        for f in due:
+            del self._back[f]
+            self._log("fault_removed", f, self._step, "rank started again", False)
+        return [int(f.rank) for f in due if f.rank is not None]
 
     def _reconcile(self, step: int, at_close: bool = False) -> None:
         desired = {f for f in self._active if f.kind not in CPU_KINDS or f.rank in self._pids}
