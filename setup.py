@@ -18,6 +18,7 @@ setup(
         Extension(
             "stalwart.detect._bocpd",
             sources=["src/stalwart/detect/_native/bocpd.c"],
+            depends=["src/stalwart/detect/_native/bocpd_step.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             libraries=["m"],
             optional=True,
@@ -25,6 +26,7 @@ setup(
         Extension(
             "stalwart.detect._channels",
             sources=["src/stalwart/detect/_native/channels.c"],
+            depends=["src/stalwart/detect/_native/bocpd_step.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             libraries=["m"],
             optional=True,

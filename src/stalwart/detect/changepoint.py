@@ -29,6 +29,7 @@ every sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ from stalwart.detect.robust import best_split, drop_outliers, robust_scale
 REPLAY = 36  # samples a woken model is rebuilt from (3 x the default max_lag)
 START_MANY = 16  # first models started in one step from which they start as arrays
 ROW_STEPS = 8  # up to this many models to update in one step: one C step each, not a vector
+VERIFY = 4  # a batched row's model stepped in C, its mass past the threshold (``row_steps``)
 
 try:  # the pre-filter in C (detect/_native/channels.c); PyGate is the reference
     from stalwart.detect._channels import Gate as _NativeGate  # type: ignore[import-not-found]
@@ -333,18 +335,7 @@ class DetectorGroup:
         if len(asked) <= ROW_STEPS:
             # few models to update: the C step per row (``add``'s path) costs less than
             # building one vector update; the same arithmetic (the C step sums in order)
-            out1: list[Change | None] = [None] * len(detectors)
-            for i, code in asked:
-                d = detectors[i]
-                x = d._after_push(code)
-                if x is None:
-                    continue
-                assert d._row is not None
-                lag = min(d.max_lag, len(d._g) - 1)
-                recent = d.bank.update_mass(d._row, x, lag)
-                if lag >= 1 and recent > d.threshold:
-                    out1[i] = d._verify(key, lag, recent)
-            return out1
+            return self.row_steps(key, asked)
         xs = [(i, detectors[i]._after_push(code)) for i, code in asked]
         idx = [i for i, x in xs if x is not None]
         posts = update_rows([detectors[i]._bocpd for i in idx],  # type: ignore[misc]
@@ -354,4 +345,26 @@ class DetectorGroup:
             d = detectors[i]
             lag = min(d.max_lag, len(d._g) - 1)
             out[i] = d._verify(key, lag, mass(post, lag))
+        return out
+
+    def row_steps(self, key: int, asked: Sequence[tuple[int, ...]]) -> list[Change | None]:
+        """What the pushes ``asked`` for, one detector at a time in order: (i, code) as a
+        gate's push returns it, or (i, VERIFY, lag, mass) for a model the batched rows' path
+        (``rel_rows``, channels.c) already stepped, whose mass passed its threshold. Each
+        detector's change (or None)."""
+        detectors = self.detectors
+        out: list[Change | None] = [None] * len(detectors)
+        for i, code, *stepped in asked:
+            d = detectors[i]
+            if code == VERIFY:
+                out[i] = d._verify(key, int(stepped[0]), float(stepped[1]))
+                continue
+            x = d._after_push(code)
+            if x is None:
+                continue
+            assert d._row is not None
+            lag = min(d.max_lag, len(d._g) - 1)
+            recent = d.bank.update_mass(d._row, x, lag)
+            if lag >= 1 and recent > d.threshold:
+                out[i] = d._verify(key, lag, recent)
         return out

@@ -202,6 +202,14 @@ class CusumBank:
             live = self._live
         else:
             fits, alarms, live = self._step(key, ratios, col)
+        return self.after_step(key, fits, alarms, live)
+
+    def after_step(self, key: int, fits: list[int], alarms: list[int],
+                   live: np.ndarray) -> list[Change | None]:
+        """The rest of ``add`` after its step (the C step's or ``_step``'s ``fits``, ``alarms``
+        and live mask, the position already advanced): the fits, the refit every
+        ``REFIT_EVERY`` steps, the alarms. Also the batched rows' path (``rel_rows``,
+        channels.c) for a row whose step left any of these. Each rank's alarm (or None)."""
         out: list[Change | None] = [None] * self.n
         if len(fits):
             self._fit_many(fits, key)

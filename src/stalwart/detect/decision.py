@@ -52,7 +52,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,7 @@ from stalwart.detect.alarms import (
     suspect_of,
 )
 from stalwart.detect.bocpd import BOCPDBank
+from stalwart.detect.bocpd import _native_step as _bocpd_step
 from stalwart.detect.changepoint import Change, ChangeDetector, DetectorGroup
 from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.evidence import Finding, RankEvidence
@@ -77,6 +78,12 @@ from stalwart.detect.outlier import Outlier, OutlierBank
 from stalwart.detect.recovery import RecoveryMixin
 from stalwart.detect.verdicts import VerdictMixin, _Unexplained
 from stalwart.events import Event
+
+try:  # the per-rank channels' rows in one call (detect/_native/channels.c); ``relative`` is
+    #   the reference
+    from stalwart.detect._channels import rel_rows as _rel_rows  # type: ignore[import-not-found]
+except ImportError:  # no compiler at install (or an extension built before rel_rows)
+    _rel_rows = None
 
 # the audit runs once per job, after the warm-up, at AUDIT_AFTER samples or AUDIT_S seconds
 # of iterations (whichever comes first; at least AUDIT_MIN samples): a job slowed by a link
@@ -227,6 +234,76 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         for o in self.outliers.add(key, comps, self.step_seconds):
             self._on_outlier(o)
 
+    def relative_rows(self, rows: Sequence[tuple[int, list[float] | np.ndarray]]) -> None:
+        """``relative(key, comps)`` for each row, in order, with the same effects.
+
+        Up to ``REF_RANKS`` ranks, once the per-rank channels exist, a run of rows of the
+        same size goes through one C call (``rel_rows``, detect/_native/channels.c) that does
+        each row's median and ratios, gate pushes, BOCPD steps of the awake channels, CUSUM
+        and outlier steps, and returns at the first row that leaves work to Python -- a model
+        to start, wake or verify, a CUSUM fit, alarm or refit, an outlier test (about one row
+        in five) -- whose rest runs here as in ``relative``. Why: on rank 0 after a training
+        step each of ``relative``'s three C steps cost ~40 us of CPU in call overhead alone
+        (cold caches), ~120 us a row; a batched check of eight rows paid it eight times.
+        Otherwise (more ranks: the pooled noise floor; no C extension) ``relative`` per row.
+        tests/detect/test_rel_rows.py checks the equality on random streams."""
+        i, end = 0, len(rows)
+        while i < end:
+            n = len(rows[i][1])
+            args = self._batch_args(n)
+            if args is None:
+                self.relative(*rows[i])
+                i += 1
+                continue
+            j = i + 1
+            while j < end and len(rows[j][1]) == n:
+                j += 1
+            assert _rel_rows is not None and self.cusum is not None
+            assert self.outliers is not None and self._rel_group is not None
+            cb, ob = self.cusum, self.outliers
+            stop, valid, osteps, asked, fits, alarms, test = _rel_rows(rows, i, j, *args)
+            cb._pos += valid
+            ob.seen += valid
+            ob._pos += osteps
+            if stop == j:
+                i = j
+                continue
+            # the rest of row ``stop``, in relative's order
+            key = int(rows[stop][0])
+            if asked:
+                self._classify_ranks(self._rel_group.row_steps(key, asked))
+            if fits or alarms:
+                self._classify_ranks(cb.after_step(key, fits, alarms, cb._live))
+            if test:
+                for o in ob._test(key, self.step_seconds()):
+                    self._on_outlier(o)
+            i = stop + 1
+
+    def _batch_args(self, n: int) -> tuple[Any, ...] | None:
+        """``rel_rows``' arguments after the rows for rows of ``n`` ranks, or None where the
+        batched path does not apply (``relative_rows``): the channels of ``n`` ranks must
+        exist (their first row goes through ``relative``, which makes them) and run in C."""
+        group, cb, ob = self._rel_group, self.cusum, self.outliers
+        if (_rel_rows is None or not 2 <= n <= REF_RANKS or group is None
+                or len(group.detectors) != n or cb is None or cb.n != n or ob is None
+                or ob.n != n or not (group.native and group.shared and cb.native and ob.native)):
+            return None
+        dets = group.detectors
+        bank = dets[0].bank
+        if not (bank.native and _bocpd_step is not None):
+            return None
+        return (tuple(group.gates),
+                tuple((-1 if d._row is None else d._row, d.max_lag, d.threshold) for d in dets),
+                (bank.mu, bank.beta, bank.log_beta, bank.logpost, bank.n, bank._c, bank._em,
+                 bank._e, bank._f, bank._g), (bank._log_h, bank._log_1mh, bank.max_run),
+                (cb._keys, cb._xs, cb.seen, cb.start_key, cb.mu0, cb.sigma, cb.s, cb.zero_key,
+                 cb.backoff, cb._live),
+                (cb._pos, cb.REFIT_EVERY, cb.LAG, cb.warmup, cb.learn, cb.k, cb.clip, cb.h,
+                 cb._log_n, cb.min_sigma),
+                (ob._over, ob._logrel, ob._excess, ob._keys, ob.count, ob.filled, ob._whole,
+                 ob.line), (ob.seen, ob.warmup, ob._pos, ob.stride, ob.min_window),
+                ob.crit_table(ob.test_level(self.step_seconds())))
+
     def _rel_dets(self, n: int) -> DetectorGroup:
         """The per-rank relative-compute channels of ranks 0..n-1 (made at the first call)."""
         if not self.rel_detectors:
@@ -251,7 +328,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
     def step_seconds(self) -> float:
         """The job's recent step time (median of the last 32 iteration samples)."""
         xs = [s.seconds for s in itertools.islice(reversed(self.samples), 32)]
-        return statistics.median(xs) if xs else 1.0
+        return _median(xs) if xs else 1.0
 
     def _on_outlier(self, o: Outlier) -> None:
         """An outlier alarm, priced from the peers: the job's step time over its step time

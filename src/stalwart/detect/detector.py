@@ -136,8 +136,8 @@ class Detector:
         self._events = []
         if inp.sample is not None:
             core.sample(inp.sample)
-        for key, comps in inp.rows:
-            core.relative(key, comps)
+        if inp.rows:
+            core.relative_rows(inp.rows)
         alarm = inp.alarm
         arrived = alarm is not None and alarm.action != NONE
         if arrived and core.leader:

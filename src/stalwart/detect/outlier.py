@@ -137,6 +137,9 @@ class OutlierBank:
         self.alarms = 0
         self.last_level = np.ones(n)  # the level of each rank's last alarm
         self._whole = np.ones(n, dtype=bool)  # no sample of the rank has left its window
+        # by test level (log2 alpha): the critical count of each window length, for the
+        # batched rows' test in C (``crit_table``)
+        self._crit: dict[int, np.ndarray] = {}
 
     native = _native_step is not None  # the C step (the same arithmetic); False: the reference
 
@@ -191,6 +194,23 @@ class OutlierBank:
         crit = np.asarray([critical(int(m), log2a) for m in lengths.tolist()], dtype=np.int64)
         need = crit[np.searchsorted(lengths, m_all)]
         return self._alarms(key, ready[self.count[ready] >= need].tolist())
+
+    def crit_table(self, log2a: int) -> np.ndarray:
+        """The critical counts ``critical(m, log2a)`` by window length m (-1 below
+        ``min_window``): the batched rows' path (``rel_rows``, channels.c) tests the windows
+        with them and leaves a test that finds a rank to ``_test``. Made once per level met
+        (~2.5 ms: the lengths a window passes through as it fills, looked up at once)."""
+        tab = self._crit.get(log2a)
+        if tab is None:
+            tab = np.full(self.window + 1, -1, dtype=np.int64)
+            for m in range(self.min_window, self.window + 1):
+                tab[m] = critical(m, log2a)
+            self._crit[log2a] = tab
+        return tab
+
+    def test_level(self, step_s: float) -> int:
+        """log2 of the per-test level at step time ``step_s`` (``_test``'s)."""
+        return alpha_per_test(self.alpha, self.stride, step_s)
 
     def _test_each(self, key: int, step_s: float) -> list[Outlier]:
         """``_test`` one rank at a time (the reference it is tested against)."""

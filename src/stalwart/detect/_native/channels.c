@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bocpd_step.h"
+
 typedef struct { Py_buffer b; int ok; } Buf;
 
 static int get(PyObject *o, Buf *x, int writable, Py_ssize_t itemsize, Py_ssize_t len,
@@ -35,7 +37,7 @@ static int get(PyObject *o, Buf *x, int writable, Py_ssize_t itemsize, Py_ssize_
     if (PyObject_GetBuffer(o, &x->b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
     x->ok = 1;
-    if (x->b.itemsize != itemsize || x->b.len != len * itemsize) {
+    if (x->b.itemsize != itemsize || (len >= 0 && x->b.len != len * itemsize)) {  /* -1: any */
         PyErr_Format(PyExc_ValueError, "channels: %s has the wrong size or type", what);
         return -1;
     }
@@ -44,78 +46,146 @@ static int get(PyObject *o, Buf *x, int writable, Py_ssize_t itemsize, Py_ssize_
 
 static void rel(Buf *x) { if (x->ok) PyBuffer_Release(&x->b); }
 
+/* The CUSUM bank's arrays (cusum.py), borrowed from their buffers for one call. */
+typedef struct {
+    int64_t *keys, *seen, *start, *zero;
+    double *xs, *mu0, *sigma, *s, *backoff;
+    char *live;
+    Py_ssize_t n, H;
+    long long warmup, learn;
+    double k, clip, h, log_n;
+} Cusum;
+
+/* One CUSUM step of every rank (``CusumBank._step``'s arithmetic): ratios into ring column
+ * ``col``; the ranks due for a fit into ``fits`` and those past their threshold into
+ * ``alarms`` (n entries each at most), their counts into ``*nf`` and ``*na``. */
+static void cusum_row(Cusum *C, const double *ratios, long long key, Py_ssize_t col,
+                      Py_ssize_t *fits, Py_ssize_t *nf, Py_ssize_t *alarms, Py_ssize_t *na) {
+    Py_ssize_t H = C->H;
+    *nf = *na = 0;
+    for (Py_ssize_t r = 0; r < C->n; r++) {
+        double v = ratios[r];
+        double x = log(v != v ? v : (v < 1e-9 ? 1e-9 : v));
+        C->keys[r * H + col] = key;
+        C->xs[r * H + col] = x;
+        C->seen[r] += 1;
+        if (C->seen[r] == C->warmup + 1) C->start[r] = key;
+        double sig = C->sigma[r];
+        C->live[r] = !(sig != sig);
+        if (!C->live[r]) {
+            C->s[r] = 0.0;
+            if (C->seen[r] >= C->warmup + C->learn) fits[(*nf)++] = r;
+            continue;
+        }
+        double lo = -C->clip * sig, hi = C->clip * sig, d = x - C->mu0[r];
+        d = d > lo ? d : (d != d ? d : lo);   /* np.clip: maximum, then minimum */
+        d = d < hi ? d : (d != d ? d : hi);
+        double t = C->s[r] + (d - C->k);
+        t = t != t ? t : (t > 0.0 ? t : 0.0);  /* np.maximum(0, t) */
+        C->s[r] = t;
+        if (t == 0.0) C->zero[r] = key;
+        double thr = (C->h + C->log_n * sig / (2.0 * C->k)) * C->backoff[r] * sig;
+        if (t > thr) alarms[(*na)++] = r;
+    }
+}
+
+static int cmp_double(const void *a, const void *b);
+
+/* ``CusumBank._refit``: every live rank with at least ``learn`` samples in its reference
+ * (ring entries keyed from its start_key to min(zero_key, key - lag)) gets mu0 = their
+ * median and sigma = max(min_sigma, 1.4826 x the median of their absolute deviations from
+ * it); medians as ``_row_medians`` takes them (0.5 x the sum of the two middle values).
+ * -1 (MemoryError set) if out of memory. */
+static int cusum_refit(Cusum *C, long long key, long long lag, double min_sigma) {
+    Py_ssize_t H = C->H;
+    double *t = PyMem_Malloc((H > 0 ? H : 1) * sizeof(double));
+    if (!t) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t r = 0; r < C->n; r++) {
+        if (!C->live[r]) continue;
+        long long upto = C->zero[r] < key - lag ? C->zero[r] : key - lag;
+        Py_ssize_t cnt = 0;
+        for (Py_ssize_t j = 0; j < H; j++) {
+            int64_t k = C->keys[r * H + j];
+            if (k >= C->start[r] && k <= upto) t[cnt++] = C->xs[r * H + j];
+        }
+        if (cnt < C->learn || cnt == 0) continue;
+        qsort(t, cnt, sizeof(double), cmp_double);
+        double mu = 0.5 * (t[(cnt - 1) / 2] + t[cnt / 2]);
+        for (Py_ssize_t j = 0; j < cnt; j++) t[j] = fabs(t[j] - mu);
+        qsort(t, cnt, sizeof(double), cmp_double);
+        double v = 1.4826 * (0.5 * (t[(cnt - 1) / 2] + t[cnt / 2]));
+        C->mu0[r] = mu;
+        C->sigma[r] = v != v ? v : (min_sigma > v ? min_sigma : v);  /* np.maximum */
+    }
+    PyMem_Free(t);
+    return 0;
+}
+
+static PyObject *index_list(const Py_ssize_t *idx, Py_ssize_t m) {
+    PyObject *out = PyList_New(m);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *v = PyLong_FromSsize_t(idx[i]);
+        if (!v) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static const Py_ssize_t CUSUM_ISZ[11] = {8, 8, 8, 8, 8, 8, 8, 8, 8, 1, 8};
+static const int CUSUM_WR[11] = {1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0};  /* mu0, sigma: refit */
+static const char *CUSUM_NAMES[11] = {"keys", "xs", "seen", "start_key", "mu0", "sigma", "s",
+                                      "zero_key", "backoff", "live", "ratios"};
+
+/* The bank's 10 arrays (o[0..9], in cusum_step's order) into C; n from ``live``. */
+static int cusum_bind(PyObject **o, Buf *B, Cusum *C) {
+    Py_ssize_t n, H;
+    {
+        Py_buffer probe;
+        if (PyObject_GetBuffer(o[9], &probe, PyBUF_SIMPLE) < 0) return -1;
+        n = probe.len;  /* live: one byte per rank */
+        PyBuffer_Release(&probe);
+        if (PyObject_GetBuffer(o[0], &probe, PyBUF_SIMPLE) < 0) return -1;
+        H = n > 0 ? probe.len / 8 / n : 0;
+        PyBuffer_Release(&probe);
+    }
+    for (int i = 0; i < 10; i++)
+        if (get(o[i], &B[i], CUSUM_WR[i], CUSUM_ISZ[i], i < 2 ? n * H : n, CUSUM_NAMES[i]) < 0)
+            return -1;
+    C->keys = B[0].b.buf; C->xs = B[1].b.buf; C->seen = B[2].b.buf; C->start = B[3].b.buf;
+    C->mu0 = B[4].b.buf; C->sigma = B[5].b.buf; C->s = B[6].b.buf; C->zero = B[7].b.buf;
+    C->backoff = B[8].b.buf; C->live = B[9].b.buf;
+    C->n = n;
+    C->H = H;
+    return 0;
+}
+
 static PyObject *cusum_step(PyObject *self, PyObject *args) {
     PyObject *o[11];
-    long long key, col, warmup, learn;
-    double k, clip, h, log_n;
+    long long key, col;
+    Cusum C;
     if (!PyArg_ParseTuple(args, "OOOOOOOOOOOLLLLdddd", &o[0], &o[1], &o[2], &o[3], &o[4],
-                          &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &key, &col, &warmup,
-                          &learn, &k, &clip, &h, &log_n))
+                          &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &key, &col, &C.warmup,
+                          &C.learn, &C.k, &C.clip, &C.h, &C.log_n))
         return NULL;
     Buf B[11];
     memset(B, 0, sizeof B);
     PyObject *res = NULL, *fits = NULL, *alarms = NULL;
-    Py_ssize_t n = -1, H = 0;
+    Py_ssize_t *idx = NULL;
+    if (cusum_bind(o, B, &C) < 0) goto done;
+    if (get(o[10], &B[10], 0, 8, C.n, "ratios") < 0) goto done;
+    if (col < 0 || col >= C.H) { PyErr_SetString(PyExc_IndexError, "cusum_step: col"); goto done; }
+    idx = PyMem_Malloc(2 * (C.n > 0 ? C.n : 1) * sizeof(Py_ssize_t));
+    if (!idx) { PyErr_NoMemory(); goto done; }
     {
-        Py_buffer probe;
-        if (PyObject_GetBuffer(o[9], &probe, PyBUF_SIMPLE) < 0) return NULL;
-        n = probe.len;  /* live: one byte per rank */
-        PyBuffer_Release(&probe);
-        if (PyObject_GetBuffer(o[0], &probe, PyBUF_SIMPLE) < 0) return NULL;
-        H = n > 0 ? probe.len / 8 / n : 0;
-        PyBuffer_Release(&probe);
-    }
-    static const char *names[11] = {"keys", "xs", "seen", "start_key", "mu0", "sigma", "s",
-                                    "zero_key", "backoff", "live", "ratios"};
-    const int wr[11] = {1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 0};
-    const Py_ssize_t isz[11] = {8, 8, 8, 8, 8, 8, 8, 8, 8, 1, 8};
-    for (int i = 0; i < 11; i++)
-        if (get(o[i], &B[i], wr[i], isz[i], i < 2 ? n * H : n, names[i]) < 0) goto done;
-    if (col < 0 || col >= H) { PyErr_SetString(PyExc_IndexError, "cusum_step: col"); goto done; }
-    {
-        int64_t *keys = B[0].b.buf, *seen = B[2].b.buf, *start = B[3].b.buf;
-        int64_t *zero = B[7].b.buf;
-        double *xs = B[1].b.buf, *mu0 = B[4].b.buf, *sigma = B[5].b.buf, *s = B[6].b.buf;
-        double *backoff = B[8].b.buf, *ratios = B[10].b.buf;
-        char *live = B[9].b.buf;
-        fits = PyList_New(0);
-        alarms = PyList_New(0);
-        if (!fits || !alarms) goto done;
-        for (Py_ssize_t r = 0; r < n; r++) {
-            double v = ratios[r];
-            double x = log(v != v ? v : (v < 1e-9 ? 1e-9 : v));
-            keys[r * H + col] = key;
-            xs[r * H + col] = x;
-            seen[r] += 1;
-            if (seen[r] == warmup + 1) start[r] = key;
-            double sig = sigma[r];
-            live[r] = !(sig != sig);
-            if (!live[r]) {
-                s[r] = 0.0;
-                if (seen[r] >= warmup + learn) {
-                    PyObject *i = PyLong_FromSsize_t(r);
-                    if (!i || PyList_Append(fits, i) < 0) { Py_XDECREF(i); goto done; }
-                    Py_DECREF(i);
-                }
-                continue;
-            }
-            double lo = -clip * sig, hi = clip * sig, d = x - mu0[r];
-            d = d > lo ? d : (d != d ? d : lo);   /* np.clip: maximum, then minimum */
-            d = d < hi ? d : (d != d ? d : hi);
-            double t = s[r] + (d - k);
-            t = t != t ? t : (t > 0.0 ? t : 0.0);  /* np.maximum(0, t) */
-            s[r] = t;
-            if (t == 0.0) zero[r] = key;
-            double thr = (h + log_n * sig / (2.0 * k)) * backoff[r] * sig;
-            if (t > thr) {
-                PyObject *i = PyLong_FromSsize_t(r);
-                if (!i || PyList_Append(alarms, i) < 0) { Py_XDECREF(i); goto done; }
-                Py_DECREF(i);
-            }
-        }
-        res = PyTuple_Pack(2, fits, alarms);
+        Py_ssize_t nf, na;
+        cusum_row(&C, B[10].b.buf, key, col, idx, &nf, idx + C.n, &na);
+        fits = index_list(idx, nf);
+        alarms = fits ? index_list(idx + C.n, na) : NULL;
+        if (fits && alarms) res = PyTuple_Pack(2, fits, alarms);
     }
 done:
+    PyMem_Free(idx);
     Py_XDECREF(fits);
     Py_XDECREF(alarms);
     for (int i = 0; i < 11; i++) rel(&B[i]);
@@ -128,6 +198,75 @@ static int by_value(const void *a, const void *b) {
     return x < y ? -1 : (x > y ? 1 : 0);
 }
 
+/* The outlier bank's arrays (outlier.py), borrowed from their buffers for one call. */
+typedef struct {
+    char *over, *whole;
+    double *logrel, *excess, *line;
+    int64_t *keys, *count, *filled;
+    Py_ssize_t n, W;
+} Outl;
+
+/* One sample of every rank (compute ``c``) into column ``p`` of the windows
+ * (``OutlierBank._step``'s arithmetic); -1 (MemoryError set) if out of memory. */
+static int outlier_row(Outl *O, const double *c, long long key, Py_ssize_t p) {
+    Py_ssize_t n = O->n, W = O->W;
+    Py_ssize_t small[2 * 64];
+    Py_ssize_t *order = n <= 64 ? small : PyMem_Malloc(2 * n * sizeof(Py_ssize_t));
+    if (!order) { PyErr_NoMemory(); return -1; }
+    Py_ssize_t *pos = order + n;
+    for (Py_ssize_t i = 0; i < n; i++) order[i] = i;
+    sort_vals = c;  /* the GIL is held: no other call sorts meanwhile */
+    qsort(order, n, sizeof(Py_ssize_t), by_value);
+    for (Py_ssize_t i = 0; i < n; i++) pos[order[i]] = i;
+    /* the median of the others: which of equal values is taken out does not matter */
+    Py_ssize_t m = n - 1;
+    for (Py_ssize_t r = 0; r < n; r++) {
+#define RED(j) ((j) < pos[r] ? c[order[(j)]] : c[order[(j) + 1 < n ? (j) + 1 : n - 1]])
+        double peer = m % 2 ? RED(m / 2) : 0.5 * (RED(m / 2 - 1) + RED(m / 2));
+#undef RED
+        double x = c[r] / peer;
+        int full = O->filled[r] >= W;
+        if (full) {
+            O->whole[r] = 0;
+            O->count[r] -= O->over[r * W + p] ? 1 : 0;
+        } else {
+            O->filled[r] += 1;
+        }
+        char ov = x > O->line[r];
+        O->count[r] += ov;
+        O->over[r * W + p] = ov;
+        O->logrel[r * W + p] = log(x);
+        O->excess[r * W + p] = c[r] - peer;
+    }
+    O->keys[p] = key;
+    if (order != small) PyMem_Free(order);
+    return 0;
+}
+
+static const char *OUTL_NAMES[9] = {"over", "logrel", "excess", "keys", "count", "filled",
+                                    "whole", "line", "comps"};
+static const int OUTL_WR[9] = {1, 1, 1, 1, 1, 1, 1, 0, 0};
+static const Py_ssize_t OUTL_ISZ[9] = {1, 8, 8, 8, 8, 8, 1, 8, 8};
+
+/* The bank's 8 arrays (o[0..7], in outlier_step's order) for n ranks into C. */
+static int outlier_bind(PyObject **o, Buf *B, Outl *O, Py_ssize_t n) {
+    Py_ssize_t W;
+    {
+        Py_buffer probe;
+        if (PyObject_GetBuffer(o[3], &probe, PyBUF_SIMPLE) < 0) return -1;
+        W = probe.len / 8;  /* keys */
+        PyBuffer_Release(&probe);
+    }
+    const Py_ssize_t len[8] = {n * W, n * W, n * W, W, n, n, n, n};
+    for (int i = 0; i < 8; i++)
+        if (get(o[i], &B[i], OUTL_WR[i], OUTL_ISZ[i], len[i], OUTL_NAMES[i]) < 0) return -1;
+    O->over = B[0].b.buf; O->logrel = B[1].b.buf; O->excess = B[2].b.buf; O->keys = B[3].b.buf;
+    O->count = B[4].b.buf; O->filled = B[5].b.buf; O->whole = B[6].b.buf; O->line = B[7].b.buf;
+    O->n = n;
+    O->W = W;
+    return 0;
+}
+
 static PyObject *outlier_step(PyObject *self, PyObject *args) {
     PyObject *o[9];
     long long key, p;
@@ -137,65 +276,22 @@ static PyObject *outlier_step(PyObject *self, PyObject *args) {
     Buf B[9];
     memset(B, 0, sizeof B);
     PyObject *res = NULL;
-    Py_ssize_t n, W;
+    Py_ssize_t n;
+    Outl O;
     {
         Py_buffer probe;
         if (PyObject_GetBuffer(o[8], &probe, PyBUF_SIMPLE) < 0) return NULL;
         n = probe.len / 8;  /* comps */
         PyBuffer_Release(&probe);
-        if (PyObject_GetBuffer(o[3], &probe, PyBUF_SIMPLE) < 0) return NULL;
-        W = probe.len / 8;  /* keys */
-        PyBuffer_Release(&probe);
     }
-    static const char *names[9] = {"over", "logrel", "excess", "keys", "count", "filled",
-                                   "whole", "line", "comps"};
-    const int wr[9] = {1, 1, 1, 1, 1, 1, 1, 0, 0};
-    const Py_ssize_t isz[9] = {1, 8, 8, 8, 8, 8, 1, 8, 8};
-    const Py_ssize_t len[9] = {n * W, n * W, n * W, W, n, n, n, n, n};
-    for (int i = 0; i < 9; i++)
-        if (get(o[i], &B[i], wr[i], isz[i], len[i], names[i]) < 0) goto done;
-    if (n < 2 || p < 0 || p >= W) {
+    if (outlier_bind(o, B, &O, n) < 0 || get(o[8], &B[8], 0, 8, n, "comps") < 0) goto done;
+    if (n < 2 || p < 0 || p >= O.W) {
         PyErr_SetString(PyExc_ValueError, "outlier_step: need 2 ranks and 0 <= p < window");
         goto done;
     }
-    {
-        char *over = B[0].b.buf, *whole = B[6].b.buf;
-        double *logrel = B[1].b.buf, *excess = B[2].b.buf, *line = B[7].b.buf;
-        double *c = B[8].b.buf;
-        int64_t *keys = B[3].b.buf, *count = B[4].b.buf, *filled = B[5].b.buf;
-        Py_ssize_t small[2 * 64];
-        Py_ssize_t *order = n <= 64 ? small : malloc(2 * n * sizeof(Py_ssize_t));
-        if (!order) { PyErr_NoMemory(); goto done; }
-        Py_ssize_t *pos = order + n;
-        for (Py_ssize_t i = 0; i < n; i++) order[i] = i;
-        sort_vals = c;  /* the GIL is held: no other call sorts meanwhile */
-        qsort(order, n, sizeof(Py_ssize_t), by_value);
-        for (Py_ssize_t i = 0; i < n; i++) pos[order[i]] = i;
-        /* the median of the others: which of equal values is taken out does not matter */
-        Py_ssize_t m = n - 1;
-        for (Py_ssize_t r = 0; r < n; r++) {
-#define RED(j) ((j) < pos[r] ? c[order[(j)]] : c[order[(j) + 1 < n ? (j) + 1 : n - 1]])
-            double peer = m % 2 ? RED(m / 2) : 0.5 * (RED(m / 2 - 1) + RED(m / 2));
-#undef RED
-            double x = c[r] / peer;
-            int full = filled[r] >= W;
-            if (full) {
-                whole[r] = 0;
-                count[r] -= over[r * W + p] ? 1 : 0;
-            } else {
-                filled[r] += 1;
-            }
-            char ov = x > line[r];
-            count[r] += ov;
-            over[r * W + p] = ov;
-            logrel[r * W + p] = log(x);
-            excess[r * W + p] = c[r] - peer;
-        }
-        keys[p] = key;
-        if (order != small) free(order);
-        Py_INCREF(Py_None);
-        res = Py_None;
-    }
+    if (outlier_row(&O, B[8].b.buf, key, p) < 0) goto done;
+    Py_INCREF(Py_None);
+    res = Py_None;
 done:
     for (int i = 0; i < 9; i++) rel(&B[i]);
     return res;
@@ -409,6 +505,228 @@ fail:
     return NULL;
 }
 
+/* ---- rel_rows: DecisionCore.relative_rows' common path, rows in one call ----------------
+ *
+ * rel_rows(rows, start, end, gates, dets, bank, bank_sc, cusum, cusum_sc, outl, outl_sc)
+ *   -> (stop, valid, osteps, asked, fits, alarms)
+ *
+ * For rows[start:end], each a (key, comps) of n ranks (2 <= n <= 64, every row the same n),
+ * in order, what ``DecisionCore.relative`` does for a job of at most REF_RANKS ranks short of
+ * its rare branches: a row with a compute that is not in (0, inf) is skipped (no state
+ * changes); else its ratios to the row's median go to the per-rank gates (``push_one``), a
+ * gate asking UPDATE has its BOCPD row stepped (``step_row``, bocpd_step.h: the arithmetic of
+ * ``BOCPDBank.update_mass``), then the CUSUM step (``cusum_row``) and, past the outlier
+ * bank's warm-up, its step (``outlier_row``); the CUSUM refit when its position is a multiple
+ * of ``refit_every`` (``cusum_refit``) and the outlier test when its position is a multiple
+ * of ``stride``, as far as it finds nothing. The call returns at the first row that leaves
+ * work to Python (``stop``; ``end`` if none): a gate that asked START or WAKE, or an UPDATE
+ * whose posterior mass passed its threshold (asked: (gate, code, lag, mass), code 4 =
+ * verify), CUSUM fits or alarms (their ranks; Python then fits, refits and raises), an
+ * outlier test with a rank at or past its critical count or a window length whose critical
+ * count ``crit`` does not hold yet (``test``: Python runs ``OutlierBank._test``) -- Python
+ * does that row's rest as ``relative`` would, in the same order. ``valid``: rows taken (the
+ * CUSUM bank's position and the outlier bank's ``seen`` advance by it), ``osteps``: outlier
+ * steps (its position advances by it).
+ *
+ *   gates: the n Gate objects; dets: n (bank row or -1, max_lag, threshold);
+ *   bank: (mu, beta, log_beta, logpost, n, c, em, e, f, g), bank_sc: (log_h, log_1mh, max_run);
+ *   cusum: its 10 arrays as cusum_step takes them, cusum_sc: (pos, refit_every, lag, warmup,
+ *   learn, k, clip, h, log_n, min_sigma); outl: its 8 arrays as outlier_step takes them,
+ *   outl_sc: (seen, warmup, pos, stride, min_window), crit: int64 (window + 1), the critical
+ *   count by window length at the current test level (-1: not known).
+ * Every row's comps are read before any state changes (a bad value raises with none).
+ */
+enum { G_VERIFY = 4 };
+#define REL_MAX 64
+
+static PyObject *rel_rows(PyObject *self, PyObject *args) {
+    PyObject *rows, *gates, *dets, *bank, *cusum, *outl;
+    Py_ssize_t start, end;
+    double log_h, log_1mh;
+    Py_ssize_t max_run;
+    long long cpos, refit, clag, owarm, oseen, opos, ostride, ominw;
+    double min_sigma;
+    PyObject *o_crit;
+    Cusum C;
+    if (!PyArg_ParseTuple(args, "OnnO!O!O!(ddn)O!(LLLLLddddd)O!(LLLLL)O", &rows, &start, &end,
+                          &PyTuple_Type, &gates, &PyTuple_Type, &dets, &PyTuple_Type, &bank,
+                          &log_h, &log_1mh, &max_run, &PyTuple_Type, &cusum, &cpos, &refit,
+                          &clag, &C.warmup, &C.learn, &C.k, &C.clip, &C.h, &C.log_n,
+                          &min_sigma, &PyTuple_Type, &outl, &oseen, &owarm, &opos, &ostride,
+                          &ominw, &o_crit))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(gates);
+    if (n < 2 || n > REL_MAX || PyTuple_GET_SIZE(dets) != n || PyTuple_GET_SIZE(bank) != 10 ||
+        PyTuple_GET_SIZE(cusum) != 10 || PyTuple_GET_SIZE(outl) != 8 || refit < 1 ||
+        ostride < 1 || max_run < 1 || max_run > 1023) {
+        PyErr_SetString(PyExc_ValueError, "rel_rows: bad arguments");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(rows, "rel_rows: rows");
+    if (!seq) return NULL;
+    Buf BB[10], CB[10], OB[8], TB;
+    memset(&TB, 0, sizeof TB);
+    memset(BB, 0, sizeof BB);
+    memset(CB, 0, sizeof CB);
+    memset(OB, 0, sizeof OB);
+    double *vals = NULL;
+    long long *keys = NULL;
+    PyObject *res = NULL, *asked = NULL, *fits = NULL, *alarms = NULL;
+    Gate *G[REL_MAX];
+    long long drow[REL_MAX], dlag[REL_MAX];
+    double dthr[REL_MAX];
+    Outl O;
+    if (start < 0 || end > PySequence_Fast_GET_SIZE(seq) || start > end) {
+        PyErr_SetString(PyExc_IndexError, "rel_rows: start, end");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *go = PyTuple_GET_ITEM(gates, i);
+        if (!PyObject_TypeCheck(go, &GateType)) {
+            PyErr_SetString(PyExc_TypeError, "rel_rows: not a Gate");
+            goto done;
+        }
+        G[i] = (Gate *)go;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(dets, i), "LLd", &drow[i], &dlag[i], &dthr[i]))
+            goto done;
+    }
+    /* the rows' values first: nothing changes if one cannot be read */
+    Py_ssize_t m = end - start;
+    vals = PyMem_Malloc((m > 0 ? m : 1) * n * sizeof(double));
+    keys = PyMem_Malloc((m > 0 ? m : 1) * sizeof(long long));
+    if (!vals || !keys) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(seq, start + i);
+        PyObject *kv = PySequence_Fast(row, "rel_rows: a row is (key, comps)");
+        if (!kv) goto done;
+        if (PySequence_Fast_GET_SIZE(kv) != 2) {
+            Py_DECREF(kv);
+            PyErr_SetString(PyExc_ValueError, "rel_rows: a row is (key, comps)");
+            goto done;
+        }
+        keys[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(kv, 0));
+        PyObject *cs = PySequence_Fast(PySequence_Fast_GET_ITEM(kv, 1), "rel_rows: comps");
+        Py_DECREF(kv);
+        if (!cs || PyErr_Occurred()) { Py_XDECREF(cs); goto done; }
+        if (PySequence_Fast_GET_SIZE(cs) != n) {
+            Py_DECREF(cs);
+            PyErr_SetString(PyExc_ValueError, "rel_rows: every row has n values");
+            goto done;
+        }
+        for (Py_ssize_t r = 0; r < n; r++)
+            vals[i * n + r] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(cs, r));
+        Py_DECREF(cs);
+        if (PyErr_Occurred()) goto done;
+    }
+    for (int i = 0; i < 10; i++)
+        if (get(PyTuple_GET_ITEM(bank, i), &BB[i], i < 5, 8, -1, "bank") < 0) goto done;
+    PyObject *co[10], *oo[8];
+    for (int i = 0; i < 10; i++) co[i] = PyTuple_GET_ITEM(cusum, i);
+    for (int i = 0; i < 8; i++) oo[i] = PyTuple_GET_ITEM(outl, i);
+    if (cusum_bind(co, CB, &C) < 0 || outlier_bind(oo, OB, &O, n) < 0) goto done;
+    if (C.n != n || C.H < 1 || O.W < 1) {
+        PyErr_SetString(PyExc_ValueError, "rel_rows: the banks' sizes do not match the gates");
+        goto done;
+    }
+    if (get(o_crit, &TB, 0, 8, O.W + 1, "crit") < 0) goto done;
+    const int64_t *crit = TB.b.buf;
+    Py_ssize_t W = max_run + 2, cap_rows = BB[4].b.len / 8;
+    if (BB[0].b.len / 8 < cap_rows * W || BB[1].b.len / 8 < cap_rows * W ||
+        BB[2].b.len / 8 < cap_rows * W || BB[3].b.len / 8 < cap_rows * max_run ||
+        BB[5].b.len / 8 < max_run + 1 || BB[6].b.len / 8 < max_run + 1 ||
+        BB[7].b.len / 8 < max_run + 1 || BB[8].b.len / 8 < max_run + 1 ||
+        BB[9].b.len / 8 < max_run + 1) {
+        PyErr_SetString(PyExc_ValueError, "rel_rows: bank sizes do not match");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (drow[i] >= cap_rows) {
+            PyErr_SetString(PyExc_IndexError, "rel_rows: bank row out of range");
+            goto done;
+        }
+    double *mu = BB[0].b.buf, *beta = BB[1].b.buf, *lbeta = BB[2].b.buf, *lpost = BB[3].b.buf;
+    int64_t *bn = BB[4].b.buf;
+    const double *tc = BB[5].b.buf, *tem = BB[6].b.buf, *te = BB[7].b.buf, *tf = BB[8].b.buf;
+    const double *tg = BB[9].b.buf;
+    Py_ssize_t valid = 0, osteps = 0, stop = end;
+    Py_ssize_t fidx[REL_MAX], aidx[REL_MAX], nf = 0, na = 0;
+    int test = 0;
+    asked = PyList_New(0);
+    if (!asked) goto done;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const double *c = vals + i * n;
+        long long key = keys[i];
+        int ok = 1;
+        for (Py_ssize_t r = 0; r < n; r++)
+            if (!(c[r] > 0.0 && c[r] < INFINITY)) { ok = 0; break; }  /* (nan fails too) */
+        if (!ok) continue;
+        valid++;
+        double s[REL_MAX], rl[REL_MAX];
+        memcpy(s, c, n * sizeof(double));
+        qsort(s, n, sizeof(double), cmp_double);
+        double med = n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;  /* decision._median */
+        for (Py_ssize_t r = 0; r < n; r++) rl[r] = c[r] / med;
+        for (Py_ssize_t r = 0; r < n; r++) {  /* DetectorGroup.add, ChangeDetector.add */
+            int code = push_one(G[r], key, rl[r]);
+            if (code < 0) goto done;
+            if (code == G_NONE) continue;
+            long long lag = 0;
+            double mass = 0.0;
+            if (code == G_UPDATE && drow[r] >= 0) {
+                lag = dlag[r] < G[r]->len - 1 ? dlag[r] : G[r]->len - 1;
+                double out[1024];
+                Py_ssize_t keep = step_row(mu, beta, lbeta, lpost, bn, drow[r], G[r]->x, tc,
+                                           tem, te, tf, tg, log_h, log_1mh, max_run, out);
+                for (Py_ssize_t j = 0; j < lag && j < keep; j++) mass += out[j];
+                if (!(lag >= 1 && mass > dthr[r])) continue;  /* the common case */
+                code = G_VERIFY;
+            }
+            PyObject *t = Py_BuildValue("(niLd)", r, code, lag, mass);
+            if (!t || PyList_Append(asked, t) < 0) { Py_XDECREF(t); goto done; }
+            Py_DECREF(t);
+        }
+        Py_ssize_t col = (Py_ssize_t)(cpos % C.H);  /* CusumBank.add */
+        cpos++;
+        cusum_row(&C, rl, key, col, fidx, &nf, aidx, &na);
+        if (!nf && !na && cpos % refit == 0 && cusum_refit(&C, key, clag, min_sigma) < 0)
+            goto done;  /* (with fits or alarms Python's after_step fits, refits and raises) */
+        test = 0;
+        if (++oseen > owarm) {  /* OutlierBank.add */
+            if (outlier_row(&O, c, key, (Py_ssize_t)(opos % O.W)) < 0) goto done;
+            opos++;
+            osteps++;
+            /* OutlierBank._test: a rank whose count reaches its window length's critical
+             * count (crit, by length; -1: not known here) leaves the test to Python */
+            if (opos % ostride == 0)
+                for (Py_ssize_t r = 0; r < n; r++) {
+                    if (O.filled[r] < ominw) continue;
+                    int64_t need = crit[O.filled[r]];
+                    if (need < 0 || O.count[r] >= need) { test = 1; break; }
+                }
+        }
+        if (PyList_GET_SIZE(asked) || nf || na || test) {
+            stop = start + i;
+            break;
+        }
+    }
+    fits = index_list(fidx, stop < end ? nf : 0);
+    alarms = fits ? index_list(aidx, stop < end ? na : 0) : NULL;
+    if (fits && alarms)
+        res = Py_BuildValue("(nnnOOOi)", stop, valid, osteps, asked, fits, alarms,
+                            stop < end ? test : 0);
+done:
+    Py_XDECREF(asked);
+    Py_XDECREF(fits);
+    Py_XDECREF(alarms);
+    PyMem_Free(vals);
+    PyMem_Free(keys);
+    for (int i = 0; i < 10; i++) { rel(&BB[i]); rel(&CB[i]); }
+    for (int i = 0; i < 8; i++) rel(&OB[i]);
+    rel(&TB);
+    Py_DECREF(seq);
+    return res;
+}
+
 #include <structmember.h>
 static PyMemberDef gate_members[] = {
     {"warmup", T_LONGLONG, offsetof(Gate, warmup), 0, NULL},
@@ -461,6 +779,7 @@ static PyMethodDef methods[] = {
     {"outlier_step", outlier_step, METH_VARARGS, "One sample of every rank's window."},
     {"push_many", (PyCFunction)(void (*)(void))push_many, METH_FASTCALL,
      "Gate.push for each gate; the (index, code) of those not NONE."},
+    {"rel_rows", rel_rows, METH_VARARGS, "DecisionCore.relative_rows' common path (see the file)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_channels", NULL, -1, methods};
