@@ -1,7 +1,9 @@
-"""The batched rows' path (``DecisionCore.relative_rows``, ``rel_rows`` in channels.c) against
-its reference, ``DecisionCore.relative`` one row at a time: the same alarms and the same state
-of every per-rank channel (gates, BOCPD bank, CUSUM and outlier banks) after every batch, on
-random streams with a slow rank, spikes and invalid rows."""
+"""The batched paths against their references, one at a time: the rows
+(``DecisionCore.relative_rows``, ``rel_rows`` in channels.c) against ``relative`` -- the same
+alarms and the same state of every per-rank channel (gates, BOCPD bank, CUSUM and outlier
+banks) after every batch, on random streams with a slow rank, spikes and invalid rows -- and
+the held samples (``sample_many``, ``gate_run``) against ``sample``, on iteration times with
+slowdowns, speed-ups and spikes."""
 
 from __future__ import annotations
 
@@ -113,3 +115,121 @@ def test_more_ranks_than_the_batch_takes_go_one_row_at_a_time() -> None:
         ref.relative(k, comps)
         bat.relative_rows([(k, comps)])
     assert _state(bat) == _state(ref)
+
+
+def _iter_state(core: DecisionCore) -> str:
+    d, g = core.detector, core.detector._g
+    bank = d.bank
+    return repr([core.pending, core._deferred, list(core.samples), core._seen, core._warm_s,
+                 core.first_key, core.audit, d._row, [getattr(g, f) for f in GATE_FIELDS],
+                 d._segment()[0].tolist(), d._segment()[1].tolist(), d.changes,
+                 [a.tolist() for a in (bank.mu, bank.beta, bank.log_beta, bank.logpost,
+                                       bank.n)]])
+
+
+@pytest.mark.parametrize("audit", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_held_samples_equal_one_at_a_time(seed: int, audit: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the audit on, a row after each batch lets it run (it waits for the peers), and
+    until it has run every sample takes ``sample``'s path."""
+    calls = [0]
+    native = decision._gate_run
+
+    def counted(*a: object) -> object:
+        calls[0] += 1
+        return native(*a)  # type: ignore[misc]
+
+    monkeypatch.setattr(decision, "_gate_run", counted)
+    rng = np.random.default_rng(seed)
+    level, samples = 0.08, []
+    for k in range(800):
+        if rng.random() < 0.05:  # a lasting slowdown or speed-up
+            level = 0.08 * float(rng.choice((0.7, 1.0, 1.3, 1.6, 2.0)))
+        st = level * float(np.exp(rng.normal(0.0, rng.choice((0.02, 0.09)))))
+        if rng.random() < 0.02:
+            st *= 5.0  # a spike
+        samples.append(IterSample(k, st, 0.9 * st, 0.1 * st))
+    ref, bat = DecisionCore(True, audit=audit), DecisionCore(True, audit=audit)
+    alarms, deferred, i = 0, 0, 0
+    while i < len(samples):
+        batch = samples[i:i + int(rng.integers(1, 17))]
+        i += len(batch)
+        for s in batch:
+            ref.sample(s)
+        bat.sample_many(batch)
+        if audit:
+            comps = (0.05 * np.exp(rng.normal(0.0, 0.05, 4))).tolist()
+            for core in (ref, bat):
+                core.relative(batch[-1].key, comps)
+        assert _iter_state(bat) == _iter_state(ref), f"differ after step {batch[-1].key}"
+        if ref.pending.action != NONE and rng.random() < 0.15:  # else later changes wait
+            alarms += 1
+            assert bat.take_pending(travels=False) == ref.take_pending(travels=False)
+        deferred += bool(ref._deferred)
+    assert calls[0] > 0 and alarms > 0 and ref.detector.changes and deferred
+
+
+class _Rows:
+    """A stand-in row link for rank 0 (no sockets): its own row back, and three other ranks'
+    rows made from it, drawn per sequence number (so two monitors read the same rows); rank 2
+    1.8x slow from step 150."""
+
+    def __init__(self) -> None:
+        self.own: dict[int, list[float]] = {}
+
+    def issue(self, seq: int, row: list[float]) -> None:
+        self.own[seq] = list(row)
+
+    def wait(self, seq: int) -> None:
+        pass
+
+    def read(self, seq: int) -> list[list[float]]:
+        own = self.own.pop(seq)
+        rng = np.random.default_rng(seq)
+        rows, n = [own], int(own[4])
+        for r in range(1, 4):
+            row = [0.0, 0.0, 0.0, -1.0, float(n), 1.0] + [0.0] * (len(own) - 6)
+            for j in range(n):
+                key, c = own[6 + 2 * j], own[7 + 2 * j] * float(rng.lognormal(0.0, 0.08))
+                row[6 + 2 * j] = key
+                row[7 + 2 * j] = c * (1.8 if r == 2 and key >= 150 else 1.0)
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_monitors_held_steps_decide_as_one_step_at_a_time() -> None:
+    """The live monitor's batched checks (held samples and rows, eight steps a check) leave
+    the decision state exactly as a monitor whose every step goes through ``Detector.step``
+    on its own (``_due`` always true: a step with no row due is analysed at once)."""
+    from stalwart.detect import Monitor
+    from stalwart.detect.exchange import Exchange
+
+    mons = []
+    for ref in (False, True):
+        mon = Monitor(rank=0, world=1, validate_on_detect=False)
+        mon.exchange = Exchange(0, _Rows(), mon.core, check_every=8, max_every=8, lag=1)
+        if ref:
+            mon._due = lambda c: True  # type: ignore[method-assign]
+            mon._set_due = lambda: None  # type: ignore[method-assign]
+            mon._due_at = 0
+        mons.append(mon)
+    rng = np.random.default_rng(3)
+    held = 0
+    for k in range(420):
+        st = 0.08 * float(np.exp(rng.normal(0.0, 0.09))) * (1.5 if 300 <= k < 340 else 1.0)
+        for mon in mons:
+            mon.step(k, {"step_time": st, "compute_time": 0.9 * st, "comm_time": 0.1 * st})
+        held = max(held, mons[0]._n_held)
+    assert held == 7 and mons[1]._n_held == 0
+    a, b = mons
+    assert list(a.samples) == list(b.samples)  # (reading them takes the held ones in)
+    assert a.report() == b.report() and a.core.hiccups == b.core.hiccups
+    assert a.core.audit == b.core.audit and a.core.audit is not None
+    assert a.core.outliers is not None and a.core.outliers.alarms + len(a.core.findings) > 0
+    assert _state(a.core) == _state(b.core) and _iter_state(a.core) == _iter_state(b.core)
+    for mon in mons:
+        mon.close()

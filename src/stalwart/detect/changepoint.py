@@ -175,6 +175,15 @@ class ChangeDetector:
         code = g.push(key, seconds)
         if code == NONE:
             return None
+        return self.after_push(key, code)
+
+    def after_push(self, key: int, code: int, lag: int = 0, mass: float = 0.0) -> Change | None:
+        """The rest of ``add`` after its gate's push asked ``code`` (not NONE); VERIFY: the
+        model was stepped already (the batched samples' path, ``gate_run`` in channels.c),
+        with ``lag`` and the posterior ``mass`` past the threshold."""
+        if code == VERIFY:
+            return self._verify(key, lag, mass)
+        g = self._g
         x = g.x if code == UPDATE else self._after_push(code)
         if x is None:
             return None

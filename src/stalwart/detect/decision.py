@@ -81,9 +81,11 @@ from stalwart.events import Event
 
 try:  # the per-rank channels' rows in one call (detect/_native/channels.c); ``relative`` is
     #   the reference
+    from stalwart.detect._channels import Gate as _NativeGate  # type: ignore[import-not-found]
+    from stalwart.detect._channels import gate_run as _gate_run  # type: ignore[import-not-found]
     from stalwart.detect._channels import rel_rows as _rel_rows  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install (or an extension built before rel_rows)
-    _rel_rows = None
+    _NativeGate = _gate_run = _rel_rows = None
 
 # the audit runs once per job, after the warm-up, at AUDIT_AFTER samples or AUDIT_S seconds
 # of iterations (whichever comes first; at least AUDIT_MIN samples): a job slowed by a link
@@ -154,12 +156,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
     # ---- inputs ---------------------------------------------------------------------------
     def sample(self, s: IterSample) -> None:
         """This rank's iteration; on the leader, the iteration-time channel's next sample."""
-        self.samples.append(s)
-        self._seen += 1
-        if self._seen > self.detector.warmup:
-            self._warm_s += s.seconds
-        if self._first_key is None:
-            self._first_key = s.key
+        self._note(s)
         if not self.leader:
             return
         if self._deferred and self.pending.action == NONE and not self.deciding:
@@ -178,6 +175,60 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
             # validation tests once, from the first sample on, with no suspect
             self.audit = {"step": s.key}
             self.pending = Alarm(AUDIT, self._first_key, 1.0, -1)
+
+    def _note(self, s: IterSample) -> None:
+        """A sample's bookkeeping (every rank): history, counts, the audit's clock."""
+        self.samples.append(s)
+        self._seen += 1
+        if self._seen > self.detector.warmup:
+            self._warm_s += s.seconds
+        if self._first_key is None:
+            self._first_key = s.key
+
+    def sample_many(self, samples: Sequence[IterSample]) -> None:
+        """``sample`` of each, in order, with the same effects.
+
+        On the leader, while nothing but the iteration channel can act on a sample (no
+        slowdown waiting, no recovery recheck, no unexplained slowdown being followed, the
+        audit done), a run of samples goes through one C call (``gate_run``,
+        detect/_native/channels.c: the gate's pushes and the awake model's BOCPD steps),
+        which returns at the first sample that leaves work to Python (a model to start, wake
+        or verify: ``ChangeDetector.after_push``, then ``classify``). Why: the monitor's
+        held steps reach the decision path eight at a time; one at a time each cost rank 0
+        ~25 us of CPU after a training step, mostly call overhead. tests/detect/
+        test_rel_rows.py checks the equality with ``sample``."""
+        i, end = 0, len(samples)
+        while i < end:
+            args = self._run_args()
+            if args is None:
+                self.sample(samples[i])
+                i += 1
+                continue
+            stop, code, lag, mass = _gate_run(self.detector._g, samples, i, end, *args)
+            for s in itertools.islice(samples, i, min(stop + 1, end)):
+                self._note(s)
+            if stop == end:
+                return
+            s = samples[stop]
+            ch = self.detector.after_push(s.key, code, lag, mass)
+            if ch is not None:
+                self.classify(ch)
+            i = stop + 1
+
+    def _run_args(self) -> tuple[Any, ...] | None:
+        """``gate_run``'s arguments after the samples, or None where ``sample`` must run
+        (``sample_many``)."""
+        d = self.detector
+        if (_gate_run is None or not self.leader or self._deferred
+                or self._recheck_at is not None or self._unexplained is not None
+                or (self.audit_on and self.audit is None) or type(d._g) is not _NativeGate):
+            return None
+        bank = d.bank
+        if not (bank.native and _bocpd_step is not None):
+            return None
+        return ((-1 if d._row is None else d._row, d.max_lag, d.threshold),
+                (bank.mu, bank.beta, bank.log_beta, bank.logpost, bank.n, bank._c, bank._em,
+                 bank._e, bank._f, bank._g), (bank._log_h, bank._log_1mh, bank.max_run))
 
     @property
     def first_key(self) -> int | None:

@@ -10,7 +10,9 @@ suspect needs (``localize.more_rounds``), the round-robin link pairs when the ri
 nothing, the verdict (``localize.decide``: onset, localisation, audit), what a verdict does
 (verdicts.py) and a recovery (recovery.py) -- run here, the same for all three.
 
-One step (``Detector.step``, a ``StepInput``): the leader's iteration sample, then the rows
+One step (``Detector.step``, a ``StepInput``): the samples of steps held since the last one
+(the monitor's batched checks; each as a step with nothing else), the leader's iteration
+sample, then the rows
 read back this step (every rank's compute at their steps: the per-rank channels), then the
 alarm raised so far, which the caller sends with its next row (``StepOutput.send``), and last
 the alarm the rows read now carried -- validated through the source and applied. This is the
@@ -72,6 +74,9 @@ class StepInput:
     # the transport that sends it now, before the verdict's tests (live: the exchange); None:
     # the caller sends ``StepOutput.send`` itself (replay, the simulator)
     send: Callable[[Alarm], None] | None = None
+    # samples before ``sample``, each taken as a step of its own with no rows, no alarm and
+    # no row sent would take it (the live monitor's held steps: ``DecisionCore.sample_many``)
+    held: Sequence[IterSample] = ()
 
 
 @dataclass
@@ -134,6 +139,8 @@ class Detector:
     def step(self, inp: StepInput) -> StepOutput:
         core = self.core
         self._events = []
+        if inp.held:
+            core.sample_many(inp.held)
         if inp.sample is not None:
             core.sample(inp.sample)
         if inp.rows:

@@ -233,8 +233,7 @@ class Monitor:
             return
         paused = self.core.verdicts
         self._paused = False
-        self._flush()
-        self._check(s)
+        self._check(s, self._take_held())
         if self.core.verdicts != paused or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
         else:
@@ -264,12 +263,22 @@ class Monitor:
     def _flush(self) -> None:
         """The held samples into the decision path, each as its own step would have (a step
         with no row to read or send)."""
+        held = self._take_held()
+        if held:
+            self.detector.step(StepInput(held=held, issue=False))
+
+    def _take_held(self) -> list[IterSample]:
+        """The held samples, admitted, in order (the buffer emptied), each already joined to
+        this rank's next row and shown to ``on_sample`` (``_joined``): the caller passes them
+        to the decision path (``StepInput.held``) in the same step."""
         n, self._n_held = self._n_held, 0
+        held = []
         for k, st, cp, cm in self._held[:n]:
             s1 = self._admit(IterSample(k, float(st), float(cp), float(cm)))
             if s1 is not None:
-                self.detector.step(StepInput(sample=s1, issue=False))
-                self._sampled(s1)
+                held.append(s1)
+                self._joined(s1)
+        return held
 
     def _admit(self, s: IterSample) -> IterSample | None:
         """The sample, or None for the one iteration that held a validation pause (found
@@ -285,11 +294,23 @@ class Monitor:
         if self.on_sample is not None:
             self.on_sample(s)
 
+    def _joined(self, s: IterSample) -> None:
+        """A held sample joins this rank's next row (as ``_note_last`` once it is the
+        decision path's newest, which it will be: ``DecisionCore`` appends each sample it
+        takes); the caller's hook."""
+        if s.compute and s.key != self._last_key:
+            self._last_key = s.key
+            if self.exchange is not None:
+                self.exchange.add(s.key, s.compute)
+        if self.on_sample is not None:
+            self.on_sample(s)
+
     # ---- checks -----------------------------------------------------------------------------
-    def _check(self, s: IterSample) -> None:
-        """Collective: one ``Detector.step`` -- this iteration's sample, the rows due now,
-        this rank's row sent, and an alarm they carry validated and applied by every rank
-        together (exchange.py is the transport)."""
+    def _check(self, s: IterSample, held: list[IterSample] | None = None) -> None:
+        """Collective: one ``Detector.step`` -- the samples ``held`` since the last check
+        (``_take_held``), this iteration's sample, the rows due now, this rank's row sent,
+        and an alarm they carry validated and applied by every rank together (exchange.py is
+        the transport)."""
         self._checks += 1
         c = self._checks
         s1 = self._admit(s)
@@ -310,7 +331,8 @@ class Monitor:
             if ex is not None:
                 ex.issue(c, a)
 
-        inp = StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue, send=send)
+        inp = StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue, send=send,
+                        held=held or ())
         if alarm is not None and alarm.action != NONE:
             with self.tracker.internal():  # the validation tests' collectives: not training's
                 out = self.detector.step(inp)

@@ -727,6 +727,104 @@ done:
     return res;
 }
 
+/* ---- gate_run: DecisionCore.sample_many's iteration channel, samples in one call ----------
+ *
+ * gate_run(gate, samples, start, end, det, bank, bank_sc) -> (stop, code, lag, mass)
+ *
+ * For samples[start:end] (each a (key, seconds, ...) tuple, e.g. an IterSample), in order,
+ * the first half of ``ChangeDetector.add``: the gate's push and, for UPDATE, the BOCPD step
+ * of the detector's bank row with the mass of its shortest ``lag`` run lengths
+ * (``step_row``, bocpd_step.h), where lag = min(max_lag, segment length - 1). Returns at
+ * the first sample that leaves work to Python (``stop``; ``end`` if none): START or WAKE
+ * (``code``), or an UPDATE whose mass passed the threshold (code 4 = verify, with ``lag`` and
+ * ``mass``): ``ChangeDetector.after_push`` does its rest. det: (bank row or -1, max_lag,
+ * threshold); bank, bank_sc: as rel_rows takes them. Every sample is read before any state
+ * changes (a bad value raises with none).
+ */
+static PyObject *gate_run(PyObject *self, PyObject *args) {
+    PyObject *gobj, *samples, *bank;
+    Py_ssize_t start, end, max_run;
+    long long row, max_lag;
+    double thr, log_h, log_1mh;
+    if (!PyArg_ParseTuple(args, "O!Onn(LLd)O!(ddn)", &GateType, &gobj, &samples, &start, &end,
+                          &row, &max_lag, &thr, &PyTuple_Type, &bank, &log_h, &log_1mh,
+                          &max_run))
+        return NULL;
+    if (PyTuple_GET_SIZE(bank) != 10 || max_run < 1 || max_run > 1023) {
+        PyErr_SetString(PyExc_ValueError, "gate_run: bad arguments");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(samples, "gate_run: samples");
+    if (!seq) return NULL;
+    Gate *g = (Gate *)gobj;
+    Buf BB[10];
+    memset(BB, 0, sizeof BB);
+    double *vals = NULL;
+    long long *keys = NULL;
+    PyObject *res = NULL;
+    if (start < 0 || end > PySequence_Fast_GET_SIZE(seq) || start > end) {
+        PyErr_SetString(PyExc_IndexError, "gate_run: start, end");
+        goto done;
+    }
+    Py_ssize_t m = end - start;
+    vals = PyMem_Malloc((m > 0 ? m : 1) * sizeof(double));
+    keys = PyMem_Malloc((m > 0 ? m : 1) * sizeof(long long));
+    if (!vals || !keys) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *s = PySequence_Fast_GET_ITEM(seq, start + i);
+        if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) < 2) {
+            PyErr_SetString(PyExc_TypeError, "gate_run: a sample is a (key, seconds, ...) tuple");
+            goto done;
+        }
+        keys[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(s, 0));
+        vals[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(s, 1));
+        if (PyErr_Occurred()) goto done;
+    }
+    for (int i = 0; i < 10; i++)
+        if (get(PyTuple_GET_ITEM(bank, i), &BB[i], i < 5, 8, -1, "bank") < 0) goto done;
+    Py_ssize_t W = max_run + 2, cap_rows = BB[4].b.len / 8;
+    if (BB[0].b.len / 8 < cap_rows * W || BB[1].b.len / 8 < cap_rows * W ||
+        BB[2].b.len / 8 < cap_rows * W || BB[3].b.len / 8 < cap_rows * max_run ||
+        BB[5].b.len / 8 < max_run + 1 || BB[6].b.len / 8 < max_run + 1 ||
+        BB[7].b.len / 8 < max_run + 1 || BB[8].b.len / 8 < max_run + 1 ||
+        BB[9].b.len / 8 < max_run + 1 || row >= cap_rows) {
+        PyErr_SetString(PyExc_ValueError, "gate_run: bank sizes do not match");
+        goto done;
+    }
+    Py_ssize_t stop = end;
+    int code = G_NONE;
+    long long lag = 0;
+    double mass = 0.0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        code = push_one(g, keys[i], vals[i]);
+        if (code < 0) goto done;
+        lag = 0;
+        mass = 0.0;
+        if (code == G_NONE) continue;
+        if (code == G_UPDATE && row >= 0) {
+            lag = max_lag < g->len - 1 ? max_lag : g->len - 1;
+            double out[1024];
+            Py_ssize_t keep = step_row(BB[0].b.buf, BB[1].b.buf, BB[2].b.buf, BB[3].b.buf,
+                                       BB[4].b.buf, row, g->x, BB[5].b.buf, BB[6].b.buf,
+                                       BB[7].b.buf, BB[8].b.buf, BB[9].b.buf, log_h, log_1mh,
+                                       max_run, out);
+            for (Py_ssize_t j = 0; j < lag && j < keep; j++) mass += out[j];
+            if (!(lag >= 1 && mass > thr)) continue;  /* the common case */
+            code = G_VERIFY;
+        }
+        stop = start + i;
+        break;
+    }
+    if (stop == end) { code = G_NONE; lag = 0; mass = 0.0; }
+    res = Py_BuildValue("(niLd)", stop, code, lag, mass);
+done:
+    PyMem_Free(vals);
+    PyMem_Free(keys);
+    for (int i = 0; i < 10; i++) rel(&BB[i]);
+    Py_DECREF(seq);
+    return res;
+}
+
 #include <structmember.h>
 static PyMemberDef gate_members[] = {
     {"warmup", T_LONGLONG, offsetof(Gate, warmup), 0, NULL},
@@ -780,6 +878,7 @@ static PyMethodDef methods[] = {
     {"push_many", (PyCFunction)(void (*)(void))push_many, METH_FASTCALL,
      "Gate.push for each gate; the (index, code) of those not NONE."},
     {"rel_rows", rel_rows, METH_VARARGS, "DecisionCore.relative_rows' common path (see the file)."},
+    {"gate_run", gate_run, METH_VARARGS, "DecisionCore.sample_many's channel steps (see the file)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_channels", NULL, -1, methods};
