@@ -112,9 +112,28 @@ def test_a_slowdown_held_during_a_clean_audit_is_alarmed_after_it() -> None:
     core.classify(Change(30, 40, 0.03, 0.25), "iteration")  # held: the audit is under way
     assert core.pending.action == NONE
     core.alarm_read()
-    core.apply_verdict(Finding("unknown", 1, 44, 1.0), None, action=AUDIT)
+    slow = {"compute_test_ratio": {"0": 1.0, "1": 8.3}}  # what the audit's test read
+    core.apply_verdict(Finding("unknown", 1, 44, 1.0, evidence=slow), None, action=AUDIT)
     core.sample(IterSample(45, 0.25, 0.02, 0.23))
     assert core.pending.action == DETECT and core.pending.onset == 30
+
+
+def test_a_slowdown_held_during_an_audit_that_read_every_rank_healthy_is_let_go() -> None:
+    """The held change's own rank read healthy by the audit's compute test: nothing for
+    another validation to find (a replayed tuning run: rank 2's noise at step 15, read 1.0x
+    at the audit of step 20)."""
+    core = DecisionCore(True)
+    for k in range(1, 42):
+        core.sample(IterSample(k, 0.03, 0.02, 0.01))
+        core.relative(k, [0.02, 0.02, 0.02])
+    assert core.pending.action == AUDIT
+    core.take_pending()
+    core.classify(Change(30, 40, 0.02, 0.03), "rank2")
+    core.alarm_read()
+    healthy = {"compute_test_ratio": {"0": 1.0, "1": 1.05, "2": 1.01}}
+    core.apply_verdict(Finding("unknown", 1, 44, 1.0, evidence=healthy), None, action=AUDIT)
+    core.sample(IterSample(45, 0.03, 0.02, 0.01))
+    assert core.pending.action == NONE
 
 
 def test_a_later_slowdown_held_during_a_verdict_that_named_nothing_is_alarmed() -> None:
@@ -126,7 +145,8 @@ def test_a_later_slowdown_held_during_a_verdict_that_named_nothing_is_alarmed() 
     core.classify(Change(24, 29, 0.03, 0.04), "rank0")  # the same slowdown, another channel
     core.classify(Change(29, 31, 0.03, 0.25), "rank1")  # a later one
     core.alarm_read()
-    core.apply_verdict(Finding("unknown", 23, 33, 1.3), None)
+    core.apply_verdict(Finding("unknown", 23, 33, 1.3,
+                               evidence={"compute_test_ratio": {"0": 1.0, "1": 8.0}}), None)
     core.sample(IterSample(34, 0.25, 0.02, 0.23))
     assert core.pending.action == DETECT and core.pending.onset == 29
     core.take_pending()

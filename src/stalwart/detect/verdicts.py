@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from stalwart.detect.alarms import AUDIT, DETECT, OUTLIER, IterSample
+from stalwart.detect.alarms import AUDIT, DETECT, OUTLIER, IterSample, suspect_of
 from stalwart.detect.changepoint import Change, ChangeDetector
 from stalwart.detect.cusum import CusumBank
 from stalwart.detect.evidence import Finding
+from stalwart.detect.localize import COMPUTE_MILD
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.detect.outlier import Outlier, OutlierBank
 from stalwart.detect.robust import rank_sum_z
@@ -53,23 +54,27 @@ def same_straggler(a: Finding, b: Finding) -> bool:
     return a.kind == b.kind and a.ranks == b.ranks and (bool(a.ranks) or a.link == b.link)
 
 
-def still_open(change: Change, verdict: Finding, action: int) -> bool:
-    """Whether a slowdown held while ``verdict`` was decided must still be classified.
+def still_open(change: Change, channel: str, verdict: Finding, action: int) -> bool:
+    """Whether a slowdown held (on ``channel``) while ``verdict`` was decided must still be
+    classified.
 
     The tests just looked at every rank and link, so a slowdown that began before they ran
-    was in what they measured -- when the verdict judged it: a verdict that names a straggler
-    explains everything before its step. A verdict that names nothing judged only its own
-    alarm's slowdown (from its onset, within ``ONSET_SLACK``): a later one held meanwhile is
-    another slowdown and still open -- the verdict may even have seen its culprit and let it
-    go because it did not rise at the alarm's onset (``localize._compute_finding``). The
-    audit judges no change at all (it looks for ranks slow all along), so nothing it holds is
-    judged. Seen: a 6x rank from step 30 of a 2-rank job, whose change point waited while
-    the audit ran at step 44 and was dropped with it: never found (CI, 40 steps of 6x)."""
-    if verdict.kind != "unknown":
+    was in what they measured. A verdict that names a straggler explains everything before
+    its step. One that names nothing judged its own alarm's slowdown (from its onset, within
+    ``ONSET_SLACK``) -- and, the audit, no change at all (it looks for ranks slow all along):
+    a held slowdown it did not judge stays open when the tests read a rank slow that could
+    be its cause (the held channel's rank, or any rank for the iteration time: compute test
+    >= ``COMPUTE_MILD``); when they read every rank healthy, it is let go like any slowdown
+    they measured. Seen: a 6x rank from step 30 of a 2-rank job, whose change point waited
+    while the audit ran at step 44 (compute test 8.3x) and was dropped with it: never found
+    (CI). A slowdown that began after the tests ran always stays open."""
+    if verdict.kind != "unknown" or change.onset >= verdict.step:
         return change.onset >= verdict.step
-    if action == AUDIT:
-        return True
-    return change.onset > verdict.onset_step + ONSET_SLACK or change.onset >= verdict.step
+    if action != AUDIT and change.onset <= verdict.onset_step + ONSET_SLACK:
+        return False  # the verdict's own slowdown, seen by another channel
+    rank = suspect_of(channel)
+    ratios = (verdict.evidence.get("compute_test_ratio") or {}).items()
+    return any(float(v) >= COMPUTE_MILD for k, v in ratios if rank < 0 or int(k) == rank)
 
 
 class VerdictMixin:
@@ -105,7 +110,7 @@ class VerdictMixin:
         ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
         self.verdicts += 1
         self._deferred = [(c, n) for c, n in self._deferred
-                          if still_open(c, finding, action)]
+                          if still_open(c, n, finding, action)]
         switch_to, self._switch_to = self._switch_to, None
         outlier, self._outlier = self._outlier, None
         if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
