@@ -72,3 +72,25 @@ def test_the_native_mass_step_equals_the_reference(max_run: int) -> None:
         k = int(ref.n[r])
         np.testing.assert_allclose(nat.logpost[r, :k], ref.logpost[r, :k], rtol=1e-12)
         np.testing.assert_allclose(nat.mu[r, :k + 1], ref.mu[r, :k + 1], rtol=1e-12)
+
+
+@pytest.mark.skipif(bocpd._native_replay is None or bocpd._native_step is None,
+                    reason="native replay not built")
+@pytest.mark.parametrize("max_run", [5, 300])
+def test_the_native_replay_equals_one_step_at_a_time(max_run: int) -> None:
+    """``BOCPDBank.replay`` in one C call: the bank state of its loop of C steps (each value
+    clipped as min(max(x, lo), hi)), past the run-length cap and with values on both clips."""
+    rng = np.random.default_rng(max_run)
+    banks = [BOCPDBank(hazard=1 / 50, max_run=max_run) for _ in range(2)]
+    for b in banks:
+        for r in range(3):
+            b.reset(b.add_row(), 0.1 * r, 0.5 + r)
+    for _ in range(4):
+        xs = rng.normal(0.0, 1.0, int(rng.integers(0, 40)))
+        row = int(rng.integers(3))
+        lo, hi = -1.0, 1.2  # some of the draws fall outside
+        banks[0].replay(row, xs, lo, hi)
+        for x in xs:
+            banks[1].update_mass(row, min(max(float(x), lo), hi), 0)
+        for a in ("mu", "beta", "log_beta", "logpost", "n"):
+            np.testing.assert_array_equal(getattr(banks[0], a), getattr(banks[1], a))

@@ -30,6 +30,10 @@ try:  # (separately: an extension built before ``step`` existed still gives ``up
     from stalwart.detect._bocpd import step as _native_step  # type: ignore[import-not-found]
 except ImportError:
     _native_step = None
+try:
+    from stalwart.detect._bocpd import replay as _native_replay  # type: ignore[import-not-found]
+except ImportError:
+    _native_replay = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -200,6 +204,19 @@ class BOCPDBank:
                                 self._c, self._em, self._e, self._f, self._g, row, x,
                                 self._log_h, self._log_1mh, self.max_run, lag)
         return mass(self.update(row, x), lag)
+
+    def replay(self, row: int, xs: np.ndarray, lo: float, hi: float) -> None:
+        """``update_mass(row, min(max(x, lo), hi), 0)`` for each x of ``xs`` in order (a new
+        model fed its segment): in C one call (``_bocpd.replay``), not one per sample (~7 us
+        each on rank 0 after a training step, 36 a wake); ``native = False``: the loop."""
+        if self.native and _native_replay is not None:
+            _native_replay(self.mu, self.beta, self.log_beta, self.logpost, self.n, self._c,
+                           self._em, self._e, self._f, self._g, row,
+                           np.ascontiguousarray(xs, dtype=float), lo, hi, self._log_h,
+                           self._log_1mh, self.max_run)
+            return
+        for x in xs:
+            self.update_mass(row, min(max(float(x), lo), hi), 0)
 
     def _update_one(self, row: int, x: float) -> np.ndarray:
         """``update`` for one row, on 1-d views with scalar reductions: the same arithmetic

@@ -160,9 +160,9 @@ class ChangeDetector:
         g.model, g.centre = True, centre
         c = self.clip * scale
         g.live, g.quiet = True, 0
-        for x in v if replay is None else v[-replay:]:
-            self._bocpd.update_mass(min(max(float(x), centre - c), centre + c), 0)
-            g.model_updates += 1
+        xs = v if replay is None else v[-replay:]
+        self.bank.replay(self._row, xs, centre - c, centre + c)
+        g.model_updates += len(xs)
 
     def _best_split(self, lag: int) -> int:
         """Length of the new regime (1..lag): the ``best_split`` of the segment."""

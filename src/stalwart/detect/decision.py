@@ -127,6 +127,10 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         self._floor: float | None = None
         self._own_floors = (0.0, 0.0)
         self.samples: deque[IterSample] = deque(maxlen=history)
+        # the newest samples' seconds, as many as step_seconds reads (kept as they come:
+        # read at every batched check, where walking the history cost ~20 us after a step)
+        self._recent_s: deque[float] = deque(maxlen=min(32, history))
+        self._batch_cache: tuple[Any, ...] | None = None  # _batch_args' arrays
         self.findings: list[Finding] = []
         self.pending: Alarm = QUIET
         self.deciding = 0
@@ -179,6 +183,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
     def _note(self, s: IterSample) -> None:
         """A sample's bookkeeping (every rank): history, counts, the audit's clock."""
         self.samples.append(s)
+        self._recent_s.append(s.seconds)
         self._seen += 1
         if self._seen > self.detector.warmup:
             self._warm_s += s.seconds
@@ -343,16 +348,29 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         bank = dets[0].bank
         if not (bank.native and _bocpd_step is not None):
             return None
-        return (tuple(group.gates),
-                tuple((-1 if d._row is None else d._row, d.max_lag, d.threshold) for d in dets),
+        cache = self._batch_cache
+        # the arrays, taken again when the channels or the bank's buffers changed (a bank
+        # grows by new views of all its arrays at once; the C steps never rebind an array,
+        # the Python references rebind these three)
+        if cache is None or cache[0] is not group or cache[1] is not bank.mu or (
+                cache[2] is not cb or cache[3] is not ob or -1 in cache[5]
+                or cache[9][6] is not cb.s or cache[9][7] is not cb.zero_key
+                or cache[10][5] is not ob.filled):
+            cache = self._batch_cache = (
+                group, bank.mu, cb, ob, tuple(group.gates),
+                tuple(-1 if d._row is None else d._row for d in dets),
+                tuple((-1 if d._row is None else d._row, d.max_lag, d.threshold)
+                      for d in dets),
                 (bank.mu, bank.beta, bank.log_beta, bank.logpost, bank.n, bank._c, bank._em,
                  bank._e, bank._f, bank._g), (bank._log_h, bank._log_1mh, bank.max_run),
                 (cb._keys, cb._xs, cb.seen, cb.start_key, cb.mu0, cb.sigma, cb.s, cb.zero_key,
                  cb.backoff, cb._live),
+                (ob._over, ob._logrel, ob._excess, ob._keys, ob.count, ob.filled, ob._whole,
+                 ob.line))
+        return (cache[4], cache[6], cache[7], cache[8], cache[9],
                 (cb._pos, cb.REFIT_EVERY, cb.LAG, cb.warmup, cb.learn, cb.k, cb.clip, cb.h,
                  cb._log_n, cb.min_sigma),
-                (ob._over, ob._logrel, ob._excess, ob._keys, ob.count, ob.filled, ob._whole,
-                 ob.line), (ob.seen, ob.warmup, ob._pos, ob.stride, ob.min_window),
+                cache[10], (ob.seen, ob.warmup, ob._pos, ob.stride, ob.min_window),
                 ob.crit_table(ob.test_level(self.step_seconds())))
 
     def _rel_dets(self, n: int) -> DetectorGroup:
@@ -378,7 +396,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
 
     def step_seconds(self) -> float:
         """The job's recent step time (median of the last 32 iteration samples)."""
-        xs = [s.seconds for s in itertools.islice(reversed(self.samples), 32)]
+        xs = list(self._recent_s)  # (the last 32 samples' seconds)
         return _median(xs) if xs else 1.0
 
     def _on_outlier(self, o: Outlier) -> None:

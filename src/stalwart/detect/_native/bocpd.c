@@ -126,9 +126,55 @@ done:
     return res;
 }
 
+/* replay(mu, beta, log_beta, logpost, n, c, em, e, f, g, row, xs, lo, hi, log_h, log_1mh,
+ *        max_run) -> None: one row stepped with each of xs (float64) in order, each first
+ * clipped to [lo, hi] as Python's min(max(x, lo), hi) -- what ``ChangeDetector._start_bocpd``
+ * feeds a new model (``BOCPDBank.replay``; its loop of update_mass calls is the reference). */
+static PyObject *replay(PyObject *self, PyObject *args) {
+    PyObject *o[11];
+    Py_ssize_t row, max_run;
+    double lo, hi, log_h, log_1mh;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOnOddddn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &o[7], &o[8], &o[9], &row, &o[10], &lo, &hi, &log_h, &log_1mh,
+                          &max_run))
+        return NULL;
+    Buf B[11];
+    memset(B, 0, sizeof B);
+    int wr[11] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0};
+    PyObject *res = NULL;
+    for (int i = 0; i < 11; i++)
+        if (get(o[i], &B[i], wr[i]) < 0) goto done;
+    {
+        int64_t *n = B[4].b.buf;
+        Py_ssize_t W = max_run + 2, cap_rows = B[4].b.len / 8, k = B[10].b.len / 8;
+        if (row < 0 || row >= cap_rows || max_run < 1 || max_run > 1023 ||
+            B[0].b.len / 8 < cap_rows * W || B[3].b.len / 8 < cap_rows * max_run ||
+            B[5].b.len / 8 < max_run + 1 || B[9].b.len / 8 < max_run + 1 ||
+            B[10].b.itemsize != 8) {
+            PyErr_SetString(PyExc_ValueError, "bocpd.replay: sizes do not match");
+            goto done;
+        }
+        const double *xs = B[10].b.buf;
+        double out[1024];
+        for (Py_ssize_t i = 0; i < k; i++) {
+            double v = lo > xs[i] ? lo : xs[i];  /* max(x, lo): x unless lo is greater */
+            v = hi < v ? hi : v;                  /* min(v, hi): v unless hi is less */
+            step_row(B[0].b.buf, B[1].b.buf, B[2].b.buf, B[3].b.buf, n, row, v, B[5].b.buf,
+                     B[6].b.buf, B[7].b.buf, B[8].b.buf, B[9].b.buf, log_h, log_1mh, max_run,
+                     out);
+        }
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    for (int i = 0; i < 11; i++) rel(&B[i]);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"update", update, METH_VARARGS, "One BOCPD step for rows of a bank (see the file)."},
     {"step", step, METH_VARARGS, "One row's step; the posterior mass of run lengths 1..lag."},
+    {"replay", replay, METH_VARARGS, "One row stepped with each of xs, clipped (see the file)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_bocpd", NULL, -1, methods};
