@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "without touching torch)")
 
     bench.add_argument("--only", nargs="+", default=None, metavar="SCENARIO",
-                       help="mitigate: run only these scenarios and report their figures "
-                            "(pairlink_tp)")
+                       help="run only these scenarios and report their figures (mitigate: "
+                            "pairlink_tp, hostlink_multi; detect: group)")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and plots")
     report.add_argument("run_dir", type=Path)

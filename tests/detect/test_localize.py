@@ -426,3 +426,57 @@ def test_a_mild_rank_is_confirmed_by_rounds_pooled_over_validations() -> None:
     assert decide(ten, 40, 60, 1.1, suspect_rank=1, prior={1: (2, 6)}).kind == "unknown"
     # nor does a prior of another rank
     assert decide(ten, 40, 60, 1.1, suspect_rank=1, prior={2: (3, 3)}).kind == "unknown"
+
+
+def host_pair(slow: tuple[int, ...], rounds: dict[int, list[float]] | None = None,
+              per_host: int = 2, n: int = 6) -> list[RankEvidence]:
+    """n ranks, ``per_host`` to a host; the ``slow`` ranks' compute grew 2x in training and
+    reads ~2x in the test, taking turns as the slowest (one slow worker of two ranks)."""
+    turns = {r: [2.0 + 0.1 * ((i + j) % 2) for i in range(3)] for j, r in enumerate(slow)}
+    base = {r: [1.0 + 0.01 * ((r + i) % 3) for i in range(3)] for r in range(n)}
+    rs = {**base, **turns, **(rounds or {})}
+    out = []
+    for r in range(n):
+        grew = r in slow
+        e = ev(r, comp=(0.05, 0.1 if grew else 0.05), comm=(0.01, 0.01 if grew else 0.04),
+               test=sorted(rs[r])[1])
+        e.compute_rounds = rs[r]
+        e.host = str(r // per_host)
+        out.append(e)
+    return out
+
+
+def test_a_hosts_ranks_slow_together_are_named_as_one_group() -> None:
+    """Ranks 2 and 3 (host 1) equally slow: neither is the slowest in every round, so the
+    single-rank rule confirms neither; the group rule names both (issue 36, item 4)."""
+    es = host_pair((2, 3))
+    f = decide(es, onset_step=40, step=44, severity=1.8, suspect_rank=2)
+    assert f.kind == "compute" and f.ranks == [2, 3], f
+    g = f.evidence["group"]
+    assert g["host"] == "1" and g["ranks"] == [2, 3] and g["rounds"] == 3
+    assert g["rounds_chance"] == float(f"{3 * 15 ** -3:.3g}")  # 3 hosts x C(6,2)^-3
+    # found by the iteration channel (no rank named): the profile grew on both, alike
+    f = decide(es, onset_step=40, step=44, severity=1.8)
+    assert f.kind == "compute" and f.ranks == [2, 3], f
+
+
+def test_no_group_without_hosts_or_when_another_rank_breaks_in() -> None:
+    es = host_pair((2, 3))
+    for e in es:
+        e.host = "one-machine"
+    assert decide(es, 40, 44, 1.8, suspect_rank=2).ranks != [2, 3]
+    # rank 4 slower than rank 3 in one round: the pair is not on top every round
+    es = host_pair((2, 3), rounds={4: [1.0, 2.05, 1.0]})
+    assert decide(es, 40, 44, 1.8, suspect_rank=2).ranks != [2, 3]
+    # ranks on two different hosts slow together are no host's group
+    es = host_pair((1, 2))
+    assert decide(es, 40, 44, 1.8, suspect_rank=1).kind != "compute"
+
+
+def test_a_group_is_named_whole_even_when_one_of_its_ranks_is_slowest_in_every_round() -> None:
+    """A testbed run (3 hosts x 2 ranks, ranks 2 and 3 at a third of a CPU): rank 3 read
+    3.34x and rank 2 3.18x, rank 3 the slowest in all 3 rounds -- the single-rank rule named
+    rank 3 alone; the verdict names the host's two ranks."""
+    es = host_pair((2, 3), rounds={2: [3.1, 3.2, 3.18], 3: [3.3, 3.34, 3.4]})
+    f = decide(es, onset_step=25, step=28, severity=2.5, suspect_rank=3)
+    assert f.kind == "compute" and f.ranks == [2, 3], f

@@ -129,3 +129,26 @@ def test_three_hosts_of_two_ranks_link_and_compute_faults(tmp_path: Path) -> Non
     assert over_others(5, [0, 1, 2, 3]) <= 1.3  # its host-mate is not slowed
     removed = [e for e in events if e["event"] == "fault_removed" and e["kind"] == "compute"]
     assert removed and removed[0]["rank"] == 4 and removed[0]["achieved_factor"] >= 1.6
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_hosts_two_ranks_slowed_alike_are_named_as_one_group(tmp_path: Path) -> None:
+    """3 hosts x 2 ranks, both ranks of host 1 at a third of a CPU from step 25: one slow
+    worker, named once with both its ranks (detect/localize.py ``slow_group``) -- not one of
+    them, which the single-rank rule picks when one happens to be the slowest in every
+    round of the compute test."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    p = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "run", "--testbed", "netns", "--nproc", "6",
+         "--ranks-per-host", "2", "--steps", "70", "--fault",
+         "compute:rank=2,factor=3,start=25", "--fault", "compute:rank=3,factor=3,start=25",
+         "--eval-every", "1000", "--ckpt-every", "1000", "--no-progress", "--out",
+         str(tmp_path), "--name", "g"], capture_output=True, text=True, env=env, timeout=420)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    events = read_jsonl(tmp_path / "g" / "events.jsonl")
+    found = [e for e in events if e["event"] == "straggler_detected"]
+    assert len(found) == 1, found
+    f = found[0]
+    assert f["kind"] == "compute" and f["ranks"] == [2, 3], f
+    assert f["evidence"]["group"]["host"] == "1" and 25 <= f["onset_step"] <= 30, f

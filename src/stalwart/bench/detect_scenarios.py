@@ -18,6 +18,9 @@ Families (``Scenario.family``):
   ``detection_rate_scripts`` counts these and the GPT's compute faults of ``mid`` and
   ``born`` (the built-in GPT is the third user workload of the issue).
 - ``lossy``  -- ``--comm lossy`` at 5% packet loss, scored apart as ``lossy_*``.
+- ``group``  -- 3 emulated hosts of 2 ranks (``--ranks-per-host 2``), both ranks of one host
+  slowed alike (one slow worker): ``group_detection_rate``, the share of those faults found
+  and named as the whole host (truth.py: compute faults applied together are one).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Scenario:
     comm: str = "reliable"
     workload: str = "gpt"  # "gpt" (stalwart's own worker) or a key of SCRIPTS
     noisy: int = 0  # busy processes beside the job, outside its cgroups (noisy neighbour)
+    nproc: int = 4
+    ranks_per_host: int = 1
 
     @property
     def stragglers(self) -> int:
@@ -63,6 +68,8 @@ class Scenario:
             return "lossy"
         if not self.stragglers:
             return "clean"
+        if self.ranks_per_host > 1:
+            return "group"
         if self.workload != "gpt":
             return "script"
         return "born" if self.born else "mid"
@@ -167,9 +174,25 @@ def _lossy(quick: bool) -> list[Scenario]:
     ]
 
 
+def _group(host: int, factor: float, start: int | None, seed: int = 0) -> Scenario:
+    window = "" if start is None else f",start={start}"
+    return Scenario(f"group-h{host}-x{factor:g}" + ("-born" if start is None else ""),
+                    tuple(f"compute:rank={r},factor={factor:g}{window}"
+                          for r in (2 * host, 2 * host + 1)),
+                    seed=seed, nproc=6, ranks_per_host=2)
+
+
+def _groups(quick: bool) -> list[Scenario]:
+    if quick:
+        return [_group(1, 2, START)]
+    return [_group(1, 2, START), _group(2, 3, START, seed=1), _group(0, 2, START, seed=2),
+            _group(1, 2, None, seed=3)]
+
+
 def scenarios(quick: bool) -> list[Scenario]:
-    """Every run of one invocation, clean runs first (``--quick``: 9 runs, ~7 min here)."""
-    return _clean(quick) + _mid(quick) + _born(quick) + _scripts(quick) + _lossy(quick)
+    """Every run of one invocation, clean runs first (``--quick``: 10 runs, ~8 min here)."""
+    return (_clean(quick) + _mid(quick) + _born(quick) + _scripts(quick) + _lossy(quick)
+            + _groups(quick))
 
 
 def run_config(sc: Scenario, workdir: Path, tag: str) -> Any:
@@ -177,7 +200,8 @@ def run_config(sc: Scenario, workdir: Path, tag: str) -> Any:
     run as ``stalwart run --script PATH --testbed netns --nproc 4 --detect -- --seconds S``."""
     from stalwart.config import RunConfig
 
-    common: dict[str, Any] = dict(nproc=4, testbed="netns", faults=list(sc.faults),
+    common: dict[str, Any] = dict(nproc=sc.nproc, ranks_per_host=sc.ranks_per_host,
+                                  testbed="netns", faults=list(sc.faults),
                                   seed=sc.seed, out=str(workdir), name=f"{tag}-{sc.name}")
     if sc.workload == "gpt":
         return RunConfig(steps=sc.steps, batch_size=BATCH, comm=sc.comm, **common)

@@ -196,6 +196,57 @@ def _mild_confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int
         (rounds >= MILD_ROUNDS and misses == 0) or (rounds >= MILD_ROUNDS_LONG and misses <= 1))
 
 
+def slow_group(ev: list[RankEvidence], cr: dict[int, float], candidate: int,
+               evidence: dict[str, Any]) -> list[int] | None:
+    """The candidate's host's ranks when they are slow together -- one slow worker (a host's
+    shared CPU, power cap or PCIe), which the single-rank rule confirms only by chance (two
+    equally slow ranks take turns as the slowest): every rank of the host at least
+    ``COMPUTE_RATIO`` x the healthy level, and the host's k ranks the k slowest ranks in
+    every round of the compute test. With at least two hosts, and not every rank on it.
+
+    Chance: healthy exchangeable ranks put one given set of k ranks on top in a round with
+    chance 1 / C(n, k); over r rounds and h hosts at most h C(n, k)^-r (recorded as
+    ``rounds_chance``) -- below the single-rank rule's n^-r for every k >= 2 (6 ranks, 3
+    hosts, 3 rounds: 8.9e-4 against 4.6e-3). Strong groups only (>= ``COMPUTE_RATIO``): a
+    mild one (1.3x) is not confirmed by a group (known miss)."""
+    host = {e.rank: e.host for e in ev}
+    if candidate not in host or len(set(host.values())) < 2:
+        return None
+    group = sorted(r for r, h in host.items() if h == host[candidate])
+    k, n = len(group), len(ev)
+    if k < 2 or k >= n or any(cr.get(r, 0.0) < COMPUTE_RATIO for r in group):
+        return None
+    rounds = {e.rank: e.compute_rounds for e in ev}
+    m = min(len(v) for v in rounds.values())
+    if m == 0:
+        return None
+    members = set(group)
+    for i in range(m):
+        order = sorted(rounds, key=lambda r: -rounds[r][i])
+        if set(order[:k]) != members:
+            return None
+    chance = len(set(host.values())) * math.comb(n, k) ** -float(m)
+    evidence["group"] = {"host": host[candidate], "ranks": group, "rounds": m,
+                         "rounds_chance": float(f"{chance:.3g}")}
+    return group
+
+
+def _group_candidate(ev: list[RankEvidence], cr: dict[int, float],
+                     prof: dict[int, float]) -> int | None:
+    """After a change with no rank named (the iteration channel fired; the profile names no
+    single rank because two grew alike): the rank the compute test reads slowest, when every
+    rank of its host grew in the profile (>= ``PROFILE_RATIO``) -- ``slow_group`` must then
+    confirm the host."""
+    if not cr:
+        return None
+    top = max(cr, key=lambda r: cr[r])
+    host = {e.rank: e.host for e in ev}
+    mates = [r for r, h in host.items() if h == host.get(top)]
+    if len(mates) < 2 or any(prof.get(r, 0.0) < PROFILE_RATIO for r in mates):
+        return None
+    return top
+
+
 def binom_tail_p(m: int, k: int, p: float) -> float:
     """P(Bin(m, p) >= k), exactly."""
     if k <= 0:
@@ -464,6 +515,48 @@ def _confirmed(ev: list[RankEvidence], cr: dict[int, float], candidate: int,
     return True
 
 
+def _confirmed_candidate(ev: list[RankEvidence], cr: dict[int, float],
+                         prof: dict[int, float], suspect_rank: int | None, mode: str,
+                         evidence: dict[str, Any],
+                         prior: dict[int, tuple[int, int]] | None
+                         ) -> tuple[int | None, list[int] | None]:
+    """(the candidate the compute test confirmed, or None; the slow group it confirmed it
+    with, or None when it stands alone). The test's rounds go in ``evidence``."""
+    candidate = candidate_of(ev, suspect_rank, mode, evidence)
+    if candidate is None:  # only a host whose ranks grew alike can be named from here
+        top = _group_candidate(ev, cr, prof) if mode == CHANGE_MODE else None
+        group = None if top is None else slow_group(ev, cr, top, evidence)
+        return (top, group) if group is not None else (None, None)
+    if cr:
+        evidence["compute_test_rounds"] = min(len(e.compute_rounds) for e in ev)
+        evidence["slowest_rounds"] = slowest_every_round(ev, candidate)
+    # a host's ranks slow together: the group, even when the single-rank rule would confirm
+    # one of them (it does by chance: one of two equal ranks is the slowest in all 3 rounds
+    # with chance 1/4) -- the verdict must name the slow worker, not half of it
+    group = slow_group(ev, cr, candidate, evidence)
+    if group is not None:
+        return candidate, group
+    return (candidate, None) if _confirmed(ev, cr, candidate, evidence, prior) else (None, None)
+
+
+def _explains_links(candidate: int, group: list[int] | None, slow_links: list[str],
+                    lr: dict[str, float], cr: dict[int, float],
+                    prof: dict[int, float]) -> bool:
+    """Whether the confirmed candidate (or its group) explains the slow pairs, if any: each
+    has it at an end, and none is slower than a starved rank makes its pairs
+    (``STARVED_LINK_PER_X`` x its compute test) unless its profile backs the test."""
+    if not slow_links:
+        return True
+    ends = {str(r) for r in (group or [candidate])}
+    if not all(ends & set(k.split("-")) for k in slow_links):
+        return False
+    if cr.get(candidate, 0.0) <= 0:
+        return True
+    c = max(cr[candidate], 1.0)
+    backed = prof.get(candidate, 0.0) >= max(PROFILE_RATIO, c ** 0.5)
+    return backed or not any(lr[k] >= STARVED_LINK_PER_X * c for k in slow_links)
+
+
 def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
            suspect_rank: int | None = None, mode: str = CHANGE_MODE,
            first_step: int | None = None,
@@ -491,25 +584,22 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         evidence["compute_test_ratio"] = {str(r): round(v, 3) for r, v in cr.items()}
 
     born = mode != CHANGE_MODE
-    candidate = candidate_of(ev, suspect_rank, mode, evidence)
-    confirmed = candidate is not None and _confirmed(ev, cr, candidate, evidence, prior)
-    if candidate is not None and cr:
-        evidence["compute_test_rounds"] = min(len(e.compute_rounds) for e in ev)
-        evidence["slowest_rounds"] = slowest_every_round(ev, candidate)
+    candidate, group = _confirmed_candidate(ev, cr, prof, suspect_rank, mode, evidence, prior)
     # 1. a rank whose compute grew during training (its own channel, or the profile),
-    #    confirmed by the compute test -- also when its own pairs look slow: a starved rank
-    #    moves its bytes slowly too (measured up to 26x under CPU contention)
-    touches = all(str(candidate) in k.split("-") for k in slow_links)
-    if touches and candidate is not None and cr.get(candidate, 0.0) > 0:
-        c = max(cr[candidate], 1.0)
-        backed = prof.get(candidate, 0.0) >= max(PROFILE_RATIO, c ** 0.5)
-        touches = backed or not any(lr[k] >= STARVED_LINK_PER_X * c for k in slow_links)
-    if confirmed and (not slow_links or touches):
-        evidence["rounds_chance"] = _rounds_chance(ev, candidate)
+    #    confirmed by the compute test (alone, or with its host's ranks: ``slow_group``) --
+    #    also when its own pairs look slow: a starved rank moves its bytes slowly too
+    #    (measured up to 26x under CPU contention)
+    if candidate is not None and _explains_links(candidate, group, slow_links, lr, cr, prof):
+        if group is None:
+            evidence["rounds_chance"] = _rounds_chance(ev, candidate)
         if born:
-            return _born_finding(ev, candidate, onset_step, step, evidence, mode)
-        return _compute_finding(ev, candidate, onset_step, step, severity, evidence,
-                                first_step)
+            found = _born_finding(ev, candidate, onset_step, step, evidence, mode)
+        else:
+            found = _compute_finding(ev, candidate, onset_step, step, severity, evidence,
+                                     first_step)
+        if group is not None and found.kind == "compute":
+            found.ranks = group  # one slow worker: the host's ranks, named together
+        return found
     # 2. pairs crossing one host's link, slow together (hostlink.py: moderate congestion
     #    too), else a link tens of times slower than its peers, not explained by a starved rank
     slow_links = _host_link(ev, cr, evidence) or slow_links

@@ -5,10 +5,12 @@ wall time, the faulty rank or hosts) and its ``fault_removed`` (not the one at c
 loss on every host (``loss``) is the lossy scenarios' weather, not a straggler. A fault is
 detected by the first ``straggler_detected`` decided while it was active (from the applied
 step to ``SLACK_STEPS`` after removal or the run's last step); it is localised when the kind
-matches (compute/contention -> "compute", link/pairlink -> "link") and the rank is exactly the
-faulty rank (compute), the faulty host is the named rank or an end of the named link (link),
-or the named link is the faulty pair (pairlink). Used by ``stalwart replay --score`` and
-``stalwart bench detect`` (bench/detect_score.py). Cost: a pass over the events.
+matches (compute/contention -> "compute", link/pairlink -> "link") and the ranks are exactly
+the faulty rank (compute) -- or, for compute faults applied together at one step (a host's
+ranks slowed alike: one slow worker), exactly all of their ranks --, the faulty host is the
+named rank or an end of the named link (link), or the named link is the faulty pair
+(pairlink). Used by ``stalwart replay --score`` and ``stalwart bench detect``
+(bench/detect_score.py). Cost: a pass over the events.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class Truth:
     hosts: list[int]
     t_applied: float | None = None
     t_removed: float | None = None
+    together: list[int] | None = None  # compute: the ranks of faults applied with it
+
+
+def _together(out: list[Truth]) -> None:
+    """Each compute truth's ``together``: the ranks of the compute faults applied at the
+    same step (itself included), sorted."""
+    cpu = [t for t in out if t.kind in ("compute", "contention") and t.rank is not None]
+    for t in cpu:
+        t.together = sorted(int(u.rank) for u in cpu if u.applied == t.applied
+                            and u.rank is not None)
 
 
 def ground_truth(events: list[dict[str, Any]]) -> list[Truth]:
@@ -43,13 +55,14 @@ def ground_truth(events: list[dict[str, Any]]) -> list[Truth]:
                 if t.kind == e["kind"] and t.removed is None:
                     t.removed = int(e["step"])
                     t.t_removed = e.get("time")
+    _together(out)
     return out
 
 
 def localised(d: dict[str, Any], t: Truth) -> bool:
     ranks, link = list(d.get("ranks") or []), list(d.get("link") or [])
     if t.kind in ("compute", "contention"):
-        return d.get("kind") == "compute" and ranks == [t.rank]
+        return d.get("kind") == "compute" and ranks == (t.together or [t.rank])
     if t.kind == "link":
         host = (d.get("evidence") or {}).get("host")
         if host is not None:  # named as a host (several ranks per host: hostlink.py)
