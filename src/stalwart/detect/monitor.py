@@ -65,6 +65,64 @@ log = logging.getLogger("stalwart.detect")
 AMORTISE = 16  # steps per window of the per-step CPU figure (amortised)
 
 
+class PyHolder:
+    """The monitor's held steps: the Python reference of the C ``Holder``
+    (detect/_native/channels.c), which runs where it is built; tests compare the two.
+
+    ``hold(step, metrics)``: with ``on``, ``metrics`` a dict whose "step_time",
+    "compute_time" and "comm_time" are present and not None, ``checks + 1 < due_at`` and
+    ``n < cap``, the four objects appended, ``checks`` and ``held_steps`` counted,
+    ``sampler.last_hint`` set to ``clock()``, True; else nothing changes and False.
+    ``push``: append (the buffer grows when full); ``take``: the steps held, oldest first,
+    the buffer emptied."""
+
+    def __init__(self, capacity: int, sampler: Any, clock: Callable[[], float]) -> None:
+        if capacity < 1:
+            raise ValueError("Holder: capacity >= 1")
+        self.cap = capacity
+        self.sampler = sampler
+        self.clock = clock
+        self.checks = 0
+        self.due_at = 1
+        self.held_steps = 0
+        self.on = True
+        self._buf: list[tuple[Any, Any, Any, Any]] = []
+
+    @property
+    def n(self) -> int:
+        return len(self._buf)
+
+    def hold(self, step: Any, metrics: Any) -> bool:
+        if not self.on or type(metrics) is not dict or not self.checks + 1 < self.due_at or (
+                len(self._buf) >= self.cap):
+            return False
+        st = metrics.get("step_time")
+        cp = metrics.get("compute_time")
+        cm = metrics.get("comm_time")
+        if st is None or cp is None or cm is None:
+            return False
+        self.push(step, st, cp, cm)
+        self.checks += 1
+        self.held_steps += 1
+        self.sampler.last_hint = self.clock()
+        return True
+
+    def push(self, step: Any, st: Any, cp: Any, cm: Any) -> None:
+        if len(self._buf) == self.cap:
+            self.cap *= 2  # (a full buffer only sends ``hold``'s steps the longer way)
+        self._buf.append((step, st, cp, cm))
+
+    def take(self) -> list[tuple[Any, Any, Any, Any]]:
+        out, self._buf = self._buf, []
+        return out
+
+
+try:  # the held steps in C (detect/_native/channels.c); PyHolder is the reference
+    from stalwart.detect._channels import Holder as _Holder  # type: ignore[import-not-found]
+except ImportError:  # no compiler at install (or an extension built before Holder)
+    _Holder = PyHolder
+
+
 def amortised(per_step: list[float], window: int = AMORTISE) -> list[float]:
     """Each full window's mean of ``per_step`` (the analysis of held samples runs at one
     step of k: a window of several periods carries it at its share); the whole list's mean
@@ -150,7 +208,6 @@ class Monitor:
             self._rounds_log = JsonlWriter(self._run_dir / VALIDATION_FILE)
         self._hinted = hinted
         self._last_key: int | None = None
-        self._checks = 0
         self._next_check = self.check_every  # without an exchange (one process)
         self._skip_next = False
         self._paused = False  # this step held a validation pause (not step time)
@@ -158,11 +215,11 @@ class Monitor:
         self._closed = False
         self._check_cpu_us: deque[float] = deque(maxlen=4096)  # CPU of steps with a check
         # hinted steps waiting for a check with work: (step, step, compute, comm time) in a
-        # buffer made once (a period's worth; it grows only if a period outgrows it)
-        self._held: list[Any] = [None] * (2 * max(max_every, self.check_every) + 2)
-        self._n_held = 0
-        self._held_steps = 0  # steps that only recorded (no check)
-        self._due_at = 1  # the next check with work (a row to read or send)
+        # buffer made once (a period's worth; it grows only if a period outgrows it), with
+        # the check count, the next check with work (a row to read or send) and the count
+        # of steps that only recorded (``step``'s first test, in C where built)
+        self._holder: Any = _Holder(2 * max(max_every, self.check_every) + 2, self.sampler,
+                                    time.perf_counter)
         install(self.tracker)
 
     # ---- what the decision state machine holds ----------------------------------------------
@@ -179,6 +236,27 @@ class Monitor:
     def hiccups(self) -> int:
         return self.core.hiccups
 
+    # ---- the held steps' counters (``_holder``) -----------------------------------------------
+    @property
+    def _checks(self) -> int:
+        return int(self._holder.checks)
+
+    @_checks.setter
+    def _checks(self, v: int) -> None:
+        self._holder.checks = v
+
+    @property
+    def _due_at(self) -> int:
+        return int(self._holder.due_at)
+
+    @_due_at.setter
+    def _due_at(self, v: int) -> None:
+        self._holder.due_at = v
+
+    @property
+    def _n_held(self) -> int:
+        return int(self._holder.n)
+
     # ---- switches ---------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
@@ -188,6 +266,7 @@ class Monitor:
     def enabled(self, on: bool) -> None:
         """Turn tracking and checks off/on (all ranks at the same point, e.g. the same step)."""
         self._enabled = on
+        self._holder.on = on and not self._closed
         self.tracker.enabled = on
         self.sampler.last_hint = None
 
@@ -206,20 +285,11 @@ class Monitor:
         communication times only records them in the held buffer and returns (no sample is
         built, no clock but the hint's is read); the analysis runs at the next check with
         work, on every step held (``_flush``)."""
-        if metrics is not None and self._enabled and not self._closed:
-            c = self._checks + 1
-            n = self._n_held
-            if c < self._due_at and n < len(self._held):
-                st = metrics.get("step_time")
-                cp = metrics.get("compute_time")
-                cm = metrics.get("comm_time")
-                if st is not None and cp is not None and cm is not None:
-                    self._held[n] = (step, st, cp, cm)
-                    self._n_held = n + 1
-                    self._checks = c
-                    self._held_steps += 1
-                    self.sampler.last_hint = time.perf_counter()
-                    return
+        if self._holder.hold(step, metrics):
+            return
+        if metrics is not None and type(metrics) is not dict and self._hold_mapping(
+                step, metrics):
+            return
         if not self._enabled or self._closed:
             return
         c0 = time.thread_time()
@@ -239,12 +309,25 @@ class Monitor:
         else:
             self._check_cpu_us.append(1e6 * (time.thread_time() - c0))
 
+    def _hold_mapping(self, step: int, metrics: Any) -> bool:
+        """``Holder.hold`` for hints that are not a dict (any mapping with ``get``)."""
+        h = self._holder
+        if not (self._enabled and not self._closed and h.checks + 1 < h.due_at
+                and h.n < h.cap):
+            return False
+        st = metrics.get("step_time")
+        cp = metrics.get("compute_time")
+        cm = metrics.get("comm_time")
+        if st is None or cp is None or cm is None:
+            return False
+        h.push(step, st, cp, cm)
+        h.checks += 1
+        h.held_steps += 1
+        self.sampler.last_hint = time.perf_counter()
+        return True
+
     def _hold(self, s: IterSample) -> None:
-        n = self._n_held
-        if n == len(self._held):
-            self._held.append(None)
-        self._held[n] = (s.key, s.seconds, s.compute, s.comm)
-        self._n_held = n + 1
+        self._holder.push(s.key, s.seconds, s.compute, s.comm)
 
     def _on_issue(self, rec: OpRecord) -> None:
         """Every tracked op, before it is issued: find iterations without hints."""
@@ -271,9 +354,8 @@ class Monitor:
         """The held samples, admitted, in order (the buffer emptied), each already joined to
         this rank's next row and shown to ``on_sample`` (``_joined``): the caller passes them
         to the decision path (``StepInput.held``) in the same step."""
-        n, self._n_held = self._n_held, 0
         held = []
-        for k, st, cp, cm in self._held[:n]:
+        for k, st, cp, cm in self._holder.take():
             s1 = self._admit(IterSample(k, float(st), float(cp), float(cm)))
             if s1 is not None:
                 held.append(s1)
@@ -401,6 +483,7 @@ class Monitor:
             return
         self._flush()  # (no check: what a step would have sampled, without its exchange)
         self._closed = True
+        self._holder.on = False
         if self.exchange is not None:
             self.exchange.close()
         uninstall(self.tracker)
@@ -431,7 +514,7 @@ class Monitor:
                 # (a clock read would cost more than they do): bench detect's overhead job
                 # measures the amortised per-step figure from outside
                 "monitor_check_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None,
-                "held_steps": self._held_steps}
+                "held_steps": int(self._holder.held_steps)}
 
     def __enter__(self) -> Monitor:
         return self
