@@ -392,3 +392,26 @@ def test_a_replan_that_made_steps_slower_goes_back_to_the_plan_before() -> None:
     # no more re-plans for it, and it is still followed (not muted)
     assert all(feed(p, s, [UNIT, UNIT, 6 * UNIT, UNIT], fs) is None for s in range(63, 83, 2))
     assert p.active is not None and p.counts == plan1
+
+
+def test_a_hosts_ranks_slowed_alike_are_rebalanced_together() -> None:
+    """A group finding (detect: ``slow_group``, ranks 2 and 3 of one host): S2 takes work off
+    both ranks' groups, and S4 would take both out (``leaving``)."""
+    p = Policy(6, 24, verified_recovery=False)
+    for s in range(1, 21, 2):
+        assert feed(p, s, [UNIT] * 6, []) is None
+    slow = [UNIT, UNIT, 2 * UNIT, 2 * UNIT, UNIT, UNIT]
+    group = Finding("compute", 21, 25, 1.8, ranks=[2, 3],
+                    evidence={"group": {"host": "1", "ranks": [2, 3]}})
+    decisions = [d for s in range(25, 41, 2) if (d := feed(p, s, slow, [group])) is not None]
+    assert decisions and decisions[0].kind == REBALANCE, decisions
+    counts = decisions[0].counts
+    assert sum(counts) == 24 and counts[2] < 4 and counts[3] < 4, counts
+    assert p.active is not None and p.active.ranks == (2, 3)
+    assert p.leaving(p.active)[0] == [2, 3]
+    # a two-rank compute finding without the group evidence is still ignored (not a worker)
+    q = Policy(6, 24)
+    for s in range(1, 21, 2):
+        feed(q, s, [UNIT] * 6, [])
+    bare = Finding("compute", 21, 25, 1.8, ranks=[2, 3])
+    assert all(feed(q, s, slow, [bare]) is None for s in range(25, 41, 2))

@@ -331,8 +331,9 @@ class Policy:
         if s.kind == "compute" and about_it and gain >= needed \
                 and s.rent_s >= self.s2_price(cur):
             s.level = self.ratio_to_peers(cur, s.group)
+            who = f"ranks {list(s.ranks)} (one host)" if s.ranks else f"rank {s.rank}"
             return self._decide(REBALANCE, best, start_step, s.group, gain,
-                                f"{s.kind} straggler on rank {s.rank}: "
+                                f"{s.kind} straggler on {who}: "
                                 f"{cur[s.group] / statistics.median(cur):.2f}x per micro-batch")
         if self.mode == "auto" and self.groups > 1 and (self.tp == 1 or s.ranks):
             return self._exclude(s, cur, best, gain, step_s, start_step)
@@ -492,6 +493,9 @@ class Policy:
                 self._healthy_before(f.onset_step)
                 self._healthy_from_peers(f)
             return
+        if f.kind == "compute" and len(f.ranks) > 1 and f.evidence.get("group") is not None:
+            self._on_group(f)
+            return
         if f.kind not in ("compute", "link") or len(f.ranks) != 1:
             return  # unexplained slowdowns are not stragglers
         r = f.ranks[0]
@@ -505,6 +509,22 @@ class Policy:
         self.active = Straggler(f.kind, r // self.tp, r, f.onset_step, f.step,
                                 since=len(self._unit_hist) - 1)
         self._healthy_before(self.active.onset_step)
+        self._healthy_from_peers(f)
+
+    def _on_group(self, f: Finding) -> None:
+        """A host's ranks slowed alike (detect/localize.py ``slow_group``): one straggler
+        whose ranks are all the host's. It is followed on its first rank's data-parallel
+        group (its ranks are equally slow), S2's plan takes work off every slow group
+        (``planner.plan`` balances all of them by their measured times), and S4 takes every
+        group with a rank on the host out together (``leaving``)."""
+        ranks = tuple(f.ranks)
+        if self._muted.get(ranks[0], -1) >= len(self._unit_hist):
+            return
+        if self.active is not None and self.active.ranks == ranks:
+            return
+        self.active = Straggler("compute", ranks[0] // self.tp, ranks[0], f.onset_step,
+                                f.step, since=len(self._unit_hist) - 1, ranks=ranks)
+        self._healthy_before(f.onset_step)
         self._healthy_from_peers(f)
 
     def _healthy_from_peers(self, f: Finding) -> None:
