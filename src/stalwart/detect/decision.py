@@ -43,7 +43,9 @@ same state; the alarm vocabulary is alarms.py.
 Guarantees: bounded memory (``history`` samples); the same inputs give the same alarms and
 verdict bookkeeping on every call order the monitor and replay use.
 Cost per sample: a few scalar operations while the channels are quiet (the pre-filter,
-prefilter.py), one vector BOCPD update for the per-rank channels that are awake.
+prefilter.py), one BOCPD step (up to ``max_run`` run lengths: a log and an exp each) per
+channel that is awake; batched (``sample_many``, ``relative_rows``: the monitor's checks,
+replay's rows) one C call for a run of samples or rows up to the first that needs Python.
 """
 
 from __future__ import annotations
