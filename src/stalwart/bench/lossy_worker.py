@@ -29,6 +29,19 @@ def _barrier() -> None:
     dist.barrier()
 
 
+def _settle(lay, world: int) -> int:
+    """All-reduces of warm-up after which the parity a link gets is the one its loss level
+    keeps getting: its loss window (~10,000 datagrams, ``copies.DECAY``) has turned over
+    twice, and then ``copies.REPORTS_KEPT`` more reports (two per all-reduce and link: one per
+    phase) have replaced the earlier ones whose maximum sizes the parity. Without the second
+    term a loss-free link still got parity during the first timed all-reduces at MTU 1500
+    (4 of warm-up by the window alone; measured: parity on until the 5th-10th all-reduce)."""
+    from stalwart.comm.copies import REPORTS_KEPT
+
+    per_link = 2 * max(lay.n_chunks(s) for s in range(world))
+    return -(-20_000 // per_link) + -(-REPORTS_KEPT // 2)
+
+
 def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warmup: int,
               netns: list[str], gloo_levels: list[float] | None = None,
               fec: str = "rs", fec_target: float = 2e-5) -> dict:
@@ -63,10 +76,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
             ours, gloo, lost, chunks, rec, wire, hits, cpu = [], [], [], [], [], [], [], []
             waits: list[list[list]] = []  # per timed iteration, per phase: the wait's account
             gcpu: list[float] = []
-            # warm-up long enough for the loss estimate (a ~10,000-datagram window per link)
-            # to settle at this level: the parity is sized from it
-            per_link = 2 * max(lay.n_chunks(s) for s in range(world))
-            settle = max(warmup, -(-20_000 // per_link))
+            settle = max(warmup, _settle(lay, world))
             for it in range(settle + n):
                 t = torch.from_numpy(x.copy())
                 buf = x.copy()  # ours in place too, like gloo's all_reduce (lost chunks keep x)
@@ -129,9 +139,7 @@ def profile(out: Path, numel: int, iters: int, warmup: int, fec: str = "rs",
     res: dict = {"payload_bytes": 4 * ((numel - mine) + (world - 1) * mine), "iters": iters,
                  "engine": coll.engine}
     try:
-        # warm-up long enough for the loss estimate to settle (the parity is sized from it)
-        per_link = 2 * max(lay.n_chunks(s) for s in range(world))
-        for _ in range(max(warmup, -(-20_000 // per_link))):
+        for _ in range(max(warmup, _settle(lay, world))):
             coll.allreduce(buf, out=buf)
             dist.all_reduce(t)
             t.copy_(torch.from_numpy(x))
