@@ -124,8 +124,11 @@ def test_parity_packets_pass_the_parser_and_bad_geometry_is_rejected() -> None:
 PERIOD, BURST = 50, 8
 
 
-@pytest.mark.parametrize("mode", ["rs", "none"])
-def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str, engine: str) -> None:
+@pytest.mark.parametrize("mode,inplace", [("rs", False), ("rs", True), ("none", False)])
+def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str, inplace: bool,
+                                                           engine: str) -> None:
+    # inplace: allreduce(x, out=x), where the native engine places the owners' chunks in the
+    # output itself and rebuilds the lost ones there (reading the arrived ones from it)
     world, numel = 3, 120_000
     group = make_group(world, numel, cls=Dropping, fec_mode=mode, cap=2.0)
     for c in group:
@@ -134,11 +137,14 @@ def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str, engine: st
         lost = recovered = 0
         for it in range(3):
             xs = [np.arange(numel, dtype=np.float32) * 1e-3 + 2.0 ** r + it for r in range(world)]
-            outs = run_threads([lambda c=c, x=x: c.allreduce(x)
-                                for c, x in zip(group, xs, strict=True)])
-            assert not any(isinstance(o, BaseException) for o in outs), outs
             exact = sum(xs) / world
-            for out, phases in outs:
+            bufs = [x.copy() for x in xs]
+            outs = run_threads([lambda c=c, x=x, b=b: c.allreduce(b, out=b) if inplace
+                                else c.allreduce(x)
+                                for c, x, b in zip(group, xs, bufs, strict=True)])
+            assert not any(isinstance(o, BaseException) for o in outs), outs
+            for (out, phases), b in zip(outs, bufs, strict=True):
+                assert not inplace or out is b
                 lost += sum(p.lost for p in phases)
                 recovered += sum(p.recovered for p in phases)
                 if mode == "rs":

@@ -251,37 +251,63 @@ class LossyCollective(Receiving, Sending, Phases):
         return st.acc.average(out=avg_out), out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
-                  stale: np.ndarray | None = None, want_mask: bool = True
-                  ) -> tuple[np.ndarray | None, PhaseStats]:
+                  stale: np.ndarray | None = None, want_mask: bool = True,
+                  direct: bool = False) -> tuple[np.ndarray | None, PhaseStats]:
         """Phase 2: send this rank's shard values to all; write the owners' chunks that arrived
         into ``out`` (the full vector; this rank's own shard is always written; where nothing
         arrived ``out`` keeps its values, or takes ``stale``'s when given). Returns a
         per-element mask of what was written (None unless ``want_mask``: one byte per element
-        to fill) and the phase statistics."""
+        to fill) and the phase statistics.
+
+        ``direct`` (used by the native engine only, and only without ``stale``): the owners'
+        chunks are placed in ``out`` by the receive thread as they arrive, instead of into the
+        round's buffer and copied over after the phase (one pass over the vector less). The
+        result is the same; the difference is when ``out`` changes: during the phase, so a
+        call that raises may leave some owners' chunks in ``out``."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
-        hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
-        lazy = self._eng is not None  # (as in reduce_scatter)
-        rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint, seal=not lazy)
-        peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-        sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol,
-                                       {id(rows): shard_values} if lazy else None)
-        par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint)
-        sent += self._send(par_plan)
-        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint, want,
-                                   npar)
-        ps = self._wait(PHASE_VALUE, t0)
+        slot = self.round % ROUNDS_OPEN
+        # native, no stale values to put first: the owners' chunks land in ``out`` itself as
+        # they arrive (no copy-out after the phase); this rank's reduce-scatter is sent by
+        # now, so nothing reads the other shards of ``out`` until the call returns
+        direct = (direct and self._eng is not None and stale is None
+                  and out.dtype == np.float32
+                  and out.flags.c_contiguous and out.flags.writeable
+                  and out.size == self.layout.numel)
+        if direct:
+            with self._cond:
+                self._eng.values_into(slot, self.round, out)
+        try:
+            hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
+            lazy = self._eng is not None  # (as in reduce_scatter)
+            rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint,
+                                       seal=not lazy)
+            peers = [(self.rank + k) % self.world for k in range(1, self.world)]
+            sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol,
+                                           {id(rows): shard_values} if lazy else None)
+            par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint)
+            sent += self._send(par_plan)
+            sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint,
+                                       want, npar)
+            ps = self._wait(PHASE_VALUE, t0)
+        finally:
+            if direct:  # the phase is closed (or failed): nothing more lands in out
+                with self._cond:
+                    self._eng.values_into(slot, self.round, None)
         ps.sent, ps.copies = sent, max(want.values(), default=1)
-        st = self._rounds[self.round % ROUNDS_OPEN]
+        st = self._rounds[slot]
         ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
-        return self._landed(st, shard_values, out, stale, want_mask), ps
+        return self._landed(st, shard_values, out, stale, want_mask, direct), ps
 
     def _landed(self, st: RoundState, shard_values: np.ndarray, out: np.ndarray,
-                stale: np.ndarray | None, want_mask: bool = True) -> np.ndarray | None:
+                stale: np.ndarray | None, want_mask: bool = True, direct: bool = False
+                ) -> np.ndarray | None:
         """Write the owners' chunks that arrived into ``out`` (``stale``'s values elsewhere, when
         given) and this rank's shard (unless it is already there: ``reduce_scatter`` averaged
         into it); returns the per-element mask of what arrived (None unless ``want_mask``). A
-        shard that arrived whole -- the common case -- is one copy, not a masked one."""
+        shard that arrived whole -- the common case -- is one copy, not a masked one; with
+        ``direct`` (the engine placed them in ``out`` itself) the owners' chunks are not
+        copied at all."""
         mask = np.empty(self.layout.numel, bool) if want_mask else None
         b = self.layout.bounds
         for s in range(self.world):
@@ -292,13 +318,16 @@ class LossyCollective(Receiving, Sending, Phases):
                 if mask is not None:
                     mask[lo:hi] = True
             elif st.vseen[s].all():
-                out[lo:hi] = st.vals[lo:hi]
+                if not direct:
+                    out[lo:hi] = st.vals[lo:hi]
                 if mask is not None:
                     mask[lo:hi] = True
             else:
                 m = self.layout.expand(s, st.vseen[s])
                 if mask is not None:
                     mask[lo:hi] = m
+                if direct:
+                    continue
                 if stale is not None:
                     out[lo:hi] = stale[lo:hi]
                 np.copyto(out[lo:hi], st.vals[lo:hi], where=m)
@@ -335,7 +364,9 @@ class LossyCollective(Receiving, Sending, Phases):
     def allreduce(self, flat: np.ndarray, out: np.ndarray | None = None) -> tuple[
             np.ndarray, list[PhaseStats]]:
         """Average ``flat`` across ranks (reduce-scatter + broadcast of the averaged shards).
-        Chunks whose broadcast was lost keep ``out``'s previous values (``flat``'s if None)."""
+        Chunks whose broadcast was lost keep ``out``'s previous values (``flat``'s if None).
+        With ``out`` the owners' chunks land in it as they arrive (``broadcast(direct=True)``);
+        if the call raises, ``out`` holds a part of the result."""
         self.begin_round()
         if out is None:  # chunks that do not arrive keep flat's values
             avg, p1 = self.reduce_scatter(flat)
@@ -344,7 +375,7 @@ class LossyCollective(Receiving, Sending, Phases):
                                    want_mask=False)
         else:  # the average goes straight into out's own shard (no buffer, no copy)
             avg, p1 = self.reduce_scatter(flat, avg_out=out[self._lo: self._hi])
-            _, p2 = self.broadcast(avg, out, want_mask=False)
+            _, p2 = self.broadcast(avg, out, want_mask=False, direct=True)
         return out, [p1, p2]
 
     def worst_loss_in(self) -> float:

@@ -61,8 +61,14 @@ class RoundState:
         """Empty state of round ``rnd`` at ``rank``; ``keep``: every sender's contributions
         are kept (the erasure decoder rebuilds a lost chunk from the others of its stripe)."""
         world = lay.world
-        return cls(rnd, ShardAccumulator(lay, rank, keep=keep),
-                   np.zeros(lay.numel, np.float32),
+        # the value buffer is written in full now (pages faulted in here, once): with the
+        # native engine's direct placement (``collective.broadcast(direct=True)``) only the
+        # chunks that arrive before their round's broadcast starts land in it, and each first
+        # touch of a lazily zeroed page there cost the receive thread a page fault and a
+        # 2 MB huge-page clear (measured: 3% of a loss-free all-reduce's CPU at MTU 1500)
+        vals = np.empty(lay.numel, np.float32)
+        vals.fill(0.0)
+        return cls(rnd, ShardAccumulator(lay, rank, keep=keep), vals,
                    [np.zeros(lay.n_chunks(s), bool) for s in range(world)],
                    np.zeros(world), np.zeros((3, world), np.int64),
                    np.full((3, world), -1, np.int64),
