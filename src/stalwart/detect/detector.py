@@ -139,9 +139,9 @@ class Detector:
     def step(self, inp: StepInput) -> StepOutput:
         core = self.core
         self._events = []
-        if inp.held:
-            core.sample_many(inp.held)
-        if inp.sample is not None:
+        if inp.held:  # (the step's own sample after them, in the same batch)
+            core.sample_many([*inp.held, inp.sample] if inp.sample is not None else inp.held)
+        elif inp.sample is not None:
             core.sample(inp.sample)
         if inp.rows:
             core.relative_rows(inp.rows)

@@ -361,10 +361,12 @@ class Monitor:
         to the decision path (``StepInput.held``) in the same step."""
         held = []
         for k, st, cp, cm in self._holder.take():
-            s1 = self._admit(IterSample(k, float(st), float(cp), float(cm)))
-            if s1 is not None:
-                held.append(s1)
-                self._joined(s1)
+            if self._skip_next:  # (``_admit``)
+                self._skip_next = False
+                continue
+            s1 = IterSample(k, float(st), float(cp), float(cm))
+            held.append(s1)
+            self._joined(s1)
         return held
 
     def _admit(self, s: IterSample) -> IterSample | None:
