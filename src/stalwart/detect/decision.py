@@ -248,14 +248,16 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
             after >= AUDIT_AFTER or self._warm_s >= AUDIT_S)
 
     def _quiet(self) -> bool:
-        """Leader: nothing under way, no straggler followed, peers known, and no channel's
-        posterior on a change it has not verified yet (the audit looks for ranks slow all
-        along and judges no change: run while a change is being confirmed, it delays that
-        change's alarm by a whole validation -- seen: 12 steps under batched exchanges, a 6x
-        rank found 26 steps after its onset). ``alert``'s test; it holds for one sample at a
-        time, so the audit waits only while a change is forming."""
+        """Leader: nothing under way, no straggler followed, peers known, and the iteration
+        channel's posterior not on a change it has not verified yet (the audit looks for
+        ranks slow all along and judges no change: run while a change is being confirmed, it
+        delays that change's alarm by a whole validation -- seen: 12 steps under batched
+        exchanges, a 6x rank found 26 steps after its onset). The flag holds for one sample
+        at a time, so the audit waits only while a change is forming. The per-rank channels
+        are not asked: among thousands some posterior is nearly always pending (the audit
+        would wait for ever), and asking costs a call per rank per step."""
         return (self.pending.action == NONE and not self.deciding and self.active is None
-                and self.outliers is not None and not self.alert())
+                and self.outliers is not None and not self.detector.pending)
 
     def relative(self, key: int, comps: list[float] | np.ndarray) -> None:
         """Leader: every rank's compute time at step ``key`` (rank order). From
