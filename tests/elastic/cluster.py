@@ -122,19 +122,47 @@ class Cluster(Records):
         return [int(x) for x in out.split()]
 
 
+def skipped_in_flight(got: list[int]) -> list[int]:
+    """The steps a process's log skips: each run of its steps is consecutive, and between
+    two runs at most the one step in flight is missing -- a step the member gave up (a peer
+    was lost) that another member applied with every contribution; the new generation then
+    moved that member's state to it (elastic.Job: "a step some survivors logged and others
+    did not"). Anything else fails here."""
+    gaps = []
+    for a, b in zip(got, got[1:], strict=False):
+        assert b in (a + 1, a + 2), ("a step redone or more than the step in flight skipped",
+                                     a, b)
+        if b == a + 2:
+            gaps.append(a + 1)
+    assert len(gaps) <= 1, ("skipped more than once", gaps)
+    return gaps
+
+
+def trained_every_step(rs: list[dict[str, Any]], steps: int) -> bool:
+    """A process that trained from step 0 to the end: every step logged, but for at most the
+    one step in flight it gave up when a peer was lost (``skipped_in_flight``)."""
+    got = [r["step"] for r in rs if "step" in r]
+    return bool(got) and got[0] == 0 and got[-1] == steps - 1 and \
+        len(got) >= steps - len(skipped_in_flight(got))
+
+
 def check_same_training(c: Records, steps: int, batch: int) -> None:
     """Every step trained once, in one generation, on the whole global batch, none missing;
     each process's steps strictly increase by one (nothing redone but the step in flight --
-    which is never logged twice -- nothing skipped). A step may lack the rows of members that
-    died (or froze) in it after their contribution: their log ends just before it."""
+    which is never logged twice -- nothing skipped but a step in flight that another member
+    applied: ``skipped_in_flight``). A step may lack the rows of members that died (or froze)
+    in it after their contribution (their log ends just before it) or that gave it up while
+    others applied it (their log skips it)."""
     by = c.by_step()
     assert sorted(by) == list(range(steps)), sorted(set(range(steps)) - set(by))
     ends: dict[tuple[int, int], int] = {}  # (generation, last step) -> processes ending there
-    for f, rs in c.files().items():
+    for rs in c.files().values():
         got = [r["step"] for r in rs if "step" in r]
         if not got:
             continue
-        assert got == list(range(got[0], got[0] + len(got))), (f, got)
+        for s in skipped_in_flight(got):  # (gen of the step before it)
+            gen = next(r["gen"] for r in rs if r.get("step") == s - 1)
+            ends[(gen, s - 1)] = ends.get((gen, s - 1), 0) + 1
         last = [r for r in rs if "step" in r][-1]
         if not rs[-1].get("final"):
             key = (last["gen"], last["step"])
@@ -146,5 +174,5 @@ def check_same_training(c: Records, steps: int, batch: int) -> None:
         missing = rows[0]["world"] - len(rows)
         if missing == 0:
             assert sum(r["samples"] for r in rows) == batch, (s, rows)
-        else:  # died in step s after contributing to it
+        else:  # died in step s after contributing to it, or gave it up as others applied it
             assert missing <= ends.get((rows[0]["gen"], s - 1), 0), (s, rows)

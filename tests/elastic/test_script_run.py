@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.elastic.launcher import IterationLog, announce, registered
-from tests.elastic.cluster import SCRIPT, Records, check_same_training
+from tests.elastic.cluster import SCRIPT, Records, check_same_training, trained_every_step
 from tests.helpers import stalwart
 
 BATCH = 64
@@ -50,7 +50,7 @@ def test_a_rank_killed_by_the_launcher_leaves_the_others_training_in_place(
     # the survivors were never restarted: two processes trained every step, the third
     # stopped at the kill; every step after it ran at world 2
     files = list(c.files().values())
-    full = [rs for rs in files if [x["step"] for x in rs if "step" in x] == list(range(steps))]
+    full = [rs for rs in files if trained_every_step(rs, steps)]
     assert len(files) == 3 and len(full) == 2
     by = c.by_step()
     assert by[steps - 1][0]["world"] == 2 and by[0][0]["world"] == 3
@@ -85,8 +85,7 @@ def test_a_rank_killed_and_started_again_by_the_launcher_rejoins_live(tmp_path: 
     # the two survivors trained every step, never restarted; the restarted process joined
     # (its own file, from a later step) and trained to the end with them
     assert len(files) == 4 and len(full) == 3, [len(rs) for rs in files]
-    survivors = [rs for rs in full if [x["step"] for x in rs if "step" in x] ==
-                 list(range(steps))]
+    survivors = [rs for rs in full if trained_every_step(rs, steps)]
     assert len(survivors) == 2
     by = c.by_step()
     assert by[0][0]["world"] == 3 and by[steps - 1][0]["world"] == 3

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.cluster import SCRIPT, Cluster, check_same_training
+from tests.elastic.cluster import SCRIPT, Cluster, check_same_training, trained_every_step
 
 BATCH = 64
 
@@ -51,8 +51,8 @@ def test_two_nodes_killed_at_once_the_survivor_trains_in_place_and_a_node_rejoin
     files = c.files()
     a_files = [rs for rs in files.values() if rs[0]["member"] in survivors]
     assert len(a_files) == 2
-    for rs in a_files:
-        assert [r["step"] for r in rs if "step" in r] == list(range(steps))
+    for rs in a_files:  # every step, but the one in flight at the kill if it gave it up
+        assert trained_every_step(rs, steps), [r["step"] for r in rs if "step" in r]
     # the joiner trained from a step after the kill to the end, with the same model
     finals = [rs[-1] for rs in files.values() if rs[-1].get("final")]
     assert len(finals) == 4 and len({f["val_loss"] for f in finals}) == 1
