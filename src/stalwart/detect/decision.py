@@ -254,10 +254,13 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         delays that change's alarm by a whole validation -- seen: 12 steps under batched
         exchanges, a 6x rank found 26 steps after its onset). The flag holds for one sample
         at a time, so the audit waits only while a change is forming. The per-rank channels
-        are not asked: among thousands some posterior is nearly always pending (the audit
+        are asked below ``VECTOR_RANKS`` ranks only (a 2-rank job's 6x rank formed on its own
+        channel first): among thousands some posterior is nearly always pending (the audit
         would wait for ever), and asking costs a call per rank per step."""
+        forming = self.detector.pending or (len(self.rel_detectors) < VECTOR_RANKS and any(
+            d.pending for d in self.rel_detectors.values()))
         return (self.pending.action == NONE and not self.deciding and self.active is None
-                and self.outliers is not None and not self.detector.pending)
+                and self.outliers is not None and not forming)
 
     def relative(self, key: int, comps: list[float] | np.ndarray) -> None:
         """Leader: every rank's compute time at step ``key`` (rank order). From
