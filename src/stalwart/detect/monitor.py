@@ -99,16 +99,8 @@ class PyHolder:
 
     def hold(self, step: Any, metrics: Any) -> bool:
         if not self.on or type(metrics) is not dict or not self.checks + 1 < self.due_at or (
-                len(self._buf) >= self.cap):
+                len(self._buf) >= self.cap) or not held(self, step, metrics):
             return False
-        st = metrics.get("step_time")
-        cp = metrics.get("compute_time")
-        cm = metrics.get("comm_time")
-        if st is None or cp is None or cm is None:
-            return False
-        self.push(step, st, cp, cm)
-        self.checks += 1
-        self.held_steps += 1
         self.sampler.last_hint = self.clock()
         return True
 
@@ -126,6 +118,22 @@ try:  # the held steps in C (detect/_native/channels.c); PyHolder is the referen
     from stalwart.detect._channels import Holder as _Holder  # type: ignore[import-not-found]
 except ImportError:  # no compiler at install (or an extension built before Holder)
     _Holder = PyHolder
+
+
+def held(h: Any, step: Any, metrics: Any) -> bool:
+    """One step held by holder ``h`` (``PyHolder`` or the C ``Holder``) from a hint's
+    ``metrics`` mapping: its three times pushed and the check counted; False, nothing held,
+    when one of the times is missing. Shared by ``PyHolder.hold`` and the monitor's path for
+    hints that are not a dict."""
+    st = metrics.get("step_time")
+    cp = metrics.get("compute_time")
+    cm = metrics.get("comm_time")
+    if st is None or cp is None or cm is None:
+        return False
+    h.push(step, st, cp, cm)
+    h.checks += 1
+    h.held_steps += 1
+    return True
 
 
 def amortised(per_step: list[float], window: int = AMORTISE) -> list[float]:
@@ -318,16 +326,8 @@ class Monitor:
         """``Holder.hold`` for hints that are not a dict (any mapping with ``get``)."""
         h = self._holder
         if not (self._enabled and not self._closed and h.checks + 1 < h.due_at
-                and h.n < h.cap):
+                and h.n < h.cap) or not held(h, step, metrics):
             return False
-        st = metrics.get("step_time")
-        cp = metrics.get("compute_time")
-        cm = metrics.get("comm_time")
-        if st is None or cp is None or cm is None:
-            return False
-        h.push(step, st, cp, cm)
-        h.checks += 1
-        h.held_steps += 1
         self.sampler.last_hint = time.perf_counter()
         return True
 
