@@ -9,15 +9,19 @@ Kinds (each realised by a kernel mechanism, see docs/testbed.md)::
     loss:host=H|all,p=P             incoming packets dropped w.p. P  (nftables numgen, input hook)
     kill:rank=R,at=STEP|SECONDSs[,back=SECONDSs]
                                     rank R's process is killed       (SIGKILL to its process group)
+    hang:rank=R,at=STEP|SECONDSs    rank R's process freezes         (SIGSTOP to its process group)
+    cut:host=H                      host H's link is cut: nothing    (nftables drop, input hooks
+                                    reaches it or comes from it       of every namespace)
 
 A kill is one event, not a window: ``at`` is the step (or ``at=12.5s``) it happens at, and the
 rank stays dead -- unless ``back`` (``--script`` runs) says how many seconds later the
 launcher starts it again, as a node restarted after a crash: a script that uses
-``stalwart.elastic`` takes it back live (supervise.py). Every other kind takes ``start`` and
-``end`` (end exclusive; default: the whole run), each either a step (``start=20``) or
-seconds since the ranks were started (``start=10s``, ``end=42.5s``): a user's own script
-has no step counter stalwart can read unless the monitor counts its iterations
-(``--detect``), but the launcher always knows the time.
+``stalwart.elastic`` takes it back live (supervise.py). A hang is one event too: the process
+stays frozen; the launcher finds it by its missing heartbeat (heartbeat.py) and kills it.
+Every other kind takes ``start`` and ``end`` (end exclusive; default: the whole run), each
+either a step (``start=20``) or seconds since the ranks were started (``start=10s``,
+``end=42.5s``): a user's own script has no step counter stalwart can read unless the monitor
+counts its iterations (``--detect``), but the launcher always knows the time.
 
 ``parse_fault`` guarantees that a returned Fault is applicable to a testbed of ``nproc`` ranks
 of the given kind, ``ranks_per_host`` to a host (rank r on host r // ranks_per_host); anything
@@ -37,9 +41,10 @@ from typing import Any
 from stalwart.errors import ConfigError
 
 TESTBEDS = ("local", "netns")
-FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss", "kill")
+FAULT_KINDS = ("compute", "contention", "link", "pairlink", "loss", "kill", "hang", "cut")
+MOMENT_KINDS = ("kill", "hang")  # one event at ``at``, not a window
 
-NETNS_ONLY = ("link", "pairlink", "loss")
+NETNS_ONLY = ("link", "pairlink", "loss", "cut")
 MAX_FACTOR = 100.0  # cgroup v1 refuses quotas below 1 ms of a 100 ms period
 MAX_PROCS = 64
 
@@ -50,6 +55,8 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional)
     "pairlink": ({"hosts", "rate"}, set()),
     "loss": ({"host", "p"}, set()),
     "kill": ({"rank", "at"}, {"back"}),
+    "hang": ({"rank", "at"}, set()),
+    "cut": ({"host"}, set()),
 }
 _WINDOW = {"start", "end"}
 _SECONDS_RE = re.compile(r"^(\d+(?:\.\d+)?)s$")
@@ -69,8 +76,8 @@ class Fault:
     # given in steps or in seconds, and a bound not given is open (start 0, no end)
     start_s: float | None = None
     end_s: float | None = None
-    rank: int | None = None  # compute, contention, kill
-    hosts: tuple[int, ...] = ()  # link (1), pairlink (2), loss (1 or all)
+    rank: int | None = None  # compute, contention, kill, hang
+    hosts: tuple[int, ...] = ()  # link (1), pairlink (2), loss (1 or all), cut (1)
     factor: float = 1.0  # compute
     procs: int = 0  # contention
     rate_bps: int = 0  # link, pairlink: bits per second
@@ -96,11 +103,11 @@ class Fault:
     def magnitude(self) -> float:
         return {"compute": self.factor, "contention": float(self.procs),
                 "link": float(self.rate_bps), "pairlink": float(self.rate_bps),
-                "loss": self.p, "kill": 1.0}[self.kind]
+                "loss": self.p, "kill": 1.0, "hang": 1.0, "cut": 1.0}[self.kind]
 
     @property
     def target(self) -> str:
-        if self.kind in ("compute", "contention", "kill"):
+        if self.kind in RANK_KINDS:
             return f"rank{self.rank}"
         if self.kind == "pairlink":
             return f"hosts{self.hosts[0]}-{self.hosts[1]}"
@@ -183,8 +190,8 @@ def _index(key: str, value: str, nproc: int, spec: str) -> int:
     return i
 
 
-RANK_KINDS = ("compute", "contention", "kill")  # act on one rank's processes
-HOST_KINDS = ("link", "pairlink", "loss")  # act on a host's network path (all its ranks)
+RANK_KINDS = ("compute", "contention", "kill", "hang")  # act on one rank's processes
+HOST_KINDS = ("link", "pairlink", "loss", "cut")  # act on a host's network path (all its ranks)
 
 
 def n_hosts(nproc: int, ranks_per_host: int = 1) -> int:
@@ -233,7 +240,7 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         kv[key] = value
     _host_or_rank(kind, kv, spec, nproc, per)
     required, optional = _KEYS[kind]
-    allowed = required | optional | (set() if kind == "kill" else _WINDOW)
+    allowed = required | optional | (set() if kind in MOMENT_KINDS else _WINDOW)
     for key in kv:
         if key not in allowed:
             raise ConfigError(f"unknown parameter {key!r} for fault kind {kind!r} in {spec!r} "
@@ -242,7 +249,7 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         if key not in kv:
             raise ConfigError(f"fault {spec!r} is missing {key}=...")
 
-    if kind == "kill":  # one moment: the window's start, never an end
+    if kind in MOMENT_KINDS:  # one moment: the window's start, never an end
         at, at_s = _bound("at", kv["at"], spec)
         if at is not None and at < 0:
             raise ConfigError(f"at={at} must be >= 0 in fault {spec!r}")
@@ -281,6 +288,9 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         if not 1 <= procs <= MAX_PROCS:
             raise ConfigError(f"procs={procs} must be in [1, {MAX_PROCS}] in fault {spec!r}")
         return Fault(rank=rank, procs=procs, **common)
+
+    if kind == "cut":
+        return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), **common)
 
     if kind == "loss":
         host = kv["host"]

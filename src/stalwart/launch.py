@@ -123,6 +123,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
             incarnation, first_step, restart_t0 = 0, 0, None
             all_hosts = list(range(cfg.nproc))
             store = _script_store(cfg, tb, run_dir)
+            tb.start_liveness()  # ranks beat to it: a hung or cut-off rank is found (heartbeat.py)
             clock0 = time.monotonic()  # fault windows in seconds count from here
             tb.on_time(0.0)
             while True:

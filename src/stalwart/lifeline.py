@@ -8,6 +8,8 @@ stays held for ever in the child. Here the rank sets it on itself, after exec, t
 that its parent is still the launcher (had the launcher died in between, the signal would
 never come), and runs the module as ``__main__``. The new session (so that Ctrl-C reaches
 only the launcher, which stops the ranks itself) comes from ``Popen(start_new_session=True)``.
+With ``STALWART_HEARTBEAT`` set, the rank also beats to the launcher's liveness listener
+(heartbeat.py) from its first line on, so that a rank that hangs or is cut off is found.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import runpy
 import signal
 import sys
+
+from stalwart import heartbeat
 
 _PR_SET_PDEATHSIG = 1
 
@@ -35,9 +39,15 @@ def main() -> None:
         print("usage: python -m stalwart.lifeline PARENT_PID MODULE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     tie_to(int(sys.argv[1]))
+    addr = os.environ.get(heartbeat.ENV)
+    if addr:
+        heartbeat.beat(addr)  # the launcher's liveness check (heartbeat.py)
     module = sys.argv[2]
     sys.argv = [module, *sys.argv[3:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        heartbeat.leaving()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ What it guarantees:
   for the way back (mitigate/probe.py); once healthy and worth it, its rank is started
   again and joins live (at most REJOIN_TRIES starts), or, in a job that cannot regroup in
   place, the ranks are asked to take it back by a restart;
+- a rank that hangs or is cut off (no heartbeat: heartbeat.py, within ``SILENT_S`` = 3 s
+  once it is set up, ``START_SILENT_S`` before) is SIGKILLed and logged
+  ``rank_unresponsive``: from there it is a dead rank as above, and a failed job's error
+  names the silence;
 - a failed in-place regroup (a rank exits FALLBACK_EXIT) falls back to checkpoint and
   relaunch (mitigate/fallback.py): RESTART_EXIT, as when every rank left for a planned
   restart (launch.py starts the next incarnation); 0 when every rank exited 0.
@@ -34,7 +38,10 @@ peers that aborted have exited).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -207,10 +214,14 @@ class Supervisor:
         self.rejoin: _Rejoin | None = None
         self.regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
         self.back: list[int] = []  # ranks a kill fault's back= starts again, once dropped
+        self.liveness = getattr(tb, "liveness", None)  # heartbeat.Listener, when started
+        self.expected: set[int] = set()  # pids the listener judges
+        self.silenced: dict[int, float] = {}  # rank -> seconds silent when it was killed
 
     def run(self) -> int:
         while True:
             self.tb.on_time(time.monotonic() - self.clock0)
+            self._judge_liveness()
             self._read_metrics()
             if self.members is not None and self._any_exited(FALLBACK_EXIT):
                 return _fall_back(self.cfg, self.run_dir, self.procs, self.members, self.events,
@@ -244,6 +255,26 @@ class Supervisor:
 
     def _any_exited(self, code: int) -> bool:
         return any(p.poll() == code for p in self.procs.values())
+
+    def _judge_liveness(self) -> None:
+        """SIGKILL each live rank that is silent past its bound (heartbeat.py ``overdue``):
+        the next poll sees it dead, as any other death."""
+        if self.liveness is None:
+            return
+        live = {p.pid: r for r, p in self.procs.items() if p.poll() is None}
+        for pid in live.keys() - self.expected:
+            self.liveness.expect(pid)
+            self.expected.add(pid)
+        for s in self.liveness.overdue(list(live)):
+            r = live[s.pid]
+            self.liveness.forget(s.pid)
+            self.silenced[r] = s.silent_s
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(s.pid, signal.SIGKILL)  # the rank leads its session (launch.py)
+            self.events.log("rank_unresponsive", step=self.next_step, rank=r,
+                            silent_s=round(s.silent_s, 3), bound_s=s.bound_s, heard=s.heard)
+            self.say(f"stalwart: rank {r} sent no heartbeat for {s.silent_s:.1f} s (hung or "
+                     "cut off); the launcher killed it")
 
     def _read_metrics(self) -> None:
         """Progress, the testbed's view and fault schedule, rank 0's step times."""
@@ -411,6 +442,9 @@ class Supervisor:
         self.progress.close()
         log = rank_log(self.run_dir, r)
         why = raised.get(r, {}).get("error") or last_error_line(log)
+        if r in self.silenced:
+            why = (f"no heartbeat for {self.silenced[r]:.1f} s (hung or cut off), killed by "
+                   f"the launcher; its last output: {why or 'none'}")
         self.events.log("rank_failed", rank=r, exit_code=code, error=why, step=self.next_step)
         self.say(f"stalwart: rank {r} failed ({describe_exit(code)}): {why or 'no output'} "
                  f"[log: {log}]")

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from stalwart import heartbeat
 from stalwart.elastic import launcher
 from stalwart.elastic import protocol as P
 from stalwart.elastic.errors import ElasticError, Refused, StoreLost, UsageError
@@ -99,6 +100,7 @@ class Job:
         self._phase = P.IDLE
         self._resume()
         self._regroup()
+        heartbeat.ready()  # under `stalwart run`: judged at SILENT_S from now (heartbeat.py)
         # under `stalwart run`: the launcher goes on without this process if it dies, and
         # follows its steps (elastic/launcher.py)
         run_dir = launcher.run_dir_of(e)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from stalwart.testbed._sys import PREFIX, pid_alive, quiet, run
 
-_NETNS_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-h\d+$")
+_NETNS_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:h\d+|ctl)$")
 _BRIDGE_RE = re.compile(rf"^{PREFIX}b(\d+)-\d+$")
 _PORT_RE = re.compile(rf"^{PREFIX}p([0-9a-z]+)-[0-9a-z]+-[0-9a-z]+$")
 _CGROUP_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-r\d+$")

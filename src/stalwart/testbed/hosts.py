@@ -6,9 +6,14 @@ The bridge and its ports have no address in the root namespace (IPv6 address gen
 as well), so the /24 exists only inside our namespaces: traffic flows between the created hosts
 and nowhere else. Several ``Hosts`` may coexist (same addresses, separate bridges).
 
-Faults on hosts -- ``set_link`` (tbf), ``set_pair`` (htb + u32), ``set_loss`` (nftables) -- are
-kept as desired state per host and the kernel configuration is rebuilt from it, so overlapping
-faults compose and clearing one leaves the others in force.
+Faults on hosts -- ``set_link`` (tbf), ``set_pair`` (htb + u32), ``set_loss`` (nftables),
+``set_cut`` (nftables: a silent drop of everything to and from the host) -- are kept as desired
+state per host and the kernel configuration is rebuilt from it, so overlapping faults compose
+and clearing one leaves the others in force.
+
+``control()`` adds, on first use, one more namespace on the bridge at ``CONTROL_ADDR`` that no
+fault addresses (``stw-<pid>-<k>-ctl``): where the launcher's side of the job's control plane
+listens (heartbeat.py), so that it reaches every host over that host's own link.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from stalwart.testbed._sys import (
 
 SUBNET = "10.213.0"
 MAX_HOSTS = 253
+CONTROL_ADDR = f"{SUBNET}.254"
+CUT_TABLE = "stw_cut"
 
 
 class Hosts:
@@ -54,6 +61,8 @@ class Hosts:
         self._link: dict[int, int] = {}  # host -> link rate (bit/s)
         self._pairs: dict[int, dict[int, int]] = {}  # host -> {peer host: rate}
         self._loss: dict[int, float] = {}
+        self._cut: set[int] = set()
+        self._control: tuple[str, str] | None = None  # (namespace, its bridge port)
         self._closed = False
         self._owner = os.getpid()
         cleanup.cleanup_stale()
@@ -92,6 +101,32 @@ class Hosts:
                 "link set dev eth0 up",
             ]) + "\n")
 
+    def control(self) -> str:
+        """The control namespace's name (built on first call): one more port on the bridge,
+        address ``CONTROL_ADDR``, never addressed by a fault (a cut drops its traffic with the
+        cut host, like every other end's)."""
+        if self._control is None:
+            pid, k = (int(x) for x in self.tag.split("-"))
+            ns, port = f"{PREFIX}-{self.tag}-ctl", f"{PREFIX}p{b36(pid)}-{b36(k)}-ctl"
+            if len(port) > IFNAMSIZ:
+                raise TestbedError(f"interface name too long for tag {self.tag}")
+            self._control = (ns, port)  # close() removes whatever part of it was made
+            run(["ip", "netns", "add", ns])
+            run(["ip", "-batch", "-"], input="\n".join([
+                f"link add name {port} mtu {self.mtu} type veth peer name eth0 mtu {self.mtu} "
+                f"netns {ns}",
+                f"link set dev {port} addrgenmode none",
+                f"link set dev {port} master {self.bridge}",
+                f"link set dev {port} up",
+            ]) + "\n")
+            run(["ip", "-n", ns, "-batch", "-"], input="\n".join([
+                "link set dev lo up", "link set dev eth0 addrgenmode none",
+                f"addr add {CONTROL_ADDR}/24 dev eth0", "link set dev eth0 up",
+            ]) + "\n")
+            if self._cut:
+                self._recut()
+        return self._control[0]
+
     # -- addressing ------------------------------------------------------------------------
     def addr(self, i: int) -> str:
         self._check(i)
@@ -125,6 +160,35 @@ class Hosts:
     def clear_loss(self, i: int) -> None:
         self._loss.pop(i, None)
         loss.clear_loss(self.ns(i))
+
+    def set_cut(self, i: int, cut: bool = True) -> str:
+        """Cut host i off (``cut``) or restore it: every packet from it is dropped where it
+        arrives, and every packet arriving at it, silently (input hooks, like a pulled cable:
+        senders see no error). Returns the mechanism."""
+        require_tool("nft", "cut faults")
+        self._check(i)
+        if cut:
+            self._cut.add(i)
+        else:
+            self._cut.discard(i)
+        self._recut()
+        return (f"nftables inet {CUT_TABLE} input: all of eth0 dropped in host{i}, "
+                f"packets from {self.addr(i)} dropped in every other namespace") if cut else ""
+
+    def _recut(self) -> None:
+        spaces = list(enumerate(self._ns)) + (
+            [(-1, self._control[0])] if self._control is not None else [])
+        for j, ns in spaces:
+            rules = ['iifname "eth0" counter drop'] if j in self._cut else [
+                f'iifname "eth0" ip saddr {self.addr(c)} counter drop' for c in sorted(self._cut)]
+            if not rules:
+                quiet(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", CUT_TABLE])
+                continue
+            body = "".join(f"    {r}\n" for r in rules)
+            run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=(
+                f"table inet {CUT_TABLE}\ndelete table inet {CUT_TABLE}\n"
+                f"table inet {CUT_TABLE} {{\n  chain input {{\n"
+                f"    type filter hook input priority -10; policy accept;\n{body}  }}\n}}\n"))
 
     def set_link(self, i: int, rate_bps: int | None) -> str:
         """Limit host i's link (both directions) to rate_bps (None: unlimited)."""
@@ -174,13 +238,17 @@ class Hosts:
         self._closed = True
         # Deleting a veth end destroys the pair at once; a namespace deletion alone frees its
         # interfaces only later (asynchronously, and only after its last process has exited).
-        cmds = [f"link del dev {p}" for p in self._ports] + [f"netns del {ns}" for ns in self._ns]
+        ports, spaces = list(self._ports), list(self._ns)
+        if self._control is not None:
+            spaces.append(self._control[0])
+            ports.append(self._control[1])
+        cmds = [f"link del dev {p}" for p in ports] + [f"netns del {ns}" for ns in spaces]
         cmds.append(f"link del dev {self.bridge}")
         try:
             run(["ip", "-force", "-batch", "-"], input="\n".join(cmds) + "\n", check=False)
         except TestbedError:
             pass
-        for ns in self._ns:  # whatever the batch could not do (e.g. it was interrupted)
+        for ns in spaces:  # whatever the batch could not do (e.g. it was interrupted)
             if os.path.exists(f"/run/netns/{ns}"):
                 quiet(["ip", "netns", "del", ns])
         cleanup.unregister(self)

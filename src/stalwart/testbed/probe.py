@@ -16,6 +16,7 @@ the emulated hosts (``ip netns exec``) and measures at the receiver:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -101,16 +102,29 @@ print(time.perf_counter() - t0, flush=True)
 """
 
 
+# prepended to each probe program: it dies with the thread that started it (PR_SET_PDEATHSIG),
+# so a probe in flight when its launcher exits -- a receiver blocked in accept() because the
+# host is cut off -- never outlives it (nor keeps the launcher's output pipes open)
+_TIED = ("import ctypes as _c, os as _o, signal as _s, sys as _y\n"
+         "_c.CDLL('libc.so.6').prctl(1, _s.SIGKILL)\n"
+         "_o.getppid() == int(_y.argv.pop(1)) or _o._exit(1)\n")
+
+
 def _pair(hosts: Hosts, src: int, dst: int, recv_code: str, send_code: str,
           recv_args: Sequence[str], send_args: Sequence[str], timeout: float) -> dict:
+    """Run a receiver in host ``dst`` and a sender in host ``src``; the receiver's last line
+    (JSON). Either failing, or not done in ``timeout``, raises; their stderr is kept out of
+    the caller's (a probe of a host cut off fails by design)."""
     py = [sys.executable, "-S", "-c"]
-    recv = subprocess.Popen([*hosts.exec_prefix(dst), *py, recv_code, *recv_args],
-                            stdout=subprocess.PIPE, text=True)
+    me = str(os.getpid())
+    recv = subprocess.Popen([*hosts.exec_prefix(dst), *py, _TIED + recv_code, me, *recv_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert recv.stdout is not None
         if recv.stdout.readline().strip() != "ready":
             raise RuntimeError("probe receiver did not start")
-        subprocess.run([*hosts.exec_prefix(src), *py, send_code, *send_args], check=True,
+        subprocess.run([*hosts.exec_prefix(src), *py, _TIED + send_code, me, *send_args],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        timeout=timeout)
         out, _ = recv.communicate(timeout=timeout)
         return json.loads(out.strip().splitlines()[-1])

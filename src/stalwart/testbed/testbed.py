@@ -47,12 +47,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig
-from stalwart.faultspec import Fault
+from stalwart.faultspec import MOMENT_KINDS, Fault
+from stalwart.heartbeat import ENV as BEAT_ENV
+from stalwart.heartbeat import Listener
 from stalwart.rundir import EventLog
 from stalwart.testbed import cleanup, traffic
 from stalwart.testbed._sys import PREFIX, next_tag, require_root, require_tool
 from stalwart.testbed.cpu import CpuGroup, fair_share, find_backend
-from stalwart.testbed.hosts import Hosts
+from stalwart.testbed.hosts import CONTROL_ADDR, Hosts
 
 CPU_KINDS = ("compute", "contention")
 
@@ -99,13 +101,29 @@ class Testbed:
         self._applied_at: dict[Fault, int] = {}
         self._killed: set[Fault] = set()
         self._back: dict[Fault, float] = {}  # killed ranks to start again: fault -> kill time
+        self.liveness: Listener | None = None  # start_liveness
+
+    def start_liveness(self) -> Listener:
+        """The launcher's liveness listener (heartbeat.py), started once; every rank started
+        after this beats to it (its address is in ``env``). Closed with the testbed."""
+        if self.liveness is None:
+            self.liveness = self._listen()
+        return self.liveness
+
+    def _listen(self) -> Listener:
+        """Where every rank reaches the launcher over its own network path: here, loopback."""
+        return Listener("127.0.0.1")
+
+    def _beat_env(self) -> dict[str, str]:
+        return {BEAT_ENV: self.liveness.addr} if self.liveness is not None else {}
 
     # -- placement (contract) --------------------------------------------------------------
     def command_prefix(self, rank: int) -> list[str]:
         return []
 
     def env(self, rank: int) -> dict[str, str]:
-        return {"STALWART_HOST_ADDR": "127.0.0.1", "STALWART_MTU": str(self.mtu)}
+        return {"STALWART_HOST_ADDR": "127.0.0.1", "STALWART_MTU": str(self.mtu),
+                **self._beat_env()}
 
     def host(self, rank: int) -> int:
         """The rank's slot (its launch rank: rank r of the first incarnation)."""
@@ -172,7 +190,8 @@ class Testbed:
             return
         self._step = next_step
         self._active = {f for f in self.faults
-                        if f.kind != "kill" and f.active_at(next_step, self._elapsed)}
+                        if f.kind not in MOMENT_KINDS
+                        and f.active_at(next_step, self._elapsed)}
         self._reconcile(next_step)
         self._kill_due()
 
@@ -183,17 +202,18 @@ class Testbed:
             return
         self._elapsed = elapsed
         active = {f for f in self.faults
-                  if f.kind != "kill" and f.active_at(self._step, elapsed)}
+                  if f.kind not in MOMENT_KINDS and f.active_at(self._step, elapsed)}
         if active != self._active:
             self._active = active
             self._reconcile(self._step)
         self._kill_due()
 
     def _kill_due(self) -> None:
-        """SIGKILL the process group of each rank whose kill fault is due (once)."""
+        """SIGKILL (a kill fault) or SIGSTOP (a hang) the process group of each rank whose
+        fault is due, once."""
         for f in self.faults:
-            if f.kind != "kill" or f in self._killed or not f.active_at(self._step,
-                                                                        self._elapsed):
+            if f.kind not in MOMENT_KINDS or f in self._killed or not f.active_at(
+                    self._step, self._elapsed):
                 continue
             pid = self._pids.get(f.rank)  # type: ignore[arg-type]
             if pid is None:
@@ -201,9 +221,10 @@ class Testbed:
             self._killed.add(f)
             if f.back_s is not None:
                 self._back[f] = self._elapsed or 0.0
+            sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # the rank is its session's leader (launch)
-            self._log("fault_applied", f, self._step, f"SIGKILL to process group {pid}",
+                os.killpg(pid, sig)  # the rank is its session's leader (launch)
+            self._log("fault_applied", f, self._step, f"{sig.name} to process group {pid}",
                       False, pid=pid)
 
     def restarts_due(self) -> list[int]:
@@ -312,6 +333,8 @@ class Testbed:
         except Exception:  # noqa: BLE001 -- teardown below must still happen
             pass
         finally:
+            if self.liveness is not None:
+                self.liveness.close()
             for g in self._groups.values():
                 g.close()
             self._groups.clear()
@@ -350,6 +373,8 @@ class NetnsTestbed(Testbed):
             require_tool("tc", "link faults")
         if "loss" in kinds:
             require_tool("nft", "loss faults")
+        if "cut" in kinds:
+            require_tool("nft", "cut faults")
         n_hosts = max(self._host_of) // self.per_host + 1
         self.net = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
         self.hosts = SlotHosts(self.net, self.per_host)
@@ -417,24 +442,20 @@ class NetnsTestbed(Testbed):
         return {"STALWART_HOST_ADDR": self.hosts.addr(self.host(rank)),
                 "STALWART_HOST": str(self.node(rank)),  # the detector's host (hostlink.py)
                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
-                "STALWART_MTU": str(self.mtu)}
+                "STALWART_MTU": str(self.mtu), **self._beat_env()}
+
+    def _listen(self) -> Listener:
+        """In the control namespace on the hosts' bridge (hosts.py ``control``): a host cut
+        off goes silent like a frozen rank."""
+        return Listener(CONTROL_ADDR, netns=self.net.control())
 
     def _apply_net(self, desired: set[Fault],
                    targets: set[tuple[str, Any]]) -> dict[Fault, str]:
         mech: dict[Fault, str] = {}
         h = self.net  # faults name hosts, not slots
         for kind, host in sorted(targets, key=str):
-            if kind == "loss":
-                mine = [f for f in desired if f.kind == "loss" and host in f.hosts]
-                keep = 1.0
-                for f in mine:
-                    keep *= 1.0 - f.p
-                if mine:
-                    desc = f"host{host}: " + h.set_loss(host, 1.0 - keep)
-                else:
-                    h.clear_loss(host)
-                    desc = ""
-                for f in mine:
+            if kind in ("loss", "cut"):  # loss:host=all is one fault over every host
+                for f, desc in self._drop(kind, host, desired).items():
                     mech[f] = "; ".join(x for x in (mech.get(f, ""), desc) if x)
             elif kind == "link":
                 mine = [f for f in desired if f.kind == "link" and f.hosts[0] == host]
@@ -450,6 +471,22 @@ class NetnsTestbed(Testbed):
                 for f in mine:
                     mech[f] = desc
         return mech
+
+    def _drop(self, kind: str, host: int, desired: set[Fault]) -> dict[Fault, str]:
+        """A host's nftables drops: its loss faults compose (the kept fractions multiply);
+        a cut is on while any cut fault of the host is."""
+        mine = [f for f in desired if f.kind == kind and host in f.hosts]
+        if kind == "cut":
+            desc = self.net.set_cut(host, bool(mine))
+        elif mine:
+            keep = 1.0
+            for f in mine:
+                keep *= 1.0 - f.p
+            desc = f"host{host}: " + self.net.set_loss(host, 1.0 - keep)
+        else:
+            self.net.clear_loss(host)
+            desc = ""
+        return {f: desc for f in mine}
 
     def _close_hosts(self) -> None:
         try:

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from stalwart import heartbeat
 from stalwart.config import ConfigError, RunConfig
 from stalwart.train.inplace import first_line, regroup_until_done
 from stalwart.train.rank import Rank
@@ -40,6 +41,7 @@ def train(cfg: RunConfig) -> int:
     from stalwart.mitigate.regroup import NotAMember
 
     r = Rank.start(cfg)
+    heartbeat.ready()  # set up: the launcher now judges its silence at SILENT_S
     applied = r.enter()  # optimizer steps applied: the next step to run
     if applied is None:  # started to rejoin and not taken back
         return r.inplace.leave() if r.inplace is not None else 1
