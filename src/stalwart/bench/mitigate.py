@@ -101,6 +101,10 @@ def scenarios(quick: bool) -> dict[str, Scenario]:
         "born2x": Scenario("born2x", ["compute:rank=2,factor=2"], n),
         # fail-stop: the done-when command's kill (rank 3 at step 60 of 200)
         "failstop": Scenario("failstop", [f"kill:rank=3,at={3 * n // 10}"], n),
+        # the same moment as a hang (SIGSTOP) and as a cut link (nftables): found by the
+        # launcher's heartbeat (heartbeat.py), then the same fail-stop
+        "hang": Scenario("hang", [f"hang:rank=3,at={3 * n // 10}"], n),
+        "cut": Scenario("cut", [f"cut:host=3,start={3 * n // 10}"], n),
         # 3 hosts x 2 ranks, host 1's link slow: both its ranks leave together (issue 35)
         "hostlink_multi": Scenario("hostlink_multi", ["link:host=1,rate=10mbit,start=20"], n,
                                    nproc=6, per_host=2),
@@ -227,13 +231,15 @@ def bytes_cut(d: Any, host: int) -> float | None:
     return 1.0 - got[-1] / got[0] if len(got) >= 2 and got[0] > 0 else None
 
 
-def failstop_figures(d: Any) -> dict[str, float | None]:
-    """Resume time, samples not trained on, step time before and after a killed rank."""
+def failstop_figures(d: Any, kind: str = "kill",
+                     prefix: str = "failstop") -> dict[str, float | None]:
+    """Resume time, samples not trained on, step time before and after a rank lost to the
+    run's first fault of ``kind`` (kill, hang, cut), under ``prefix``: from the fault to the
+    first step every member of the world then running completed."""
     global_batch = int(d.config["global_batch"])
-    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == "kill"]
-    out: dict[str, float | None] = {"failstop_resume_s": None, "failstop_samples_lost": None,
-                                    "failstop_step_s_before": None,
-                                    "failstop_step_s_after": None}
+    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == kind]
+    out: dict[str, float | None] = {f"{prefix}_{k}": None for k in (
+        "resume_s", "samples_lost", "step_s_before", "step_s_after")}
     if not kills:
         return out
     t_kill, k_step = float(kills[0]["time"]), int(kills[0]["step"])
@@ -243,7 +249,7 @@ def failstop_figures(d: Any) -> dict[str, float | None]:
     # a step is done when every rank of its world has written its line
     done_at = {s: max(x["time"] for x in ms) for (s, w), ms in by.items() if len(ms) == w}
     after = [t for t in done_at.values() if t > t_kill]
-    out["failstop_resume_s"] = min(after) - t_kill if after else None
+    out[f"{prefix}_resume_s"] = min(after) - t_kill if after else None
     lost = 0
     for s in range(int(d.config.get("steps", 0))):
         groups = [ms for (st, _), ms in by.items() if st == s]
@@ -254,12 +260,12 @@ def failstop_figures(d: Any) -> dict[str, float | None]:
             lost += global_batch
         # lines from part of a world: its all-reduce completed, so every rank's gradient,
         # the dead one's included, is in that update
-    out["failstop_samples_lost"] = float(lost)
+    out[f"{prefix}_samples_lost"] = float(lost)
     st = step_times(d)
     before = [t for s, t in st.items() if k_step - 20 <= s < k_step]
     later = [t for s, t in st.items() if k_step + 5 <= s < k_step + 45]
-    out["failstop_step_s_before"] = statistics.median(before) if before else None
-    out["failstop_step_s_after"] = statistics.median(later) if later else None
+    out[f"{prefix}_step_s_before"] = statistics.median(before) if before else None
+    out[f"{prefix}_step_s_after"] = statistics.median(later) if later else None
     return out
 
 
@@ -339,7 +345,11 @@ TARGETS = {
     "failstop_val_loss_rel_change": "<= 0.001", "false_recoveries": "<= 0",
     "recovered_born2x": ">= 0.7", "rejoin_s": "<= 2"}
 # scenarios ``--only`` can run by themselves (their figures alone)
-ONLY = ("pairlink_tp", "hostlink_multi")
+ONLY = ("pairlink_tp", "hostlink_multi", "failstop")
+FAULT_CLASSES = {"failstop": "kill", "hang": "hang", "cut": "cut"}  # scenario -> fault kind
+# ``--only failstop``'s own: a hang or a cut costs the heartbeat's bound (3 s) more than a kill
+CLASS_TARGETS = {"hang_resume_s": "<= 5", "cut_resume_s": "<= 5", "hang_samples_lost": "<= 0",
+                 "cut_samples_lost": "<= 0"}
 TARGETS["recovered_hostlink_multi"] = ">= 0.8"
 
 
@@ -364,6 +374,56 @@ def run_hostlink_multi(quick: bool, workdir: Path, st: Steps | None = None,
                                  "straggler_detected", "mitigation_applied", "regroup",
                                  "restart", "mitigation_measured")]}
                      for k, d in runs.items()}
+
+
+def run_fault_classes(quick: bool, workdir: Path, peers: bool = True,
+                      install_peers: bool = False) -> BenchResult:
+    """``--only failstop``: a rank lost three ways at the same step -- killed, hung (SIGSTOP),
+    its host's link cut -- under ``--mitigate auto``, and torchft's replica groups under the
+    same three faults (its working form, ``Manager.allreduce``), with our healthy run for
+    the validation loss. Figures per class: ``{failstop,hang,cut}_resume_s`` (the fault to
+    the first step every survivor completed), ``_samples_lost``, ``_step_s_before/after``
+    (the slower steps we pay after a loss), and ``torchft_{failstop,hang,cut}_resume_s`` /
+    ``_samples_lost``."""
+    sc = scenarios(quick)
+    tag = "q" if quick else "f"
+    skip = peer_runs(peers, install_peers)
+    if skip is not None:
+        print(f"bench mitigate: {skip}", flush=True)
+    st = Steps("mitigate", 1 + len(FAULT_CLASSES) * (1 if skip else 2))
+    healthy = run_one(sc["failstop"], "auto", workdir, tag, faults=False, steps=st)
+    ours = {name: run_one(sc[name], "auto", workdir, tag, steps=st) for name in FAULT_CLASSES}
+    figures: dict[str, Any] = {}
+    for name, kind in FAULT_CLASSES.items():
+        figures.update(failstop_figures(ours[name], kind, name))
+        figures[f"{name}_val_loss_rel_change"] = val_change(ours[name], healthy)
+    peers_runs: dict[str, Any] = {}
+    if skip is None:
+        for name, kind in FAULT_CLASSES.items():
+            st.start(f"torchft {name} (allreduce)")
+            d = torchft_run.run_one(f"{name}-classes", list(sc[name].faults), sc[name].steps,
+                                    "allreduce", workdir, tag, MICRO_SIZE)
+            peers_runs[name] = d
+            gb = int(d.config.get("global_batch") or 8 * torchft_run.N_REPLICAS)
+            figures[f"torchft_{name}_resume_s"] = torchft_run.resume_s(d, kind)
+            figures[f"torchft_{name}_samples_lost"] = torchft_run.samples_lost(d.metrics, gb)
+    else:
+        for name in FAULT_CLASSES:
+            figures[f"torchft_{name}_resume_s"] = None
+            figures[f"torchft_{name}_samples_lost"] = None
+    runs = {"healthy": healthy, **ours, **{f"torchft_{k}": d for k, d in peers_runs.items()}}
+    details = {"only": "failstop", "peers": skip or "torchft", "runs": {
+        k: {"path": str(d.path), "rc": d.rc, "wall_s": round(wall_time(d), 2),
+            "final_val_loss": d.final_val_loss(),
+            "events": [{k2: e.get(k2) for k2 in ("event", "step", "kind", "rank", "silent_s",
+                                                  "exit_code", "world", "regroup_s")}
+                       for e in d.events_of("fault_applied", "rank_unresponsive",
+                                            "rank_lost", "regroup")]}
+        for k, d in runs.items()}}
+    targets = {**TARGETS, **CLASS_TARGETS}
+    return BenchResult("mitigate", figures,
+                       targets={k: targets[k] for k in figures if k in targets},
+                       details=details)
 
 
 def run_tp(quick: bool, workdir: Path) -> BenchResult:
@@ -400,6 +460,8 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     from stalwart.mitigate import planner
 
     if only:
+        if list(only) == ["failstop"]:
+            return run_fault_classes(quick, workdir, peers, install_peers)
         if list(only) == ["hostlink_multi"]:
             figs, runs = run_hostlink_multi(quick, workdir)
             return BenchResult("mitigate", figs, targets={k: TARGETS[k] for k in figs},

@@ -137,10 +137,13 @@ def measure(failstop: Any, slow: Any, workdir: Path, tag: str, micro_size: int,
 
 
 # ---- figures from run directories ---------------------------------------------------------
-def kill_time(d: Any) -> tuple[float, int] | None:
-    """(time, rank) of the testbed's kill."""
-    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == "kill"]
-    return (float(kills[0]["time"]), int(kills[0]["rank"])) if kills else None
+def kill_time(d: Any, kind: str = "kill") -> tuple[float, int] | None:
+    """(time, rank or host) of the testbed's first fault of ``kind`` (kill, hang, cut)."""
+    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == kind]
+    if not kills:
+        return None
+    e = kills[0]
+    return float(e["time"]), int(e["rank"] if e.get("rank") is not None else e["hosts"][0])
 
 
 def committed_done(metrics: list[dict[str, Any]]) -> dict[int, float]:
@@ -154,8 +157,9 @@ def committed_done(metrics: list[dict[str, Any]]) -> dict[int, float]:
             if len(ms) >= int(ms[0]["world"])}
 
 
-def resume_s(d: Any) -> float | None:
-    k = kill_time(d)
+def resume_s(d: Any, kind: str = "kill") -> float | None:
+    """From the fault to the end of the first step every member of its quorum committed."""
+    k = kill_time(d, kind)
     if k is None:
         return None
     after = [t for t in committed_done(d.metrics).values() if t > k[0]]
