@@ -7,7 +7,8 @@ for a person -- the live progress line, a script run's display and the report us
 
 Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``,
 ``RecoveryRejected``, ``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``,
-``MitigationReverted``, ``MitigationMeasured``), the launcher (``RegroupFailed``).
+``MitigationReverted``, ``MitigationMeasured``), the launcher (``RegroupFailed``,
+``RankUnresponsive``).
 Torch-free; no I/O (``rundir.EventLog.emit`` writes one).
 """
 
@@ -145,10 +146,23 @@ class RegroupFailed(Event):
     resume_step: int | None = None
 
 
+@dataclass
+class RankUnresponsive(Event):
+    """A rank sent no heartbeat past its bound (heartbeat.py): hung or cut off. The launcher
+    SIGKILLed it; what follows is a dead rank's path (``rank_lost`` or ``rank_failed``)."""
+
+    name: ClassVar[str] = "rank_unresponsive"
+    step: int  # the launcher's step count
+    rank: int  # launch rank
+    silent_s: float  # seconds since its last beat (or its start, ``heard`` False)
+    bound_s: float  # the bound it broke: SILENT_S once set up, START_SILENT_S before
+    heard: bool  # it had beaten at least once
+
+
 TYPES: dict[str, type[Event]] = {t.name: t for t in (
     StragglerDetected, SlowdownUnexplained, StragglerRecovered, RecoveryRejected,
     MitigationApplied,
-    MitigationReverted, MitigationMeasured, RegroupFailed)}
+    MitigationReverted, MitigationMeasured, RegroupFailed, RankUnresponsive)}
 
 
 def parse(rec: dict[str, Any]) -> Event | None:
@@ -196,6 +210,9 @@ def describe(rec: dict[str, Any], unit: str = "step") -> str | None:
         return f"straggler recovered at {unit} {rec.get('step')}"
     if ev == RegroupFailed.name:
         return describe_regroup_failed(rec)
+    if ev == RankUnresponsive.name:
+        return (f"rank {rec.get('rank')} sent no heartbeat for {rec.get('silent_s', 0):.1f} s "
+                "(hung or cut off); the launcher killed it")
     if ev == RecoveryRejected.name:
         return (f"rank {','.join(map(str, rec.get('ranks') or []))} reads healthy at {unit} "
                 f"{rec.get('step')} but is still x{rec.get('compute_test_ratio', 0):.2f} "

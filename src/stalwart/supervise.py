@@ -51,6 +51,7 @@ from typing import Any
 
 from stalwart.config import RunConfig
 from stalwart.elastic.launcher import registered
+from stalwart.events import RankUnresponsive, describe
 from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
 from stalwart.mitigate.fallback import FALLBACK_EXIT
 from stalwart.mitigate.membership import failstop_ok
@@ -271,10 +272,9 @@ class Supervisor:
             self.silenced[r] = s.silent_s
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(s.pid, signal.SIGKILL)  # the rank leads its session (launch.py)
-            self.events.log("rank_unresponsive", step=self.next_step, rank=r,
-                            silent_s=round(s.silent_s, 3), bound_s=s.bound_s, heard=s.heard)
-            self.say(f"stalwart: rank {r} sent no heartbeat for {s.silent_s:.1f} s (hung or "
-                     "cut off); the launcher killed it")
+            ev = RankUnresponsive(self.next_step, r, round(s.silent_s, 3), s.bound_s, s.heard)
+            self.events.emit(ev)
+            self.say(f"stalwart: {describe({'event': ev.name, **ev.fields()})}")
 
     def _read_metrics(self) -> None:
         """Progress, the testbed's view and fault schedule, rank 0's step times."""

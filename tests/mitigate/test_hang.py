@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.events import RankUnresponsive, parse
 from stalwart.heartbeat import SILENT_S
 from stalwart.rundir import RunData
 from tests.helpers import goes_on_after_its_last_completed_step, stalwart
@@ -34,6 +35,8 @@ def _dropped_for_silence(run: RunData, victim: int) -> None:
     silent = run.events_of("rank_unresponsive")
     assert [(e["rank"], e["bound_s"], e["heard"]) for e in silent] == [(victim, SILENT_S, True)]
     assert silent[0]["silent_s"] >= SILENT_S
+    ev = parse(silent[0])
+    assert isinstance(ev, RankUnresponsive) and ev.rank == victim
 
 
 def _trained_on_without(run: RunData, victim: int) -> None:
