@@ -215,7 +215,7 @@ class Supervisor:
         self.rejoin: _Rejoin | None = None
         self.regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
         self.back: list[int] = []  # ranks a kill fault's back= starts again, once dropped
-        self.liveness = getattr(tb, "liveness", None)  # heartbeat.Listener, when started
+        self.liveness = tb.liveness  # heartbeat.Listener (None: not started)
         self.expected: set[int] = set()  # pids the listener judges
         self.silenced: dict[int, float] = {}  # rank -> seconds silent when it was killed
 
@@ -341,8 +341,7 @@ class Supervisor:
         launcher has dropped it (``_go_on_without``), is started again as it was first
         started, as a node restarted after a crash: a script that uses stalwart.elastic
         joins the job live (elastic/job.py); ``rank_restarted`` is logged."""
-        if hasattr(self.tb, "restarts_due"):
-            self.back += self.tb.restarts_due()
+        self.back += self.tb.restarts_due()
         for r in [r for r in self.back if r not in self.procs]:
             self.back.remove(r)
             p = self.start_rank(r, {})

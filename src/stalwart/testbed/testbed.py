@@ -230,9 +230,11 @@ class Testbed:
     def restarts_due(self) -> list[int]:
         """The ranks whose kill fault's ``back`` seconds have passed since the kill, each
         once (the launcher starts them again: supervise.py); a ``fault_removed`` is logged
-        for each."""
-        due = [f for f, t in self._back.items()
-               if f.back_s is not None and self._elapsed - t >= f.back_s]
+        for each. None before the launcher's first ``on_time`` (no clock yet)."""
+        now = self._elapsed
+        if now is None:
+            return []
+        due = [f for f, t in self._back.items() if f.back_s is not None and now - t >= f.back_s]
         for f in due:
             del self._back[f]
             self._log("fault_removed", f, self._step, "rank started again", False)
