@@ -7,10 +7,11 @@ sample by the function it landed in (``stage``) and the thread it ran on (``side
 native engine's receive thread is named ``stw-rx``; everything else of ours (the send, the
 Python per-phase work, the final average and copy-out) runs on the main thread. gloo's work
 runs on its own threads. Kernel samples are split by the system call in their chain (send /
-receive / other); user samples by symbol and library (libcrypto = authentication, ISA-L =
-parity, memcpy/memmove = copies, the engine's ``sum_into`` and numpy's / gloo's add loops =
-summation, ...). The result is CPU nanoseconds per payload byte -- the bytes a rank sends (and
-receives) per all-reduce, the same for both systems: 2 (N-1)/N of the vector.
+receive / other); user samples by symbol and library (libcrypto and the engine's own GHASH
+and AES-NI block function = authentication, ISA-L = parity, memcpy/memmove = copies, the
+engine's ``sum_into`` and numpy's / gloo's add loops = summation, ...). The result is CPU
+nanoseconds per payload byte -- the bytes a rank sends (and receives) per all-reduce, the
+same for both systems: 2 (N-1)/N of the vector.
 
 What it does not show: time spent waiting (not CPU), and the CPU the machine's other jobs
 took. A sample costs the sampled thread nothing measurable at this period (perf writes from
@@ -42,6 +43,8 @@ _KCOPY_SYMS = ("copy_user", "rep_movs", "_copy_to_iter", "_copy_from_iter", "mem
 _SEND = ("sendmsg", "sendmmsg", "sendto", "writev", "ksys_write", "sock_write_iter")
 _RECV = ("recvmsg", "recvmmsg", "recvfrom", "readv", "ksys_read", "sock_read_iter")
 _COPY_SYMS = ("memcpy", "memmove", "__memcpy", "__memmove", "_copy_", "copy_user", "memcpy_")
+# the engine's own tag code (its GHASH, its AES-NI block function): authentication, not parse
+_AUTH_SYMS = ("gh_", "ni_block", "ni_key")
 _SUM_SYMS = ("sum_into", "FLOAT_add", "FLOAT_divide", "gloo::sum", "add_kernel", "vectorized_loop",
              "FLOAT_multiply")
 
@@ -106,7 +109,7 @@ def _stage(leaf_sym: str, leaf_dso: str, chain: list[str]) -> str:
         if any(any(k in s for k in _RECV) for s in chain):
             return "syscalls: receive"
         return "kernel: other"
-    if "libcrypto" in leaf_dso:
+    if "libcrypto" in leaf_dso or leaf_sym.startswith(_AUTH_SYMS):
         return "authentication"
     if "isal" in leaf_dso or "erasure" in leaf_dso or leaf_sym.startswith(
             ("ec_encode", "gf_", "maybe_decode", "gf_apply")):

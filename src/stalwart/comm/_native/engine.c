@@ -2,14 +2,15 @@
  *
  * Mechanism: the same per-datagram rules as the Python engine (wire.Wire.check plus
  * receiving.PyReceiver's placement), run on a pthread that never takes the GIL: recvmmsg with
- * UDP GRO, header parsing and bounds checks, the AES-256-GCM tag (OpenSSL's GCM128, GMAC: nothing
- * encrypted), placement into the round buffers (numpy arrays that Python allocated and reads
- * after a phase), loss bookkeeping per (round, phase), Reed-Solomon decoding of stripes that
- * lost data (ISA-L's ec_encode_data through dlopen, the copy pyeclib ships; a table-driven
- * loop without it), and the owner's sum. It also seals outgoing rows (sequence number + tag)
- * with the GIL released. Python runs per phase: it starts a phase, waits on this engine's
- * condition variable (woken only when a sender completes, a marker arrives, a late peer
- * starts or a silent one speaks) and reads the results.
+ * UDP GRO, header parsing and bounds checks, the AES-256-GCM tag (GMAC: nothing encrypted; its
+ * own VPCLMULQDQ GHASH where the CPU has it, else OpenSSL's GCM128), placement into the round
+ * buffers (numpy arrays that Python allocated and reads after a phase), loss bookkeeping per
+ * (round, phase), Reed-Solomon decoding of stripes that lost data (ISA-L's ec_encode_data
+ * through dlopen, the copy pyeclib ships; a table-driven loop without it), and the owner's sum.
+ * It also seals outgoing rows (sequence number + tag) with the GIL released. Python runs per
+ * phase: it starts a phase, waits on this engine's condition variable (woken only when a
+ * sender completes, a marker arrives, a late peer starts or a silent one speaks) and reads
+ * the results.
  *
  * Guarantees: every rule of the Python engine, in the same order, with the same reason codes
  * (tests run the suite with both engines; the fuzz test feeds arbitrary bytes through
@@ -35,6 +36,8 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <immintrin.h>
+#include <stdlib.h>
 #include <wmmintrin.h>
 
 #ifndef SOL_UDP
@@ -295,15 +298,184 @@ __attribute__((target("aes,sse2"))) static void ni_block(const unsigned char in[
     _mm_storeu_si128((__m128i *)out, _mm_aesenclast_si128(x, k->rk[14]));
 }
 
+/* ---- GHASH with VPCLMULQDQ (the tag's hash; the same function OpenSSL computes) --------
+ * GCM's GHASH (NIST SP 800-38D) over 256-bit vectors: two blocks per carry-less multiply,
+ * eight blocks (128 bytes) per reduction -- the unreduced products of the blocks with
+ * H^8..H^1 are XORed, then shifted and reduced once (Gueron-Kounavis; both steps are linear),
+ * the middle terms by Karatsuba. Used when the CPU has AES-NI, PCLMULQDQ, AVX2 and VPCLMULQDQ
+ * (``mac_new``), else OpenSSL's GCM128; ``STALWART_GHASH=openssl`` forces OpenSSL's (for
+ * measuring one against the other: the tags are the same bytes, which the tests check against
+ * pyca ``cryptography`` for every payload length of a chunk). Measured (microbenchmark, one
+ * core of this project's AMD EPYC: AVX2 + VPCLMULQDQ, no AVX-512; a 40-byte header + payload):
+ * 0.12-0.15 ns/B against OpenSSL 3.0's 0.17-0.25 at 8,960 bytes, 0.15 against 0.29-0.46 at
+ * 1,472 (OpenSSL takes the header's partial block and the payload's unaligned head byte by
+ * byte). Cost: 3 x 8 powers of H (16 bytes each) per key; nothing per packet but the tag's
+ * one AES block. */
+
+typedef struct {
+    __m128i h[8];   /* H^1..H^8, byte-reflected (as the multiply takes them) */
+    __m256i hp[4];  /* lanes (H^8,H^7), (H^6,H^5), (H^4,H^3), (H^2,H^1) */
+    __m256i hk[4];  /* the same, each lane's halves XORed (low 64 bits: Karatsuba) */
+} GhKey;
+
+#define GH_T __attribute__((target("pclmul,ssse3,sse4.1,avx2,vpclmulqdq")))
+
+GH_T static inline __m128i gh_bswap(__m128i x) {
+    return _mm_shuffle_epi8(x, _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+/* (lo, hi): 256-bit carry-less product, shifted left by one and reduced mod the GCM polynomial */
+GH_T static inline __m128i gh_reduce(__m128i tmp3, __m128i tmp6) {
+    __m128i tmp2, tmp4, tmp5, tmp7, tmp8, tmp9;
+    tmp7 = _mm_srli_epi32(tmp3, 31);
+    tmp8 = _mm_srli_epi32(tmp6, 31);
+    tmp3 = _mm_slli_epi32(tmp3, 1);
+    tmp6 = _mm_slli_epi32(tmp6, 1);
+    tmp9 = _mm_srli_si128(tmp7, 12);
+    tmp8 = _mm_slli_si128(tmp8, 4);
+    tmp7 = _mm_slli_si128(tmp7, 4);
+    tmp3 = _mm_or_si128(tmp3, tmp7);
+    tmp6 = _mm_or_si128(tmp6, tmp8);
+    tmp6 = _mm_or_si128(tmp6, tmp9);
+    tmp7 = _mm_slli_epi32(tmp3, 31);
+    tmp8 = _mm_slli_epi32(tmp3, 30);
+    tmp9 = _mm_slli_epi32(tmp3, 25);
+    tmp7 = _mm_xor_si128(tmp7, tmp8);
+    tmp7 = _mm_xor_si128(tmp7, tmp9);
+    tmp8 = _mm_srli_si128(tmp7, 4);
+    tmp7 = _mm_slli_si128(tmp7, 12);
+    tmp3 = _mm_xor_si128(tmp3, tmp7);
+    tmp2 = _mm_srli_epi32(tmp3, 1);
+    tmp4 = _mm_srli_epi32(tmp3, 2);
+    tmp5 = _mm_srli_epi32(tmp3, 7);
+    tmp2 = _mm_xor_si128(tmp2, tmp4);
+    tmp2 = _mm_xor_si128(tmp2, tmp5);
+    tmp2 = _mm_xor_si128(tmp2, tmp8);
+    tmp3 = _mm_xor_si128(tmp3, tmp2);
+    return _mm_xor_si128(tmp6, tmp3);
+}
+
+/* unreduced product a*b accumulated into (lo, hi) */
+GH_T static inline void gh_mul_acc(__m128i a, __m128i b, __m128i *lo, __m128i *hi) {
+    __m128i t0 = _mm_clmulepi64_si128(a, b, 0x00);
+    __m128i t1 = _mm_xor_si128(_mm_clmulepi64_si128(a, b, 0x10), _mm_clmulepi64_si128(a, b, 0x01));
+    __m128i t2 = _mm_clmulepi64_si128(a, b, 0x11);
+    *lo = _mm_xor_si128(*lo, _mm_xor_si128(t0, _mm_slli_si128(t1, 8)));
+    *hi = _mm_xor_si128(*hi, _mm_xor_si128(t2, _mm_srli_si128(t1, 8)));
+}
+
+GH_T static inline __m128i gh_mul(__m128i a, __m128i b) {
+    __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+    gh_mul_acc(a, b, &lo, &hi);
+    return gh_reduce(lo, hi);
+}
+
+/* h_block: E(K, 0^128) as bytes */
+GH_T static void gh_init(GhKey *k, const uint8_t h_block[16]) {
+    __m128i h = gh_bswap(_mm_loadu_si128((const __m128i *)h_block));
+    k->h[0] = h;
+    for (int i = 1; i < 8; i++) k->h[i] = gh_mul(k->h[i - 1], h);
+    for (int j = 0; j < 4; j++)  /* lane 0 = H^(8-2j), lane 1 = H^(7-2j) */
+        k->hp[j] = _mm256_set_m128i(k->h[6 - 2 * j], k->h[7 - 2 * j]);
+    for (int j = 0; j < 4; j++)
+        k->hk[j] = _mm256_xor_si256(k->hp[j], _mm256_shuffle_epi32(k->hp[j], 0x4e));
+}
+
+/* X <- GHASH update of X (reflected) with n bytes at p, n a multiple of 16 */
+GH_T static __m128i gh_blocks(const GhKey *k, __m128i x, const uint8_t *p, size_t n) {
+    const __m256i bs = _mm256_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                       0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    while (n >= 128) {
+        __m256i lo = _mm256_setzero_si256(), mid = lo, hi = lo;
+        for (int j = 0; j < 4; j++) {
+            __m256i b = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(p + 32 * j)), bs);
+            if (j == 0) b = _mm256_xor_si256(b, _mm256_zextsi128_si256(x));
+            __m256i h = k->hp[j];
+            __m256i bk = _mm256_xor_si256(b, _mm256_shuffle_epi32(b, 0x4e));
+            lo = _mm256_xor_si256(lo, _mm256_clmulepi64_epi128(b, h, 0x00));
+            hi = _mm256_xor_si256(hi, _mm256_clmulepi64_epi128(b, h, 0x11));
+            mid = _mm256_xor_si256(mid, _mm256_clmulepi64_epi128(bk, k->hk[j], 0x00));
+        }
+        __m128i l = _mm_xor_si128(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        __m128i m = _mm_xor_si128(_mm256_castsi256_si128(mid), _mm256_extracti128_si256(mid, 1));
+        __m128i h = _mm_xor_si128(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+        m = _mm_xor_si128(m, _mm_xor_si128(l, h));  /* Karatsuba: mid = (a0^a1)(b0^b1)^lo^hi */
+        l = _mm_xor_si128(l, _mm_slli_si128(m, 8));
+        h = _mm_xor_si128(h, _mm_srli_si128(m, 8));
+        x = gh_reduce(l, h);
+        p += 128; n -= 128;
+    }
+    if (n) {  /* 1..7 blocks: block i times H^(nb-i) */
+        int nb = (int)(n / 16);
+        __m128i lo = _mm_setzero_si128(), hi = lo;
+        for (int i = 0; i < nb; i++) {
+            __m128i b = gh_bswap(_mm_loadu_si128((const __m128i *)(p + 16 * i)));
+            if (i == 0) b = _mm_xor_si128(b, x);
+            gh_mul_acc(b, k->h[nb - 1 - i], &lo, &hi);
+        }
+        x = gh_reduce(lo, hi);
+    }
+    return x;
+}
+
+/* GHASH_H(A || 0-pad || [8 len(A)]_64 || [0]_64) for A = hdr[0:nh) || pay[0:np), as the
+ * reflected value (bswap it back to bytes) */
+GH_T static __m128i gh_aad2(const GhKey *k, const uint8_t *hdr, size_t nh, const uint8_t *pay,
+                            size_t np) {
+    __m128i x = _mm_setzero_si128();
+    uint8_t buf[16];
+    uint64_t bits = (uint64_t)(nh + np) * 8;
+    if (pay == hdr + nh) {  /* one stream in memory (a row, a received datagram): no seam */
+        np += nh;
+        nh = 0;
+        pay = hdr;
+    }
+    size_t nfull = nh / 16 * 16;
+    x = gh_blocks(k, x, hdr, nfull);
+    size_t r = nh - nfull;  /* header tail joins the payload's head in one block */
+    if (r) {
+        size_t take = np < 16 - r ? np : 16 - r;
+        memset(buf, 0, 16);
+        memcpy(buf, hdr + nfull, r);
+        memcpy(buf + r, pay, take);
+        x = gh_blocks(k, x, buf, 16);
+        pay += take; np -= take;
+    }
+    /* the 128-byte groups, then what is left (< 128 bytes, zero-padded) and the length block
+     * together: one or two reductions */
+    size_t bulk = np / 128 * 128, rest = np - bulk, padded = (rest + 15) / 16 * 16;
+    uint8_t last[160];
+    x = gh_blocks(k, x, pay, bulk);
+    memset(last, 0, padded + 16);
+    memcpy(last, pay + bulk, rest);
+    for (int i = 0; i < 8; i++) last[padded + i] = (uint8_t)(bits >> (56 - 8 * i));
+    return gh_blocks(k, x, last, padded + 16);
+}
+
 struct Mac {
+    GhKey gh;  /* first: 32-byte aligned vectors (Mac is allocated 64-aligned) */
     GCM128_CONTEXT *gcm;
     union { NiKey ni; AES_KEY sw; } key;
+    int fast;  /* 1: the tag through gh_* and ni_block; 0: OpenSSL's GCM128 */
 };
+
+/* the tag with the VPCLMULQDQ GHASH: GHASH_H(hdr || pay, lengths) XOR E(K, iv || 1) */
+GH_T static void gh_tag(const Mac *m, const uint8_t *hdr, const uint8_t *pay, int n,
+                        const uint8_t iv[12], uint8_t out[16]) {
+    uint8_t j0[16], ek[16];
+    memcpy(j0, iv, 12);
+    j0[12] = 0; j0[13] = 0; j0[14] = 0; j0[15] = 1;
+    ni_block(j0, ek, &m->key.ni);
+    __m128i x = gh_bswap(gh_aad2(&m->gh, hdr, HEADER_BYTES, pay, (size_t)n));
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, _mm_loadu_si128((const __m128i *)ek)));
+}
+
 
 static void mac_free(Mac *m) {
     if (!m) return;
     if (m->gcm) CRYPTO_gcm128_release(m->gcm);
     OPENSSL_cleanse(&m->key, sizeof m->key);
+    OPENSSL_cleanse(&m->gh, sizeof m->gh);
     free(m);
 }
 
@@ -314,6 +486,15 @@ static Mac *mac_new(const uint8_t *key) {
     if (__builtin_cpu_supports("aes")) {
         ni_key(&m->key.ni, key);
         m->gcm = CRYPTO_gcm128_new(&m->key.ni, ni_block);
+        const char *force = getenv("STALWART_GHASH");
+        if (m->gcm && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("avx2")
+            && __builtin_cpu_supports("vpclmulqdq") && !(force && !strcmp(force, "openssl"))) {
+            uint8_t zero[16] = {0}, h[16];
+            ni_block(zero, h, &m->key.ni);
+            gh_init(&m->gh, h);
+            OPENSSL_cleanse(h, sizeof h);
+            m->fast = 1;
+        }
     } else if (AES_set_encrypt_key(key, 256, &m->key.sw) == 0) {
         m->gcm = CRYPTO_gcm128_new(&m->key.sw, (block128_f)AES_encrypt);
     }
@@ -328,6 +509,10 @@ static int gmac2(Mac *m, const uint8_t *hdr, const uint8_t *pay, int n, uint8_t 
     uint8_t iv[12] = {0};
     memcpy(iv, hdr + 12, 2);
     memcpy(iv + 4, hdr + 32, 8);
+    if (m->fast) {
+        gh_tag(m, hdr, pay, n, iv, out);
+        return 0;
+    }
     CRYPTO_gcm128_setiv(m->gcm, iv, sizeof iv);
     if (CRYPTO_gcm128_aad(m->gcm, hdr, HEADER_BYTES) != 0) return -1;
     if (n > 0 && CRYPTO_gcm128_aad(m->gcm, pay, (size_t)n) != 0) return -1;
@@ -1589,10 +1774,11 @@ static PyObject *Engine_set_drop(Engine *e, PyObject *args) {
 }
 
 static PyObject *Engine_counters(Engine *e, PyObject *noargs) {
-    return Py_BuildValue("{s:L,s:L,s:K,s:d,s:L,s:L}", "dropped", (long long)e->dropped,
+    return Py_BuildValue("{s:L,s:L,s:K,s:d,s:L,s:L,s:s}", "dropped", (long long)e->dropped,
                          "rx_batches", (long long)e->rx_batches, "seq",
                          (unsigned long long)e->seq, "rx_cpu", e->rx_cpu, "rx_msgs",
-                         (long long)e->rx_msgs, "rx_dgrams", (long long)e->rx_dgrams);
+                         (long long)e->rx_msgs, "rx_dgrams", (long long)e->rx_dgrams, "ghash",
+                         e->tx_ctx && e->tx_ctx->fast ? "vpclmulqdq" : "openssl");
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -1616,7 +1802,7 @@ static PyMethodDef Engine_methods[] = {
     {"send", (PyCFunction)Engine_send, METH_VARARGS, "seal (optionally) and send a phase"},
     {"feed", (PyCFunction)Engine_feed, METH_VARARGS, "one datagram through the receive path"},
     {"set_drop", (PyCFunction)Engine_set_drop, METH_VARARGS, "test hook: burst drops"},
-    {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "dropped, rx_batches, seq"},
+    {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "dropped, rx_batches, seq, ghash"},
     {NULL, NULL, 0, NULL},
 };
 
