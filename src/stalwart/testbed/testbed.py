@@ -230,7 +230,7 @@ class Testbed:
     def restarts_due(self) -> list[int]:
         """The ranks whose kill fault's ``back`` seconds have passed since the kill, each
         once (the launcher starts them again: supervise.py); a ``fault_removed`` is logged
-        for each. None before the launcher's first ``on_time`` (no clock yet)."""
+        for each; empty before the launcher's first ``on_time`` (no clock yet)."""
         now = self._elapsed
         if now is None:
             return []
