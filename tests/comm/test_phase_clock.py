@@ -51,6 +51,25 @@ def test_a_peer_that_never_starts_costs_one_cap() -> None:
     assert c.deadline_hit
 
 
+def test_the_deadline_runs_from_the_end_of_the_own_send() -> None:
+    """A rank whose own send outlasted the deadline (a CPU-starved machine: 2.6-7.5 s sends
+    against a 5 s cap, measured) still gives its peers' packets a whole deadline, and a late
+    peer the cap, from then on; before, it gave up on every chunk in flight at its first look."""
+    c = PhaseClock(t0=0.0, limit=1.0, cap=5.0, grace=lambda e: 0.05 * e, sent=1.5)
+    assert c.step(1.5, all_done=False, all_ended=False, late=False) == 2.5
+    assert c.state == WAITING and not c.deadline_hit
+    assert c.step(2.5, all_done=False, all_ended=False, late=False) is None
+    assert c.deadline_hit  # one deadline after the send, not more
+    late = PhaseClock(t0=0.0, limit=1.0, cap=5.0, grace=lambda e: 0.05 * e, sent=6.0)
+    assert late.step(6.0, all_done=False, all_ended=False, late=True) == 11.0
+    assert late.step(11.0, all_done=False, all_ended=False, late=True) is None
+    assert late.deadline_hit  # a peer that never starts costs the own send plus one cap
+    # a send within the deadline changes nothing but where the deadline is counted from
+    quick = PhaseClock(t0=0.0, limit=1.0, cap=5.0, grace=lambda e: 0.05 * e, sent=0.2)
+    assert quick.step(0.5, all_done=True, all_ended=True, late=False) is None
+    assert quick.state == COMPLETE
+
+
 def test_the_wait_account_names_the_last_peer_and_the_split() -> None:
     from stalwart.comm.phase import WaitAccount
     from stalwart.comm.rounds import PhaseStats

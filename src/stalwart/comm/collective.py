@@ -13,7 +13,7 @@ Mechanism: the two phases of "Distributed Training under Packet Loss" (Weintraub
      misses a chunk keeps whatever it had there (its stale copy).
 Each phase ends at the first of: all expected packets arrived; every live sender's end-of-phase
 marker arrived + grace; the agreed adaptive deadline (``deadline.AdaptiveDeadline``). There are
-no retransmissions, so a phase's duration is bounded by the cap whatever the network does.
+no retransmissions, so a phase lasts at most its own send plus the cap whatever the network does.
 
 Setup goes through torch.distributed (gloo or any backend with object collectives): rank 0
 draws the per-job secret and job id with ``os.urandom`` and broadcasts them; every rank binds
