@@ -61,13 +61,16 @@ class Job:
     once. ``config``: the run's configuration; a process whose config, global batch, model
     shapes or script differ from the job's is refused. ``checkpoint``: a file the job saves to
     every ``checkpoint_every`` steps (atomically, by the generation's rank 0) and resumes
-    from; named in the error when the store is lost.
+    from; named in the error when the store is lost. ``grad_clip``: the summed gradients'
+    total norm is clipped to it before ``optimizer.step()`` (every member clips the same
+    sum, so they stay equal).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  global_batch: int, *, micro_batch: int | None = None,
                  min_world: int | None = None, config: Mapping[str, Any] | None = None,
                  checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
+                 grad_clip: float | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         if global_batch < 1:
             raise ValueError(f"global_batch={global_batch} must be at least 1")
@@ -75,6 +78,7 @@ class Job:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.checkpoint = Path(checkpoint) if checkpoint else None
         self.checkpoint_every = checkpoint_every
+        self.grad_clip = grad_clip
         e = dict(os.environ if env is None else env)
         host, port, serve_here, prefix = locate(e)
         self._server = serve(host, port) if serve_here else None
@@ -214,6 +218,8 @@ class Job:
                 p.grad.copy_(g)
             off += n
         self.loss = float(flat[-1])
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip)
         self.optimizer.step()
         self.rt.progress = self.step
         self.step += 1

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stalwart import heartbeat
 from stalwart.config import ConfigError, RunConfig
+from stalwart.train import elastic_loop
 from stalwart.train.inplace import first_line, regroup_until_done
 from stalwart.train.rank import Rank
 
@@ -40,6 +41,8 @@ def train(cfg: RunConfig) -> int:
     from stalwart.mitigate import RESTART_EXIT
     from stalwart.mitigate.regroup import NotAMember
 
+    if elastic_loop.wanted():  # torchrun nodes joined by stalwart's membership store
+        return elastic_loop.train_elastic(cfg)
     r = Rank.start(cfg)
     heartbeat.ready()  # set up: the launcher now judges its silence at SILENT_S
     applied = r.enter()  # optimizer steps applied: the next step to run
