@@ -73,6 +73,23 @@ def test_a_crash_on_one_rank_ends_the_job_naming_that_rank(tmp_path: Path) -> No
     assert leftover == "", leftover
 
 
+@pytest.mark.slow
+def test_a_hung_rank_of_a_plain_script_ends_the_job_naming_its_silence(tmp_path: Path) -> None:
+    """SIGSTOP at an iteration the monitor counted: the launcher finds the rank silent (it
+    said it was set up when the script's init_process_group returned) and stops the job with
+    one line, instead of the peers waiting in gloo's collective for its timeout."""
+    p = stalwart("run", "--script", str(SCRIPT), "--nproc", "2", "--detect", "--out",
+                 str(tmp_path), "--name", "h", "--fault", "hang:rank=1,at=10", "--",
+                 "--seconds", "600", timeout=240)  # the script alone runs 600 s
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    events = read_jsonl(tmp_path / "h" / "events.jsonl")
+    silent = [e for e in events if e["event"] == "rank_unresponsive"]
+    assert [(e["rank"], e["bound_s"]) for e in silent] == [(1, 3.0)], silent
+    failed = [e for e in events if e["event"] == "rank_failed"]
+    assert [e["rank"] for e in failed] == [1] and "no heartbeat" in failed[0]["error"]
+
+
 def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert main(["run", *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -19,6 +19,10 @@ time axis, and the step counter that fault windows in steps follow. ``destroy_pr
 is wrapped to close the monitor first (its last exchange completes on every rank); a script
 that never destroys its group gets the monitor closed when it returns.
 
+Liveness (heartbeat.py): with ``--detect`` the rank says it is set up when the script's
+``init_process_group`` returns, and is judged silent after 3 s from then (hung, cut off);
+without it, at the start-up bound (60 s) throughout.
+
 Failures: when the script raises (or exits non-zero), the time and the error line go to
 RUN_DIR/logs/rank-R.error.json before the exception propagates, so that the launcher can blame
 the rank that failed first rather than the peers whose collectives failed because of it. The
@@ -41,6 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from stalwart import heartbeat
 from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS, JsonlWriter
 
 
@@ -63,6 +68,7 @@ class _Detection:
         @functools.wraps(orig_init)
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             out = orig_init(*args, **kwargs)
+            heartbeat.ready()  # set up (torch imported, group connected): judged at 3 s
             try:
                 self.start()
             except Exception as e:  # noqa: BLE001 -- detection must not cost the user's run
