@@ -44,6 +44,7 @@ import os
 import signal
 import subprocess
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,7 +217,8 @@ class Supervisor:
         self.regroup_s: float | None = None  # the last in-place regroup's seconds: a rejoin's price
         self.back: list[int] = []  # ranks a kill fault's back= starts again, once dropped
         self.liveness = tb.liveness  # heartbeat.Listener (None: not started)
-        self.expected: set[int] = set()  # pids the listener judges
+        # the processes the listener judges (weak: a dropped rank's Popen may go)
+        self.expected: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
         self.silenced: dict[int, float] = {}  # rank -> seconds silent when it was killed
 
     def run(self) -> int:
@@ -263,9 +265,10 @@ class Supervisor:
         if self.liveness is None:
             return
         live = {p.pid: r for r, p in self.procs.items() if p.poll() is None}
-        for pid in live.keys() - self.expected:
-            self.liveness.expect(pid)
-            self.expected.add(pid)
+        for p in self.procs.values():
+            if p not in self.expected and p.poll() is None:  # a process, not a pid: a
+                self.liveness.expect(p.pid)  # reused pid starts afresh
+                self.expected.add(p)
         for s in self.liveness.overdue(list(live)):
             r = live[s.pid]
             self.liveness.forget(s.pid)
