@@ -72,6 +72,13 @@ def test_rates_use_tc_units(text: str, bits: int) -> None:
     ("kill:rank=1,at=5,back=-2s", "local", "back='-2s'"),
     ("kill:rank=1,at=5,back=soon", "local", "back='soon'"),
     ("compute:rank=1,factor=2,back=3s", "local", "'back'"),
+    ("hang:rank=1", "local", "missing at="),
+    ("hang:rank=1,at=5,end=9", "local", "'end'"),
+    ("hang:rank=1,at=5,back=2s", "local", "'back'"),
+    ("hang:host=1,at=5", "local", "use rank=R"),
+    ("cut:host=1", "local", "needs --testbed netns"),
+    ("cut:rank=1", "netns", "use host=H"),
+    ("cut:host=4", "netns", "host=4"),
 ])
 def test_bad_specs_raise_one_line_naming_the_value(spec: str, testbed: str, names: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -88,6 +95,15 @@ def test_runconfig_validate_rejects_a_bad_fault() -> None:
     with pytest.raises(ConfigError, match=r"back= in fault 'kill:rank=1,at=5,back=3s' needs "
                                           r"--script"):
         cfg.validate()
+
+
+def test_a_hang_is_one_moment_on_a_rank_and_a_cut_a_window_on_a_host() -> None:
+    f = parse_fault("hang:rank=2,at=12", 4, "local")
+    assert (f.kind, f.rank, f.start, f.end, f.target) == ("hang", 2, 12, None, "rank2")
+    assert parse_fault("hang:rank=0,at=3.5s", 4, "local").start_s == 3.5
+    g = parse_fault("cut:host=1,start=10,end=30", 4, "netns")
+    assert (g.hosts, g.start, g.end, g.target) == ((1,), 10, 30, "host1")
+    assert g.active_at(10) and not g.active_at(30)
 
 
 def test_a_kill_with_back_names_when_the_rank_starts_again() -> None:
