@@ -134,7 +134,7 @@ def overdue(procs: Mapping[int, Heard], now: float, silent_s: float = SILENT_S,
 _CLONE_NEWNET = 0x40000000
 
 
-def _in_netns(netns: str | None, make: type[socket.socket] | None = None) -> socket.socket:
+def _in_netns(netns: str | None) -> socket.socket:
     """A UDP socket created inside network namespace ``netns`` (None: this one). Only the
     calling thread enters the namespace (setns(2) is per thread), and it comes back."""
     if netns is None:

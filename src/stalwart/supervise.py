@@ -265,9 +265,9 @@ class Supervisor:
         if self.liveness is None:
             return
         live = {p.pid: r for r, p in self.procs.items() if p.poll() is None}
-        for p in self.procs.values():
-            if p not in self.expected and p.poll() is None:  # a process, not a pid: a
-                self.liveness.expect(p.pid)  # reused pid starts afresh
+        for p in (self.procs[r] for r in live.values()):
+            if p not in self.expected:  # a process, not a pid: a reused pid starts afresh
+                self.liveness.expect(p.pid)
                 self.expected.add(p)
         for s in self.liveness.overdue(list(live)):
             r = live[s.pid]

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 TAG_ENV = "STALWART_EBENCH"
-CUT_TABLE = "stw_cut"
 
 
 def _ppid(pid: int) -> int | None:
@@ -141,30 +140,20 @@ class Nodes:
         return t
 
     def cut(self, i: int) -> float:
-        """Drop every packet to and from node i (root); the time."""
-        from stalwart.testbed._sys import run
-
+        """Drop every packet to and from node i (root; testbed/hosts.py ``set_cut``); the
+        time."""
         if self.hosts is None:
             raise RuntimeError("a cut link needs the netns testbed (root)")
         t = time.time()
-        for j in range(self.n):
-            rule = 'iifname "eth0" drop' if j == i else \
-                f'iifname "eth0" ip saddr {self.addr(i)} drop'
-            run(["ip", "netns", "exec", self.hosts.ns(j), "nft", "-f", "-"], input=(
-                f"table inet {CUT_TABLE} {{\n  chain input {{\n"
-                f"    type filter hook input priority -10; policy accept;\n    {rule}\n"
-                "  }\n}\n"))
+        self.hosts.set_cut(i)
         self._cut.add(i)
         return t
 
     def uncut(self) -> None:
-        from stalwart.testbed._sys import quiet
-
-        if self.hosts is None or not self._cut:
+        if self.hosts is None:
             return
-        for j in range(self.n):
-            quiet(["ip", "netns", "exec", self.hosts.ns(j), "nft", "delete", "table", "inet",
-                   CUT_TABLE])
+        for i in sorted(self._cut):
+            self.hosts.set_cut(i, False)
         self._cut.clear()
 
     def live_agents(self) -> list[subprocess.Popen[bytes]]:

@@ -84,22 +84,28 @@ class Hosts:
             f"link set dev {br} mtu {self.mtu}",
         ]
         for port, ns in zip(self._ports, self._ns, strict=True):
-            root_cmds += [
-                f"link add name {port} mtu {self.mtu} type veth peer name eth0 mtu {self.mtu} "
-                f"netns {ns}",
-                f"link set dev {port} addrgenmode none",
-                f"link set dev {port} master {br}",
-                f"link set dev {port} up",
-            ]
+            root_cmds += self._port_cmds(port, ns)
         root_cmds.append(f"link set dev {br} up")
         run(["ip", "-batch", "-"], input="\n".join(root_cmds) + "\n")
         for i, ns in enumerate(self._ns):
-            run(["ip", "-n", ns, "-batch", "-"], input="\n".join([
-                "link set dev lo up",
-                "link set dev eth0 addrgenmode none",
-                f"addr add {self.addr(i)}/24 dev eth0",
-                "link set dev eth0 up",
-            ]) + "\n")
+            self._address(ns, self.addr(i))
+
+    def _port_cmds(self, port: str, ns: str) -> list[str]:
+        """``ip -batch`` lines (root namespace): a veth pair, ``eth0`` in ``ns`` and ``port``
+        on the bridge, up."""
+        return [f"link add name {port} mtu {self.mtu} type veth peer name eth0 mtu {self.mtu} "
+                f"netns {ns}",
+                f"link set dev {port} addrgenmode none",
+                f"link set dev {port} master {self.bridge}",
+                f"link set dev {port} up"]
+
+    @staticmethod
+    def _address(ns: str, addr: str) -> None:
+        """Loopback up and ``eth0`` at ``addr``/24 inside ``ns``."""
+        run(["ip", "-n", ns, "-batch", "-"], input="\n".join([
+            "link set dev lo up", "link set dev eth0 addrgenmode none",
+            f"addr add {addr}/24 dev eth0", "link set dev eth0 up",
+        ]) + "\n")
 
     def control(self) -> str:
         """The control namespace's name (built on first call): one more port on the bridge,
@@ -112,17 +118,8 @@ class Hosts:
                 raise TestbedError(f"interface name too long for tag {self.tag}")
             self._control = (ns, port)  # close() removes whatever part of it was made
             run(["ip", "netns", "add", ns])
-            run(["ip", "-batch", "-"], input="\n".join([
-                f"link add name {port} mtu {self.mtu} type veth peer name eth0 mtu {self.mtu} "
-                f"netns {ns}",
-                f"link set dev {port} addrgenmode none",
-                f"link set dev {port} master {self.bridge}",
-                f"link set dev {port} up",
-            ]) + "\n")
-            run(["ip", "-n", ns, "-batch", "-"], input="\n".join([
-                "link set dev lo up", "link set dev eth0 addrgenmode none",
-                f"addr add {CONTROL_ADDR}/24 dev eth0", "link set dev eth0 up",
-            ]) + "\n")
+            run(["ip", "-batch", "-"], input="\n".join(self._port_cmds(port, ns)) + "\n")
+            self._address(ns, CONTROL_ADDR)
             if self._cut:
                 self._recut()
         return self._control[0]

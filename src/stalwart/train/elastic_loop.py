@@ -82,10 +82,9 @@ class _Training:
         self.val = val_batches(self.corpus, cfg.eval_batches, cfg.resolved_batch_size(),
                                self.m.block_size, cfg.seed)
 
-    def forward_backward(self, job: Any, step: int) -> tuple[float, int]:
-        """This member's micro-batches of ``step``, each loss weighted ``1 / M``; (the summed
-        weighted loss, micro-batches computed)."""
-        lr = lr_at(step, self.cfg)
+    def forward_backward(self, job: Any, step: int, lr: float) -> tuple[float, int]:
+        """This member's micro-batches of ``step`` at learning rate ``lr``, each loss weighted
+        ``1 / M``; (the summed weighted loss, micro-batches computed)."""
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
@@ -144,14 +143,15 @@ def train_elastic(cfg: RunConfig) -> int:
     try:
         for step in job.steps(cfg.steps):
             t0 = time.perf_counter()
-            total, n = t.forward_backward(job, step)
+            lr = lr_at(step, cfg)
+            total, n = t.forward_backward(job, step, lr)
             if not job.commit(total):
                 continue  # a member was lost mid-step: the step comes again
             dt = time.perf_counter() - t0
             tokens = n * t.mbs * t.m.block_size
             metrics.write({"step": step, "rank": job.rank, "world": job.world,
                            "generation": job.generation, "time": time.time(),
-                           "loss": job.loss, "lr": lr_at(step, cfg), "step_time": dt,
+                           "loss": job.loss, "lr": lr, "step_time": dt,
                            "samples": n * t.mbs, "tokens": tokens, "tokens_per_s": tokens / dt,
                            "host": job.node})
             if job.rank == 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
