@@ -218,8 +218,8 @@ class LossyCollective(Receiving, Sending, Phases):
         flat = np.ascontiguousarray(flat, dtype=np.float32)
         t0 = time.perf_counter()
         st = self._rounds[self.round % ROUNDS_OPEN]
-        with self._cond:
-            st.acc.add_own(flat[self._lo: self._hi])
+        own = flat[self._lo: self._hi]
+        st.acc.add_own(own)  # (a reference: averaged in at the end, not summed now)
         hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
         b = self.layout.bounds
         plan = []
@@ -248,7 +248,14 @@ class LossyCollective(Receiving, Sending, Phases):
         out = self._wait(PHASE_GRAD, t0)
         out.sent, out.copies = sent, max(want.values(), default=1)
         out.parity, out.recovered = sum(npar.values()), int(st.recovered[PHASE_GRAD])
-        return st.acc.average(out=avg_out), out
+        if self._eng is None:
+            return st.acc.average(out=avg_out), out
+        # native: the same average in one pass in C (the phase is closed: nothing writes the
+        # sum now), without the GIL
+        if avg_out is None:
+            avg_out = np.empty(own.size, np.float32)
+        self._eng.average(self.round % ROUNDS_OPEN, self.round, own, avg_out)
+        return avg_out, out
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
                   stale: np.ndarray | None = None, want_mask: bool = True,

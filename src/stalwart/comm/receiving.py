@@ -182,10 +182,7 @@ class Receiving:
                 seen[c_new] = True
                 if p == PHASE_GRAD:
                     acc = st.acc
-                    nfull = acc.sum.size // C
-                    full = c_new < nfull  # (length == C, so all of them; keeps views safe)
-                    acc.sum[: nfull * C].reshape(nfull, C)[c_new[full]] += pay[full]
-                    acc.count[c_new] += 1
+                    acc.add_chunks(c_new, pay)  # (whole chunks: length == C)
                     if acc.contrib is not None:
                         acc.contrib[s].reshape(-1, C)[c_new] = pay
                     st.gtag[s, c_new] = tags

@@ -641,7 +641,8 @@ static void maybe_decode(Engine *e, Round *st, int ph, int s, FecRx *rx, int i) 
         if (ph == PHASE_GRAD) {
             st->seen[(size_t)s * nchunks(e, e->me) + r] = 1;
             float *sum = st->sum + r * C;
-            for (int64_t t = 0; t < len; t++) sum[t] += v[t];
+            if (st->count[r] == 0) memcpy(sum, v, sizeof(float) * len); /* (see sum_into) */
+            else for (int64_t t = 0; t < len; t++) sum[t] += v[t];
             memcpy(st->contrib + (size_t)s * nchunks(e, e->me) * C + r * C, v, sizeof(float) * len);
             st->count[r]++;
         } else {
@@ -697,11 +698,25 @@ static int place_parity(Engine *e, Round *st, int ph, int s, int q, int S, int m
     return RJ_OK;
 }
 
-/* the owner's sum: sum += pay, and keep a copy of pay when keep is set (the erasure decoder's
- * copy of each contribution), in one pass over the payload; a function of its own so that a
- * profiler attributes the summation to it (``stalwart bench lossy --only profile``) */
-static NOINLINE void sum_into(float *sum, float *keep, const float *pay, int64_t n) {
-    if (keep) {
+/* the owner's sum of the others' contributions: sum += pay, or sum = pay for the chunk's first
+ * contribution (``first``: the sum is never cleared between rounds; aggregate.ShardAccumulator),
+ * and keep a copy of pay when keep is set (the erasure decoder's copy of each contribution), in
+ * one pass over the payload; a function of its own so that a profiler attributes the summation
+ * to it (``stalwart bench lossy --only profile``) */
+/* (the copy loops stay loops, not memcpy calls: one pass over the payload for both stores,
+ * and the profile counts them here) */
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+static NOINLINE void sum_into(float *restrict sum, float *restrict keep,
+                              const float *restrict pay, int64_t n, int first) {
+    if (first && keep) {
+        for (int64_t t = 0; t < n; t++) {
+            float v = pay[t];
+            sum[t] = v;
+            keep[t] = v;
+        }
+    } else if (first) {
+        for (int64_t t = 0; t < n; t++) sum[t] = pay[t];
+    } else if (keep) {
         for (int64_t t = 0; t < n; t++) {
             float v = pay[t];
             sum[t] += v;
@@ -710,6 +725,18 @@ static NOINLINE void sum_into(float *sum, float *keep, const float *pay, int64_t
     } else {
         for (int64_t t = 0; t < n; t++) sum[t] += pay[t];
     }
+}
+
+/* the owner's average of one chunk: out = (sum + own) / d, element by element in float32 (the
+ * same operations as numpy's add then divide: the same bits); out may be own itself */
+static NOINLINE void sum_into_mean(float *restrict out, const float *restrict sum,
+                                   const float *restrict own, int64_t n, float d) {
+    for (int64_t t = 0; t < n; t++) out[t] = (sum[t] + own[t]) / d;
+}
+
+static NOINLINE void sum_into_mean_inplace(float *restrict io, const float *restrict sum,
+                                           int64_t n, float d) {
+    for (int64_t t = 0; t < n; t++) io[t] = (sum[t] + io[t]) / d;
 }
 
 static int place(Engine *e, const uint8_t *row, const Hdr *h) {
@@ -742,7 +769,7 @@ static int place(Engine *e, const uint8_t *row, const Hdr *h) {
         gseen[c] = 1;
         sum_into(st->sum + off,
                  st->contrib ? st->contrib + (size_t)s * nchunks(e, e->me) * C + off : NULL,
-                 pay, n);
+                 pay, n, st->count[c] == 0);
         st->count[c]++;
         memcpy(st->gtag + ((size_t)s * nchunks(e, e->me) + c) * TAG_BYTES,
                row + HEADER_BYTES + 4 * n, TAG_BYTES);
@@ -1357,6 +1384,60 @@ static PyObject *Engine_close_phase(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* the owner's average of round rnd (slot i) after its reduce-scatter phase closed (nothing
+ * writes the sum then): out[c] = (sum[c] + own[c]) / (count[c] + 1) per chunk c, own[c] where
+ * no other contribution arrived -- aggregate.ShardAccumulator.average, bit for bit, in one
+ * pass (read sum and own, write out). ``own`` and ``out`` are float32 vectors of the shard's
+ * length; ``out`` may be ``own`` (in place), not a partial overlap. GIL released. */
+static PyObject *Engine_average(Engine *e, PyObject *args) {
+    int i;
+    long long rnd;
+    PyObject *own_o, *out_o;
+    if (!PyArg_ParseTuple(args, "iLOO", &i, &rnd, &own_o, &out_o)) return NULL;
+    if (i < 0 || i >= e->rounds_open || !e->rounds[i].bound || e->rounds[i].rnd != rnd) {
+        PyErr_SetString(PyExc_ValueError, "average: not the slot's round");
+        return NULL;
+    }
+    Round *st = &e->rounds[i];
+    if (!st->closed[PHASE_GRAD]) {
+        PyErr_SetString(PyExc_ValueError, "average: the reduce-scatter phase is still open");
+        return NULL;
+    }
+    int64_t len = e->shard_lens[e->me], C = e->chunk;
+    Py_buffer bo, bw;
+    if (PyObject_GetBuffer(own_o, &bo, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (get_buf(out_o, &bw, 0, "out") < 0) { PyBuffer_Release(&bo); return NULL; }
+    const char *bad = NULL;
+    if (bo.len != len * 4 || bo.itemsize != 4 || bw.len != len * 4 || bw.itemsize != 4)
+        bad = "average: own and out must be float32 of the shard's length";
+    const char *po = bo.buf, *pw = bw.buf;
+    if (!bad && pw != po && pw < po + bo.len && po < pw + bw.len)
+        bad = "average: out overlaps own without being it";
+    if (bad) {
+        PyBuffer_Release(&bo); PyBuffer_Release(&bw);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    const float *own = bo.buf, *sum = st->sum;
+    float *out = bw.buf;
+    const int32_t *count = st->count;
+    int64_t nc = nchunks(e, e->me);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t c = 0; c < nc; c++) {
+        int64_t lo = c * C, n = len - lo < C ? len - lo : C;
+        if (count[c] == 0) {
+            if (out != own) memcpy(out + lo, own + lo, sizeof(float) * (size_t)n);
+        } else if (out == own) {
+            sum_into_mean_inplace(out + lo, sum + lo, n, (float)(count[c] + 1));
+        } else {
+            sum_into_mean(out + lo, sum + lo, own + lo, n, (float)(count[c] + 1));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&bo); PyBuffer_Release(&bw);
+    Py_RETURN_NONE;
+}
+
 /* under the lock: the broadcast values of round rnd (slot i) from now on land in ``out`` (a
  * writable C-contiguous float32 vector of all elements) instead of the round's own buffer;
  * the chunks that landed there already are copied over first, so that ``out`` holds every
@@ -1786,6 +1867,8 @@ static PyMethodDef Engine_methods[] = {
     {"bind_round", (PyCFunction)Engine_bind_round, METH_VARARGS, "a round slot's buffers"},
     {"values_into", (PyCFunction)Engine_values_into, METH_VARARGS,
      "under the lock: a round's broadcast values land in this vector (None: the round's own)"},
+    {"average", (PyCFunction)Engine_average, METH_VARARGS,
+     "the owner's average of a closed reduce-scatter (slot, round, own, out)"},
     {"bind_shared", (PyCFunction)Engine_bind_shared, METH_VARARGS, "per-peer shared arrays"},
     {"start", (PyCFunction)Engine_start, METH_NOARGS, "start the receive thread"},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "stop and join the receive thread"},
