@@ -11,7 +11,8 @@ loaded: the figure moves by 1.5x with the load of other jobs.
 exchange whose rows come from a stand-in link (no sockets; the other ranks' compute drawn
 around rank 0's, rank 2 2x slow from step 250 unless ``--clean``), with a training step's
 worth of other work (three 384x384 matmuls, a 4M-element numpy update) between steps so the
-caches are as cold as in training; prints the median thread CPU per ``monitor.step``.
+caches are as cold as in training; prints the median thread CPU per ``monitor.step`` and
+the analysis thread's CPU per check it took (rank 0 analyses there: monitor.py ``_check``).
 ``--profile`` prints cProfile's top functions by own time.
 
     python tests/detect/step_cost.py overhead --steps 200 --repeat 3
@@ -100,10 +101,13 @@ def cold(a: argparse.Namespace) -> None:
     ts = ts[50:]
     found = [(f.kind, f.step) for f in mon.core.findings]
     am = amortised(ts)
+    st = mon.stats()
     print(f"{'warm' if a.warm else 'cold'} (exchange every {a.check_every or 1}): "
           f"monitor.step median {1e6 * statistics.median(ts):.1f} us, amortised "
           f"{1e6 * statistics.median(am):.1f} us, mean {1e6 * statistics.fmean(ts):.1f} us "
-          f"thread CPU over {len(ts)} steps; verdicts {found}")
+          f"thread CPU over {len(ts)} steps; analysis thread "
+          f"{st.get('monitor_analysis_cpu_us_median')} us per check "
+          f"({st.get('analysed_off_thread')} checks); verdicts {found}")
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
@@ -114,9 +118,12 @@ def overhead(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.repeat):
             ov = measure_overhead(Path(d), f"r{i}", a.steps)
-            print(json.dumps({k: ov.get(k) for k in (
+            mon = ov.get("monitor") or {}
+            print(json.dumps({**{k: ov.get(k) for k in (
                 "monitor_step_cpu_us_median", "monitor_step_cpu_us_quantiles", "cpu_overhead",
-                "error")}), flush=True)
+                "error")}, **{k: mon.get(k) for k in (
+                    "monitor_check_cpu_us_median", "monitor_analysis_cpu_us_median")}}),
+                  flush=True)
 
 
 def main() -> int:

@@ -3,7 +3,9 @@
 alarms and the same state of every per-rank channel (gates, BOCPD bank, CUSUM and outlier
 banks) after every batch, on random streams with a slow rank, spikes and invalid rows -- and
 the held samples (``sample_many``, ``gate_run``) against ``sample``, on iteration times with
-slowdowns, speed-ups and spikes."""
+slowdowns, speed-ups and spikes; and rank 0's analysis thread (monitor.py ``_check``)
+against the same checks on the calling thread: the same rows sent, samples seen, verdicts
+and state, and an error on the thread raised by the next step."""
 
 from __future__ import annotations
 
@@ -233,3 +235,84 @@ def test_a_monitors_held_steps_decide_as_one_step_at_a_time() -> None:
     assert _state(a.core) == _state(b.core) and _iter_state(a.core) == _iter_state(b.core)
     for mon in mons:
         mon.close()
+
+
+class _Sent(_Rows):
+    """``_Rows`` that keeps every row rank 0 sends, in order, with the sending thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[int, list[float]]] = []
+        self.threads: set[str] = set()
+
+    def issue(self, seq: int, row: list[float]) -> None:
+        import threading
+
+        self.sent.append((seq, list(row)))
+        self.threads.add(threading.current_thread().name)
+        super().issue(seq, row)
+
+
+def test_the_analysis_thread_decides_as_the_calling_thread() -> None:
+    """Rank 0's checks analysed on the analysis thread: the same rows sent (alarms and
+    periods included), the same samples shown to ``on_sample`` in the same order, the same
+    verdicts and decision state as with ``analysis_thread=False`` -- with a slow rank whose
+    alarms run their validation on the calling thread in between."""
+    from stalwart.detect import Monitor
+    from stalwart.detect.exchange import Exchange
+
+    mons, links, seen = [], [], []
+    for threaded in (False, True):
+        keys: list[int] = []
+        mon = Monitor(rank=0, world=1, validate_on_detect=False, analysis_thread=threaded,
+                      on_sample=lambda s, keys=keys: keys.append(s.key))
+        link = _Sent()
+        mon.exchange = Exchange(0, link, mon.core, check_every=8, max_every=8, lag=1)
+        mons.append(mon)
+        links.append(link)
+        seen.append(keys)
+    rng = np.random.default_rng(5)
+    for k in range(420):
+        st = 0.08 * float(np.exp(rng.normal(0.0, 0.09))) * (1.5 if 300 <= k < 340 else 1.0)
+        for mon in mons:
+            mon.step(k, {"step_time": st, "compute_time": 0.9 * st, "comm_time": 0.1 * st})
+    a, b = mons
+    assert a.stats()["analysed_off_thread"] == 0 and b.stats()["analysed_off_thread"] > 40
+    assert links[0].threads == {"MainThread"}
+    assert "stalwart-monitor-analysis" in links[1].threads
+    assert links[0].sent == links[1].sent and len(links[0].sent) > 40
+    assert any(row[0] != NONE for _, row in links[0].sent)  # (alarms travelled)
+    assert list(a.samples) == list(b.samples) and seen[0] == seen[1] and len(seen[0]) == 420
+    assert a.report() == b.report() and a.core.findings
+    assert a.core.verdicts == b.core.verdicts and a.core.audit == b.core.audit
+    assert _state(a.core) == _state(b.core) and _iter_state(a.core) == _iter_state(b.core)
+    for mon in mons:
+        mon.close()
+
+
+def test_an_error_on_the_analysis_thread_is_raised_by_the_next_step() -> None:
+    """A row send that fails on the analysis thread (a peer gone) stops the job at its next
+    check (the exchange's period later) instead of its own; nothing is lost in between."""
+    from stalwart.detect import Monitor
+    from stalwart.detect.exchange import Exchange
+    from stalwart.rowlink import RowLinkError
+
+    class _Gone(_Rows):
+        def issue(self, seq: int, row: list[float]) -> None:
+            if seq == 3:
+                raise RowLinkError("stalwart: rank 1 closed the monitor's row link")
+            super().issue(seq, row)
+
+    raised = []
+    for threaded in (False, True):
+        mon = Monitor(rank=0, world=1, validate_on_detect=False, analysis_thread=threaded)
+        mon.exchange = Exchange(0, _Gone(), mon.core, check_every=8, max_every=8, lag=1)
+        m = {"step_time": 0.08, "compute_time": 0.07, "comm_time": 0.01}
+        with pytest.raises(RowLinkError, match="rank 1 closed"):
+            for k in range(64):
+                at = k
+                mon.step(k, m)
+        raised.append(at)
+        mon.exchange._inflight.clear()  # (the failed row never left: nothing to read)
+        mon.close()
+    assert raised[1] == raised[0] + 8 and raised[0] > 8

@@ -120,8 +120,28 @@ class Exchange:
     def issue(self, c: int, alarm: Alarm) -> None:
         """Check ``c``'s transport out: this rank's row, carrying ``alarm`` (rank 0's alarm,
         ``Detector.step``'s ``send``; QUIET on the other ranks) and the samples since the
-        last row. Called only when ``issues(c)``."""
-        self._issue(c, alarm)
+        last row. Called only when ``issues(c)``. The same as ``send(c, reserve(c),
+        alarm)``."""
+        self.send(c, self.reserve(c), alarm)
+
+    def reserve(self, c: int) -> int:
+        """Check ``c``'s row booked (``issue``'s schedule half): its sequence number, the
+        check that reads it, the next issue -- what ``due``, ``issues`` and ``next_due`` read
+        from here on -- with its content and its send left to ``send``, which must follow
+        before anything else touches this exchange (the monitor's analysis thread sends it).
+        Called only when ``issues(c)``."""
+        seq = self.exchanges
+        due = c + 1 if self.auto_every else c + self.lag * self.check_every
+        self._inflight.append((seq, due))
+        self._last_issue = c
+        self._next_issue = c + self.check_every
+        self.exchanges += 1
+        return seq
+
+    def send(self, c: int, seq: int, alarm: Alarm) -> None:
+        """The row ``reserve(c)`` booked as ``seq``: the samples since the last row and the
+        period (rank 0: ``_choose_every``) with ``alarm``, sent."""
+        self._issue(c, seq, alarm)
 
     def drain(self) -> None:
         """Wait until the exchanges in flight are complete (they stay queued)."""
@@ -153,7 +173,7 @@ class Exchange:
             self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
         return got
 
-    def _issue(self, c: int, alarm: Alarm) -> None:
+    def _issue(self, c: int, seq: int, alarm: Alarm) -> None:
         t0 = time.thread_time() if self._measure else 0.0
         # the same length on every rank; a rank with fewer samples sends fewer entries and
         # rank 0 uses the entries every rank has
@@ -166,12 +186,7 @@ class Exchange:
         for key, comp in unsent:
             vals += (key, comp)
         vals += [0.0] * (width - len(vals))
-        due = c + 1 if self.auto_every else c + self.lag * self.check_every
-        self.rows.issue(self.exchanges, vals)
-        self._inflight.append((self.exchanges, due))
-        self._last_issue = c
-        self._next_issue = c + self.check_every
-        self.exchanges += 1
+        self.rows.issue(seq, vals)
         if self._measure:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
 

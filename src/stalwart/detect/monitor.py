@@ -27,9 +27,24 @@ the same state as one step at a time, since the checks in between would have don
 the rows' common paths are one C call each (``DecisionCore.sample_many``,
 ``relative_rows``), Python runs only where a channel has more to do. An exchange is a few
 ~100-byte socket operations (exchange.py), one per step with ``max_every=1`` (the default:
-a decision then waits for no batch). Measured (tests/detect/step_cost.py cold, exchange
-every 8, rank 0 after a training step's cache-evicting work): ~20 us of thread CPU a held
-step, ~85-100 us a step amortised; with warm caches ~2 and ~27 us.
+a decision then waits for no batch).
+
+Off the training thread: on rank 0 (the only rank with analysis to do) a check whose rows
+carry no alarm reads them, books its row and hands the analysis -- the held samples and the
+rows through the decision path, rank 0's row built and sent -- to one analysis thread
+(``Analysis``), and returns; the next check, ``drain``, ``close`` and every accessor of the
+decision state wait for it first, so the verdicts, rows and state are those of the same work
+on the training thread (tests/detect/test_rel_rows.py). A check with an alarm (validation,
+recovery: collectives) runs wholly on the training thread; so does everything on the gloo
+fallback exchange (a collective). What the per-step figure (rank 0's thread CPU in
+``step``, bench detect's ``monitor_step_cpu_us``) then counts: the held steps, and at a
+check the rows' read, the held samples' hand-over and the row's booking -- not the
+analysis, whose CPU (``stats()["monitor_analysis_cpu_us_median"]``, ~0.4 ms a check of 8
+steps on a loaded 2-core machine) the process still pays (bench detect's ``cpu_overhead``
+counts it) and which holds the GIL while it runs: a training thread that needs the GIL in
+that time waits up to that long. Measured (tests/detect/step_cost.py, exchange every 8,
+rank 0 after a training step's cache-evicting work): ~15-20 us of thread CPU a held step,
+~45 us a step amortised in the one-process probe, ~57 us in the bench's 4-rank overhead job.
 
 Use: create it on every rank after ``init_process_group`` and before wrapping the model in
 DDP; call ``step`` on all ranks or on none. ``on_sample`` sees every iteration the monitor
@@ -41,6 +56,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,7 +74,7 @@ from stalwart.detect.exchange import Exchange
 from stalwart.detect.sampling import Sampler, comm_busy
 from stalwart.detect.tracking import OpRecord, Tracker, install, uninstall
 from stalwart.events import Event
-from stalwart.rowlink import exchange_cost, open_rows
+from stalwart.rowlink import GlooRows, exchange_cost, open_rows
 
 __all__ = ["IterSample", "Monitor", "comm_busy"]
 
@@ -146,6 +163,59 @@ def amortised(per_step: list[float], window: int = AMORTISE) -> list[float]:
             for i in range(0, len(per_step) - window + 1, window)]
 
 
+class Analysis:
+    """One daemon thread that runs the monitor's analysis jobs one at a time, in the order
+    given. The monitor gives it a job only after ``wait`` (so at most one is in flight) and
+    waits again before it touches the decision state or the exchange; a job's exception is
+    raised by the next ``wait``. ``cpu_us``: each job's thread CPU time, microseconds.
+    Cost on the caller's thread: ``submit`` ~2-5 us (a queue put that wakes the thread),
+    ``wait`` on a finished job well under 1 us."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        self.cpu_us: deque[float] = deque(maxlen=4096)
+        self._thread = threading.Thread(target=self._run, name="stalwart-monitor-analysis",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._idle.clear()
+        self._q.put(job)
+
+    def wait(self) -> None:
+        if not self._idle.is_set():
+            self._idle.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        """The job in flight finished (its exception raised), the thread ended."""
+        try:
+            self.wait()
+        finally:
+            self._q.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        clock = time.thread_time
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            c0 = clock()
+            try:
+                job()
+            except BaseException as e:  # raised on the monitor's thread by ``wait``
+                self._error = e
+            finally:
+                self.cpu_us.append(1e6 * (clock() - c0))
+                self._idle.set()
+
+
 class Monitor:
     """Straggler detection for one rank. See the module docstring and docs/detect.md."""
 
@@ -156,7 +226,7 @@ class Monitor:
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
                  max_every: int = 1, persist: int = 20, device: Any = None,
                  on_sample: Callable[[IterSample], None] | None = None,
-                 hinted: bool = False) -> None:
+                 hinted: bool = False, analysis_thread: bool = True) -> None:
         """``check_every``: steps per exchange (None: chosen by rank 0 between 1 and
         ``max_every``, exchange.py); a fixed period reads each row ``lag`` exchanges later --
         what ``--comm lossy`` jobs use (8 and 2), because the monitor's TCP exchanges stall on
@@ -167,7 +237,9 @@ class Monitor:
         from the default group's backend (verify.py). ``hinted``: the caller hints every step
         from the first (``step``), so tracked ops never make samples -- a monitor made again
         mid-run (an in-place regroup) would otherwise sample its first step from the ops and
-        check (and validate) inside it."""
+        check (and validate) inside it. ``analysis_thread``: rank 0 analyses a check's
+        samples and rows and sends its row on a thread of its own (``_check``); False: on
+        the calling thread."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             run_dir = Path(os.environ[RUN_DIR_ENV])  # a script's own Monitor() in a run
         ready = dist.is_available() and dist.is_initialized()
@@ -194,9 +266,11 @@ class Monitor:
             from stalwart.rundir import EventLog
 
             self._events = EventLog(self._run_dir)
-        self.core = DecisionCore(self.rank == 0, warmup=warmup, persist=persist,
+        self._core = DecisionCore(self.rank == 0, warmup=warmup, persist=persist,
                                  history=history, emit=self._emit)
         self._pg: Any = None
+        self._threaded = analysis_thread
+        self._analysis: Analysis | None = None  # rank 0's analysis thread, made at first use
         self.exchange: Exchange | None = None
         if ready and self.world > 1:
             # made here, not at the first exchange: every rank constructs the monitor at the
@@ -206,14 +280,14 @@ class Monitor:
             with self.tracker.internal():
                 rows = open_rows(self.rank, self.world, Exchange.width(every), self.group())
             cost = exchange_cost(rows, Exchange.width(every)) if check_every is None else 0.0
-            self.exchange = Exchange(self.rank, rows, self.core, check_every=check_every,
+            self.exchange = Exchange(self.rank, rows, self._core, check_every=check_every,
                                      max_every=max_every, lag=lag, process_cost=cost)
         # the validation tests behind the one decision path (detector.py): live collectives
         self.source = verify.LiveEvidence(
             self.group, self.world, self.rank, compute_reps=compute_reps,
             link_bytes=link_bytes, device=device,
             enabled=self.exchange is not None and validate_on_detect)
-        self.detector = Detector(self.core, self.source, self.rank)
+        self.detector = Detector(self._core, self.source, self.rank)
         self._rounds_log: Any = None  # rank 0: the raw validation rounds (replay re-decides)
         if self._run_dir is not None and self.rank == 0:
             from stalwart.rundir import JsonlWriter
@@ -237,17 +311,28 @@ class Monitor:
 
     # ---- what the decision state machine holds ----------------------------------------------
     @property
+    def core(self) -> DecisionCore:
+        """The decision state machine, once the analysis in flight (if any) is done."""
+        self._wait()
+        return self._core
+
+    @property
     def findings(self) -> list[Any]:
         return self.core.findings
 
     @property
     def samples(self) -> Any:
         self._flush()
-        return self.core.samples
+        return self._core.samples
 
     @property
     def hiccups(self) -> int:
         return self.core.hiccups
+
+    def _wait(self) -> None:
+        """The analysis thread's job in flight finished (its exception raised here)."""
+        if self._analysis is not None:
+            self._analysis.wait()
 
     # ---- the held steps' counters (``_holder``) -----------------------------------------------
     @property
@@ -287,6 +372,7 @@ class Monitor:
         """Wait until the exchanges in flight are complete (they stay queued and are read at
         their check as usual). Called at the same step on every rank; lets a caller that
         turns the monitor off charge their cost to the steps that issued them."""
+        self._wait()  # (a row the analysis thread sends is in flight once it is done)
         if self.exchange is not None:
             self.exchange.drain()
 
@@ -306,6 +392,7 @@ class Monitor:
         if not self._enabled or self._closed:
             return
         c0 = time.thread_time()
+        self._wait()  # the last check's analysis (it feeds the exchange that ``_due`` reads)
         self._hinted = True
         s = self.sampler.from_hint(step, metrics)
         if s is None:
@@ -314,10 +401,10 @@ class Monitor:
             self._hold(s)
             self._checks += 1  # a check with nothing due: the sample waits for the next one
             return
-        paused = self.core.verdicts
+        paused = self._core.verdicts
         self._paused = False
         self._check(s, self._take_held())
-        if self.core.verdicts != paused or self._paused:
+        if self._core.verdicts != paused or self._paused:
             self.sampler.last_hint = time.perf_counter()  # a validation pause is not step time
         else:
             self._check_cpu_us.append(1e6 * (time.thread_time() - c0))
@@ -351,6 +438,7 @@ class Monitor:
     def _flush(self) -> None:
         """The held samples into the decision path, each as its own step would have (a step
         with no row to read or send)."""
+        self._wait()
         held = self._take_held()
         if held:
             self.detector.step(StepInput(held=held, issue=False))
@@ -399,7 +487,17 @@ class Monitor:
         """Collective: one ``Detector.step`` -- the samples ``held`` since the last check
         (``_take_held``), this iteration's sample, the rows due now, this rank's row sent,
         and an alarm they carry validated and applied by every rank together (exchange.py is
-        the transport)."""
+        the transport).
+
+        On rank 0 with the socket exchange, a check whose rows carry no alarm reads them here
+        and books its row (``Exchange.reserve``), then hands the rest -- the decision path
+        on the samples and rows, the row's content and its send -- to the analysis thread
+        (``Analysis``) and returns: no collective runs in it, nothing but that thread touches
+        the decision state until the next ``_wait`` (every check, and every accessor, waits
+        first), and the steps run in the same order on the same inputs, so the state, the
+        rows and the verdicts are those of the same work done here. A check with an alarm
+        runs here, its tests' collectives in the same order on every rank."""
+        self._wait()
         self._checks += 1
         c = self._checks
         s1 = self._admit(s)
@@ -413,6 +511,10 @@ class Monitor:
         else:
             rows, alarm = ex.read(c)
             issue = ex.issues(c)
+            if (self._threaded and (alarm is None or alarm.action == NONE)
+                    and self._core.leader and not isinstance(ex.rows, GlooRows)):
+                self._analyse(c, s1, rows, alarm, issue, held or [])
+                return
 
         def send(a: Alarm) -> None:  # this check's row leaves before the verdict's tests
             if s1 is not None:
@@ -436,6 +538,31 @@ class Monitor:
                 self._after(self.detector.step(StepInput(alarm=out.send, issue=False)))
         self._set_due()
 
+    def _analyse(self, c: int, s1: IterSample | None, rows: list[tuple[int, list[float]]],
+                 alarm: Alarm | None, issue: bool, held: list[IterSample]) -> None:
+        """``_check``'s decision step for a check that validates nothing, on the analysis
+        thread: this thread only books the row (the schedule ``_set_due`` reads)."""
+        ex = self.exchange
+        assert ex is not None
+        seq = ex.reserve(c) if issue else -1
+
+        def send(a: Alarm) -> None:
+            if s1 is not None:
+                self._sampled(s1)
+            ex.send(c, seq, a)
+
+        def job() -> None:
+            out = self.detector.step(StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue,
+                                               send=send, held=held))
+            if not issue and s1 is not None:
+                self._sampled(s1)
+            self._after(out)  # (no validation ran: nothing paused, nothing to record)
+
+        if self._analysis is None:
+            self._analysis = Analysis()
+        self._analysis.submit(job)
+        self._set_due()
+
     def _set_due(self) -> None:
         """The next check with work (a held step before it only records)."""
         ex = self.exchange
@@ -449,7 +576,7 @@ class Monitor:
 
     def _note_last(self) -> None:
         """The newest sample joins this rank's next row (once)."""
-        last = self.core.samples[-1] if self.core.samples else None
+        last = self._core.samples[-1] if self._core.samples else None
         if last is not None and last.compute and last.key != self._last_key:
             self._last_key = last.key  # a skipped sample leaves the last one in place
             if self.exchange is not None:
@@ -488,13 +615,17 @@ class Monitor:
     def close(self) -> None:
         if self._closed:
             return
-        self._flush()  # (no check: what a step would have sampled, without its exchange)
+        try:
+            self._flush()  # (no check: what a step would have sampled, without its exchange)
+        finally:
+            if self._analysis is not None:
+                self._analysis.close()
         self._closed = True
         self._holder.on = False
         if self.exchange is not None:
             self.exchange.close()
         uninstall(self.tracker)
-        self.core.close()
+        self._core.close()
         if self.rank == 0 and self._run_dir is not None:
             try:
                 (self._run_dir / STATS_FILE).write_text(json.dumps(self.stats(), indent=1))
@@ -509,6 +640,7 @@ class Monitor:
         """The monitor's counters: hiccups, logged unexplained slowdowns, exchanges, cost."""
         cpu = sorted(self._check_cpu_us)
         core = self.core
+        job = sorted(self._analysis.cpu_us) if self._analysis is not None else []
         ex = self.exchange.stats() if self.exchange is not None else {
             "exchanges": 0, "check_every": self.check_every}
         return {"hiccups": core.hiccups, "unexplained_logged": core.unexplained_logged,
@@ -516,11 +648,16 @@ class Monitor:
                 "findings": len(core.findings), "checks": self._checks, **ex,
                 "audit": core.audit,
                 "outlier_alarms": core.outliers.alarms if core.outliers is not None else 0,
-                # rank 0's thread CPU of the steps with a check (the analysis of the samples
-                # held since, the exchange); the held steps, which only record, are not timed
-                # (a clock read would cost more than they do): bench detect's overhead job
+                # rank 0's thread CPU of the steps with a check (reading the rows due; the
+                # analysis of the samples held since and the row's send where no analysis
+                # thread took them); the held steps, which only record, are not timed (a
+                # clock read would cost more than they do): bench detect's overhead job
                 # measures the amortised per-step figure from outside
                 "monitor_check_cpu_us_median": round(cpu[len(cpu) // 2], 1) if cpu else None,
+                # the analysis thread's CPU per check it took (``_check``): process CPU the
+                # training thread does not pay, but the job does
+                "monitor_analysis_cpu_us_median": round(job[len(job) // 2], 1) if job else None,
+                "analysed_off_thread": len(job),
                 "held_steps": int(self._holder.held_steps)}
 
     def __enter__(self) -> Monitor:
