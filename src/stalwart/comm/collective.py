@@ -184,7 +184,7 @@ class LossyCollective(Receiving, Sending, Phases):
         self.rejected = np.zeros(len(REASONS), np.int64)
         self._lock = threading.Lock()
         self._cond: threading.Condition | _NativeCond = threading.Condition(self._lock)
-        self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._eng = None
         self._silenced_at = np.zeros(self.world)
         if self.engine == "native":
@@ -259,7 +259,8 @@ class LossyCollective(Receiving, Sending, Phases):
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
                   stale: np.ndarray | None = None, want_mask: bool = True,
-                  direct: bool = False) -> tuple[np.ndarray | None, PhaseStats]:
+                  direct: bool = False, bound: bool = False
+                  ) -> tuple[np.ndarray | None, PhaseStats]:
         """Phase 2: send this rank's shard values to all; write the owners' chunks that arrived
         into ``out`` (the full vector; this rank's own shard is always written; where nothing
         arrived ``out`` keeps its values, or takes ``stale``'s when given). Returns a
@@ -270,20 +271,16 @@ class LossyCollective(Receiving, Sending, Phases):
         chunks are placed in ``out`` by the receive thread as they arrive, instead of into the
         round's buffer and copied over after the phase (one pass over the vector less). The
         result is the same; the difference is when ``out`` changes: during the phase, so a
-        call that raises may leave some owners' chunks in ``out``."""
+        call that raises may leave some owners' chunks in ``out``. ``bound``: the caller has
+        bound ``out`` already (``_bind_values``) and unbinds it."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
         slot = self.round % ROUNDS_OPEN
         # native, no stale values to put first: the owners' chunks land in ``out`` itself as
         # they arrive (no copy-out after the phase); this rank's reduce-scatter is sent by
         # now, so nothing reads the other shards of ``out`` until the call returns
-        direct = (direct and self._eng is not None and stale is None
-                  and out.dtype == np.float32
-                  and out.flags.c_contiguous and out.flags.writeable
-                  and out.size == self.layout.numel)
-        if direct:
-            with self._cond:
-                self._eng.values_into(slot, self.round, out)
+        mine = not bound and direct and stale is None and self._bind_values(out)
+        direct = bound or mine
         try:
             hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
             lazy = self._eng is not None  # (as in reduce_scatter)
@@ -298,9 +295,8 @@ class LossyCollective(Receiving, Sending, Phases):
                                        want, npar)
             ps = self._wait(PHASE_VALUE, t0)
         finally:
-            if direct:  # the phase is closed (or failed): nothing more lands in out
-                with self._cond:
-                    self._eng.values_into(slot, self.round, None)
+            if mine:  # the phase is closed (or failed): nothing more lands in out
+                self._unbind_values()
         ps.sent, ps.copies = sent, max(want.values(), default=1)
         st = self._rounds[slot]
         ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
@@ -381,9 +377,40 @@ class LossyCollective(Receiving, Sending, Phases):
             _, p2 = self.broadcast(avg, out, stale=np.asarray(flat, np.float32),
                                    want_mask=False)
         else:  # the average goes straight into out's own shard (no buffer, no copy)
-            avg, p1 = self.reduce_scatter(flat, avg_out=out[self._lo: self._hi])
-            _, p2 = self.broadcast(avg, out, want_mask=False, direct=True)
+            # native: out is bound from the round's start, so that owners' values arriving
+            # before this rank's broadcast also land there (not copied over at a later binding)
+            bound = self._bind_values(out)
+            try:
+                avg, p1 = self.reduce_scatter(flat, avg_out=out[self._lo: self._hi])
+                _, p2 = self.broadcast(avg, out, want_mask=False, direct=True, bound=bound)
+            finally:
+                if bound:
+                    self._unbind_values()
         return out, [p1, p2]
+
+    def _bind_values(self, out: np.ndarray) -> bool:
+        """Native engine: the current round's broadcast values land in ``out`` (a writable
+        C-contiguous float32 vector of every element) from now on, as they arrive; the chunks
+        already in the round's buffer are copied over now. False (nothing bound) with the
+        Python engine or another ``out``. Safe from the round's start even when ``out`` is the
+        vector being reduce-scattered: an owner broadcasts its shard only after it closed its
+        reduce-scatter phase -- with all of this rank's packets for it in (or rebuilt from its
+        parity), which are handed to the kernel before anything that follows them, or once it
+        stopped waiting for this rank (deadline, silence), when whatever this rank still sends
+        it is rejected as late -- so no value
+        lands in a shard this rank still reads for a packet that counts; its own shard is never
+        written."""
+        if (self._eng is None or out.dtype != np.float32 or not out.flags.c_contiguous
+                or not out.flags.writeable or out.size != self.layout.numel):
+            return False
+        with self._cond:
+            self._eng.values_into(self.round % ROUNDS_OPEN, self.round, out)
+        return True
+
+    def _unbind_values(self) -> None:
+        """End ``_bind_values``'s binding: nothing more lands in ``out``."""
+        with self._cond:
+            self._eng.values_into(self.round % ROUNDS_OPEN, self.round, None)
 
     def worst_loss_in(self) -> float:
         """The highest loss rate measured on this rank's incoming links (0 if none yet)."""

@@ -57,17 +57,22 @@ class Sending:
         nc = lay.n_chunks(shard)
         key = (phase, shard)
         if key not in self._rows_cache:
-            self._rows_cache[key] = (np.zeros((nc, self.slot), np.uint8),
-                                     lay.chunk_lengths(shard))
-        rows, lengths = self._rows_cache[key]
+            # the rows are reused every round: their headers are written whole once, and only
+            # the fields that change (round, hint; the sealer writes seq) per call
+            rows = np.zeros((nc, self.slot), np.uint8)
+            lengths = lay.chunk_lengths(shard)
+            h = np.zeros(nc, HEADER)
+            h["magic"], h["phase"], h["job"] = MAGIC, phase, self.wire.job
+            h["sender"], h["shard"], h["fb"] = self.rank, shard, FB_UNKNOWN
+            h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
+            rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
+            self._rows_cache[key] = (rows, lengths,
+                                     rows[:, :HEADER_BYTES].view(HEADER).reshape(nc))
+        rows, lengths, hv = self._rows_cache[key]
         if nc == 0:
             return rows, lengths
-        h = np.zeros(nc, HEADER)
-        h["magic"], h["phase"], h["job"], h["round"] = MAGIC, phase, self.wire.job, self.round
-        h["sender"], h["shard"], h["hint"] = self.rank, shard, hint_us
-        h["fb"] = FB_UNKNOWN
-        h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
-        rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
+        hv["round"] = self.round & 0xFFFFFFFF
+        hv["hint"] = hint_us
         if not seal:
             return rows, lengths
         if self._eng is not None:  # copy and tag row by row, in one pass (native)
@@ -207,25 +212,39 @@ class Sending:
 
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,
                       copies: dict[int, int], parity: dict[int, int] | None = None) -> int:
-        pkts = []
-        for d, c in counts.items():
-            shard = d if phase == PHASE_GRAD else self.rank
-            est = self.loss_in.report(d)  # what we measure on d's packets, fed back to d
-            fb = FB_UNKNOWN if est is None else int(round(est * FB_SCALE))
-            pkts.append((d, self.wire.packet(phase, self.round, shard, c,
-                                             np.zeros(0, np.float32), flags=FLAG_END,
-                                             hint=hint_us, fb=fb, copies=copies.get(d, 1),
-                                             length=(parity or {}).get(d, 0))))
-        if not pkts:
+        """Send ``MARKER_COPIES`` copies of each destination's end marker (copy-major: every
+        destination's first copy, then every second one). The markers are made as one header
+        array and sealed in one call; with the native engine they go out through its send
+        (no per-call ctypes structures)."""
+        if not counts:
             return 0
-        slot = max(len(p) for _, p in pkts)
-        rows = np.zeros((len(pkts) * MARKER_COPIES, slot), np.uint8)
-        sizes = np.zeros(len(rows), np.int64)
-        dests = np.zeros(len(rows), np.int64)
-        for c in range(MARKER_COPIES):
-            for j, (d, p) in enumerate(pkts):
-                i = c * len(pkts) + j
-                rows[i, : len(p)] = np.frombuffer(p, np.uint8)
-                sizes[i], dests[i] = len(p), d
-        return self.transport.send(rows, sizes, dests)
-
+        dests = list(counts)
+        n = len(dests)
+        h = np.zeros(n, HEADER)
+        h["magic"], h["phase"], h["flags"], h["job"] = MAGIC, phase, FLAG_END, self.wire.job
+        h["round"], h["sender"], h["hint"] = self.round & 0xFFFFFFFF, self.rank, hint_us
+        h["shard"] = dests if phase == PHASE_GRAD else self.rank
+        h["offset"] = [counts[d] for d in dests]
+        h["length"] = [(parity or {}).get(d, 0) for d in dests]
+        h["copies"] = [copies.get(d, 1) for d in dests]
+        fb = []
+        for d in dests:
+            est = self.loss_in.report(d)  # what we measure on d's packets, fed back to d
+            fb.append(FB_UNKNOWN if est is None else int(round(est * FB_SCALE)))
+        h["fb"] = fb
+        rows = np.zeros((n, self.slot), np.uint8)
+        rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(n, HEADER_BYTES)
+        empty = np.zeros(n, np.int64)  # no payload: the tag follows the header
+        self.wire.seal_rows(rows, empty)
+        if self._eng is not None and not self.transport.pace:
+            one = np.zeros(1, np.int64)
+            plan = [(rows[j: j + 1], one, None, d)
+                    for _ in range(MARKER_COPIES) for j, d in enumerate(dests)]
+            sent, nbytes, errors = self._eng.send(plan, 1, False)
+            self.transport.bytes_sent += nbytes
+            self.transport.send_errors += errors
+            return sent
+        reps = np.tile(np.arange(n), MARKER_COPIES)
+        return self.transport.send(np.ascontiguousarray(rows[reps]),
+                                   np.full(reps.size, OVERHEAD, np.int64),
+                                   np.array(dests, np.int64)[reps])
