@@ -69,6 +69,7 @@ class Exchange:
         self._exchange_costs: deque[float] = deque(maxlen=16)
         self._own_compute: deque[float] = deque(maxlen=16)
         self._own_high = False
+        self._own_rows: dict[int, list[float]] = {}  # rank 0: its rows in flight, by seq
         # rank 0 measures costs only where it has a period to choose (max_every > 1)
         self._measure = rank == 0 and self.auto_every and self.max_every > 1
 
@@ -100,22 +101,58 @@ class Exchange:
         """Check ``c``'s transport in: the rows due now -- on rank 0 every rank's (step,
         compute) entries, in step order, for the per-rank channels -- and the alarm rank 0's
         row carries (None: no row was due). The decision path (``Detector.step``) takes
-        both; nothing here feeds the decision state."""
+        both; nothing here feeds the decision state. On rank 0 the same as
+        ``read_own`` then, with a row due, ``read_rows``."""
+        if self.rank == 0:
+            head = self.read_own(c)
+            return ([], None) if head is None else (self.read_rows(head[0]), head[1])
+        self._count_step(c)
+        got = self._read(c)
+        if got is None:
+            return [], None
+        return [], Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+
+    def read_own(self, c: int) -> tuple[int, Alarm] | None:
+        """Rank 0: check ``c``'s read from its own row alone (kept when it was sent): the
+        sequence number of the row due now and the alarm it carries (None: no row due), the
+        period it set in force. The other ranks' rows of that exchange are ``read_rows``'
+        and must be read before anything else touches this exchange."""
+        self._count_step(c)
+        if not self._inflight or self._inflight[0][1] > c:
+            return None
+        seq, _ = self._inflight.popleft()
+        own = self._own_rows.pop(seq)
+        if self.auto_every:
+            self._set_every(own)
+        return seq, Alarm(int(own[0]), int(own[1]), float(own[2]), int(own[3]))
+
+    def read_rows(self, seq: int) -> list[tuple[int, list[float]]]:
+        """Rank 0: exchange ``seq``'s rows (``read_own`` took its header): every rank's
+        (step, compute) entries, in step order, for the per-rank channels."""
+        t0 = time.thread_time() if self._measure else 0.0
+        got = self.rows.read(seq)
+        if self._measure:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
+            # the other ranks' requests (rank 0's own row holds its last choice, which must
+            # not vote for itself: once 1, the period would stay 1)
+            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
+        n = int(min(r[4] for r in got))  # entries every rank sent
+        return [(int(got[0][j]), [r[j + 1] for r in got])
+                for j in range(HEADER, HEADER + 2 * n, 2)]
+
+    def _count_step(self, c: int) -> None:
+        """Rank 0, choosing a period: the process CPU per step since the last check."""
         if self._measure:
             cpu = time.process_time()
             if self._cpu_at_check is not None and c > self._check_at:
                 # per step: the checks in between had nothing due and were skipped
                 self._step_cpu.append((cpu - self._cpu_at_check) / (c - self._check_at))
             self._cpu_at_check, self._check_at = cpu, c
-        got = self._read(c)
-        if got is None:
-            return [], None
-        rows: list[tuple[int, list[float]]] = []
-        if self.rank == 0:
-            n = int(min(r[4] for r in got))  # entries every rank sent
-            rows = [(int(got[0][j]), [r[j + 1] for r in got])
-                    for j in range(HEADER, HEADER + 2 * n, 2)]
-        return rows, Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+
+    def _set_every(self, row: list[float]) -> None:
+        """The period rank 0's ``row`` carries, in force from this check on every rank."""
+        self.check_every = max(1, min(int(row[5]), self.max_every))
+        self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
 
     def issue(self, c: int, alarm: Alarm) -> None:
         """Check ``c``'s transport out: this rank's row, carrying ``alarm`` (rank 0's alarm,
@@ -152,25 +189,19 @@ class Exchange:
         # every rank issued them: completing them keeps the group's op order intact
         while self._inflight:
             self.rows.read(self._inflight.popleft()[0])
+        self._own_rows.clear()
         self.rows.close()
 
     def _read(self, c: int) -> list[list[float]] | None:
+        """Ranks other than 0: rank 0's row due at check ``c`` (None: none due)."""
         if not self._inflight or self._inflight[0][1] > c:
             return None
-        t0 = time.thread_time() if self._measure else 0.0
         seq, _ = self._inflight.popleft()
         got = self.rows.read(seq)
-        if self._measure:
-            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
         if self.auto_every:
             # rank 0's choice (it folds in the other ranks' requests), read by every rank at
             # this same check
-            self.check_every = max(1, min(int(got[0][5]), self.max_every))
-            self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
-        if self.rank == 0 and self._measure:  # (used only to choose a period)
-            # the other ranks' requests (rank 0's own row holds its last choice, which must
-            # not vote for itself: once 1, the period would stay 1)
-            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
+            self._set_every(got[0])
         return got
 
     def _issue(self, c: int, seq: int, alarm: Alarm) -> None:
@@ -186,6 +217,8 @@ class Exchange:
         for key, comp in unsent:
             vals += (key, comp)
         vals += [0.0] * (width - len(vals))
+        if self.rank == 0:
+            self._own_rows[seq] = vals
         self.rows.issue(seq, vals)
         if self._measure:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0

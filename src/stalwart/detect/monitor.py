@@ -29,26 +29,28 @@ the rows' common paths are one C call each (``DecisionCore.sample_many``,
 ~100-byte socket operations (exchange.py), one per step with ``max_every=1`` (the default:
 a decision then waits for no batch).
 
-Off the training thread: on rank 0 (the only rank with analysis to do) a check whose rows
-carry no alarm reads them, books its row and hands the analysis -- the held samples and the
-rows through the decision path, rank 0's row built and sent -- to one analysis thread
-(``Analysis``), and returns; the next check, ``drain``, ``close`` and every accessor of the
-decision state wait for it first, so the verdicts, rows and state are those of the same work
-on the training thread (tests/detect/test_rel_rows.py). A check with an alarm (validation,
-recovery: collectives) runs wholly on the training thread; so does everything on the gloo
-fallback exchange (a collective). What the per-step figure (rank 0's thread CPU in
-``step``, bench detect's ``monitor_step_cpu_us``) then counts: the held steps, and at a
-check the rows' read, the held samples' hand-over and the row's booking -- not the
-analysis, whose CPU (``stats()["monitor_analysis_cpu_us_median"]``, ~0.4 ms a check of 8
-steps on a loaded 2-core machine) the process still pays (bench detect's ``cpu_overhead``
-counts it) and which holds the GIL while it runs: a training thread that needs the GIL in
-that time waits up to that long. Measured (tests/detect/step_cost.py, exchange every 8,
-rank 0 after a training step's cache-evicting work): ~15-20 us of thread CPU a held step,
-~45 us a step amortised in the one-process probe, ~57 us in the bench's 4-rank overhead job.
+Off the training thread: on rank 0 (the only rank with analysis to do) a check whose own row
+due carries no alarm books its next row and hands the rest -- the held samples made and
+joined, the other ranks' rows read, the decision path on them, rank 0's row built and sent --
+to one analysis thread (``Analysis``), and returns; the next check, ``drain``, ``close`` and
+every accessor of the decision state wait for it first, so the verdicts, rows and state are
+those of the same work on the training thread (tests/detect/test_rel_rows.py). A check with
+an alarm (validation, recovery: collectives) runs wholly on the training thread; so does
+everything on the gloo fallback exchange (a collective). What the per-step figure (rank 0's
+thread CPU in ``step``, bench detect's ``monitor_step_cpu_us``) then counts: the held steps,
+and at a check the hand-over (its own row's header read, the next row booked, the thread
+woken) -- not the analysis, whose CPU (``stats()["monitor_analysis_cpu_us_median"]``,
+~0.4-0.7 ms a check of 8 steps on a loaded 2-core machine) the process still pays (bench
+detect's ``cpu_overhead`` counts it) and which holds the GIL while it runs: a training
+thread that needs the GIL in that time waits up to that long. Measured (tests/detect/
+step_cost.py, exchange every 8, rank 0 after a training step's cache-evicting work): ~15-25
+us of thread CPU a held step, ~85-95 us a check, ~30-37 us a step amortised in the
+one-process probe and ~43-50 us in the bench's 4-rank overhead job.
 
 Use: create it on every rank after ``init_process_group`` and before wrapping the model in
 DDP; call ``step`` on all ranks or on none. ``on_sample`` sees every iteration the monitor
-counts (the seam a script run's iteration log uses).
+counts (the seam a script run's iteration log uses), in order and never two calls at once --
+on rank 0 mostly from the analysis thread.
 """
 
 from __future__ import annotations
@@ -439,19 +441,25 @@ class Monitor:
         """The held samples into the decision path, each as its own step would have (a step
         with no row to read or send)."""
         self._wait()
-        held = self._take_held()
+        held = self._join_held(self._take_held())
         if held:
             self.detector.step(StepInput(held=held, issue=False))
 
-    def _take_held(self) -> list[IterSample]:
-        """The held samples, admitted, in order (the buffer emptied), each already joined to
-        this rank's next row and shown to ``on_sample`` (``_joined``): the caller passes them
-        to the decision path (``StepInput.held``) in the same step."""
+    def _take_held(self) -> list[tuple[Any, Any, Any, Any]]:
+        """The held steps, admitted (``_admit``: the first one goes if it held a validation
+        pause), oldest first, the buffer emptied; ``_join_held`` makes them samples."""
+        raw = self._holder.take()
+        if raw and self._skip_next:
+            self._skip_next = False
+            raw = raw[1:]
+        return raw
+
+    def _join_held(self, raw: list[tuple[Any, Any, Any, Any]]) -> list[IterSample]:
+        """``_take_held``'s steps as samples, in order, each joined to this rank's next row
+        and shown to ``on_sample`` (``_joined``): the caller passes them to the decision
+        path (``StepInput.held``) next."""
         held = []
-        for k, st, cp, cm in self._holder.take():
-            if self._skip_next:  # (``_admit``)
-                self._skip_next = False
-                continue
+        for k, st, cp, cm in raw:
             s1 = IterSample(k, float(st), float(cp), float(cm))
             held.append(s1)
             self._joined(s1)
@@ -483,25 +491,39 @@ class Monitor:
             self.on_sample(s)
 
     # ---- checks -----------------------------------------------------------------------------
-    def _check(self, s: IterSample, held: list[IterSample] | None = None) -> None:
-        """Collective: one ``Detector.step`` -- the samples ``held`` since the last check
-        (``_take_held``), this iteration's sample, the rows due now, this rank's row sent,
-        and an alarm they carry validated and applied by every rank together (exchange.py is
-        the transport).
+    def _check(self, s: IterSample, raw: list[tuple[Any, Any, Any, Any]] | None = None
+               ) -> None:
+        """Collective: one ``Detector.step`` -- the samples held since the last check
+        (``raw``, from ``_take_held``), this iteration's sample, the rows due now, this
+        rank's row sent, and an alarm they carry validated and applied by every rank
+        together (exchange.py is the transport).
 
-        On rank 0 with the socket exchange, a check whose rows carry no alarm reads them here
-        and books its row (``Exchange.reserve``), then hands the rest -- the decision path
-        on the samples and rows, the row's content and its send -- to the analysis thread
-        (``Analysis``) and returns: no collective runs in it, nothing but that thread touches
-        the decision state until the next ``_wait`` (every check, and every accessor, waits
-        first), and the steps run in the same order on the same inputs, so the state, the
-        rows and the verdicts are those of the same work done here. A check with an alarm
-        runs here, its tests' collectives in the same order on every rank."""
+        On rank 0 with the socket exchange, a check whose own row due carries no alarm
+        (``Exchange.read_own``) books its next row (``Exchange.reserve``) and hands the rest
+        -- the held samples made and joined, the other ranks' rows read, the decision path
+        on them, the row's content and its send -- to the analysis thread (``Analysis``) and
+        returns: no collective runs there, nothing but that thread touches the decision
+        state or the exchange until the next ``_wait`` (every check, and every accessor,
+        waits first), and the same steps run in the same order on the same inputs, so the
+        state, the rows and the verdicts are those of the same work done here. A check with
+        an alarm runs here, its tests' collectives in the same order on every rank."""
         self._wait()
         self._checks += 1
         c = self._checks
-        s1 = self._admit(s)
         ex = self.exchange
+        if (ex is not None and self._threaded and self._core.leader
+                and not isinstance(ex.rows, GlooRows)):
+            head = ex.read_own(c)
+            if head is None or head[1].action == NONE:
+                self._analyse(c, self._admit(s), head, raw or [])
+                return
+            held = self._join_held(raw or [])
+            s1 = self._admit(s)
+            rows, alarm = ex.read_rows(head[0]), head[1]
+            self._decide(c, s1, rows, alarm, ex.issues(c), held)
+            return
+        held = self._join_held(raw or [])
+        s1 = self._admit(s)
         rows: list[tuple[int, list[float]]] = []
         alarm: Alarm | None = None
         if ex is None:
@@ -511,10 +533,12 @@ class Monitor:
         else:
             rows, alarm = ex.read(c)
             issue = ex.issues(c)
-            if (self._threaded and (alarm is None or alarm.action == NONE)
-                    and self._core.leader and not isinstance(ex.rows, GlooRows)):
-                self._analyse(c, s1, rows, alarm, issue, held or [])
-                return
+        self._decide(c, s1, rows, alarm, issue, held)
+
+    def _decide(self, c: int, s1: IterSample | None, rows: list[tuple[int, list[float]]],
+                alarm: Alarm | None, issue: bool, held: list[IterSample]) -> None:
+        """``_check``'s decision step on this thread."""
+        ex = self.exchange
 
         def send(a: Alarm) -> None:  # this check's row leaves before the verdict's tests
             if s1 is not None:
@@ -523,7 +547,7 @@ class Monitor:
                 ex.issue(c, a)
 
         inp = StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue, send=send,
-                        held=held or ())
+                        held=held)
         if alarm is not None and alarm.action != NONE:
             with self.tracker.internal():  # the validation tests' collectives: not training's
                 out = self.detector.step(inp)
@@ -538,13 +562,16 @@ class Monitor:
                 self._after(self.detector.step(StepInput(alarm=out.send, issue=False)))
         self._set_due()
 
-    def _analyse(self, c: int, s1: IterSample | None, rows: list[tuple[int, list[float]]],
-                 alarm: Alarm | None, issue: bool, held: list[IterSample]) -> None:
-        """``_check``'s decision step for a check that validates nothing, on the analysis
-        thread: this thread only books the row (the schedule ``_set_due`` reads)."""
+    def _analyse(self, c: int, s1: IterSample | None, head: tuple[int, Alarm] | None,
+                 raw: list[tuple[Any, Any, Any, Any]]) -> None:
+        """``_check`` for a check that validates nothing, on the analysis thread: this
+        thread only books the next row (the schedule ``_set_due`` reads). ``head``: the row
+        due now (``Exchange.read_own``), whose other ranks' rows the job reads."""
         ex = self.exchange
         assert ex is not None
+        issue = ex.issues(c)
         seq = ex.reserve(c) if issue else -1
+        alarm = None if head is None else head[1]
 
         def send(a: Alarm) -> None:
             if s1 is not None:
@@ -552,6 +579,8 @@ class Monitor:
             ex.send(c, seq, a)
 
         def job() -> None:
+            held = self._join_held(raw)
+            rows = [] if head is None else ex.read_rows(head[0])
             out = self.detector.step(StepInput(sample=s1, rows=rows, alarm=alarm, issue=issue,
                                                send=send, held=held))
             if not issue and s1 is not None:
