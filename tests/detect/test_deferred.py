@@ -37,10 +37,10 @@ def test_a_slowdown_during_a_recovery_decision_is_alarmed_once_the_recovery_is_d
 
 def test_a_slowdown_the_validation_measured_is_not_alarmed_again() -> None:
     core = DecisionCore(True)
-    core.classify(Change(30, 34, 0.05, 0.08), "rank2")
+    core.classify(Change(30, 34, 1.0, 1.6), "rank2")
     core.take_pending()
     core.classify(Change(31, 35, 0.05, 0.08), "iteration")  # the same slowdown, later
-    core.classify(Change(37, 39, 0.05, 0.09), "rank1")  # began after the tests ran (36)
+    core.classify(Change(37, 39, 1.0, 1.8), "rank1")  # began after the tests ran (36)
     core.alarm_read()
     core.apply_verdict(Finding("unknown", 30, 36, 1.6), 2)  # nothing confirmed
     core.sample(IterSample(40, 0.08, 0.05, 0.03))
@@ -54,9 +54,9 @@ def test_a_slowdown_the_validation_measured_is_not_alarmed_again() -> None:
 
 def test_the_same_fault_seen_again_after_its_verdict_is_dropped() -> None:
     core = DecisionCore(True)
-    core.classify(Change(30, 34, 0.05, 0.1), "rank2")
+    core.classify(Change(30, 34, 1.0, 2.0), "rank2")
     core.take_pending()
-    core.classify(Change(36, 38, 0.05, 0.1), "rank2")  # the culprit's channel again
+    core.classify(Change(36, 38, 1.0, 2.0), "rank2")  # the culprit's channel again
     core.alarm_read()
     core.apply_verdict(Finding("compute", 30, 36, 2.0, ranks=[2],
                                evidence={"compute_test_ratio": {"2": 2.0}}), 2)
@@ -71,7 +71,7 @@ def test_a_host_link_found_again_through_another_of_its_pairs_is_one_straggler()
     core.alarm_read()
     core.apply_verdict(Finding("link", 162, 169, 4.0, ranks=[1], link=[0, 1]), None)
     assert len(core.findings) == 1
-    core.classify(Change(203, 207, 0.2, 0.3), "rank1")
+    core.classify(Change(203, 207, 1.0, 1.5), "rank1")
     core.take_pending()
     core.alarm_read()
     core.apply_verdict(Finding("link", 203, 208, 1.5, ranks=[1], link=[1, 2]), 1)
@@ -128,7 +128,7 @@ def test_a_slowdown_held_during_an_audit_that_read_every_rank_healthy_is_let_go(
         core.relative(k, [0.02, 0.02, 0.02])
     assert core.pending.action == AUDIT
     core.take_pending()
-    core.classify(Change(30, 40, 0.02, 0.03), "rank2")
+    core.classify(Change(30, 40, 1.0, 1.5), "rank2")
     core.alarm_read()
     healthy = {"compute_test_ratio": {"0": 1.0, "1": 1.05, "2": 1.01}}
     core.apply_verdict(Finding("unknown", 1, 44, 1.0, evidence=healthy), None, action=AUDIT)
@@ -142,8 +142,8 @@ def test_a_later_slowdown_held_during_a_verdict_that_named_nothing_is_alarmed() 
     core = DecisionCore(True)
     core.classify(Change(23, 28, 0.03, 0.04), "iteration")
     core.take_pending()
-    core.classify(Change(24, 29, 0.03, 0.04), "rank0")  # the same slowdown, another channel
-    core.classify(Change(29, 31, 0.03, 0.25), "rank1")  # a later one
+    core.classify(Change(24, 29, 1.0, 1.33), "rank0")  # the same slowdown, another channel
+    core.classify(Change(29, 31, 1.0, 8.33), "rank1")  # a later one
     core.alarm_read()
     core.apply_verdict(Finding("unknown", 23, 33, 1.3,
                                evidence={"compute_test_ratio": {"0": 1.0, "1": 8.0}}), None)

@@ -38,6 +38,12 @@ KNOWN: dict[str, str] = {
                              "and 1.5x but the slowest in only 4 of 7 and 6 of 10 rounds",
     "h-compute1.3x-n5-seed7": "the 1.3x rank 3 is never confirmed; rank 1, read 1.65x and "
                               "the slowest in 3 of 3 rounds at step 87, is named instead",
+    "h-compute1.5x-n4-seed7-mb2": "the 1.5x rank 1's own alarm at step 51 is not confirmed "
+                                  "(the slowest in too few rounds), nor its outlier alarm at "
+                                  "81: the pooled rounds that confirmed it (18 of 26) held "
+                                  "those of a noise alarm at 39 -- rank 2 back among its "
+                                  "peers from a dip at the warm-up, no longer alarmed "
+                                  "(decision._back_among_peers)",
 }
 # runs slow from step 0 whose finding is not marked never healthy at onset 0 (the reason)
 KNOWN_BORN: dict[str, str] = {

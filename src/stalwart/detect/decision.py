@@ -473,6 +473,8 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                  severity: float | None = None) -> None:
         """A change (or an outlier: ``action`` OUTLIER, ``severity`` priced from the peers)
         becomes the pending alarm, a recovery, or nothing (see the module docstring)."""
+        if self._back_among_peers(ch, channel, action):
+            return
         if self.pending.action != NONE or self.deciding:
             # a decision is already on its way: a slowdown waits for it (module docstring)
             if action == DETECT and ch.ratio > 1.0 and len(self._deferred) < DEFER_MAX:
@@ -505,6 +507,27 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                 1.0 + self.detector.min_shift):
             self._recover_level = ch.after / self._healthy
             self.pending = Alarm(RECOVER, ch.onset, self._recover_level, -1)
+
+    def _back_among_peers(self, ch: Change, channel: str, action: int) -> bool:
+        """Whether a per-rank channel's slowdown only brings the rank back among its peers,
+        so no alarm is due: it starts below the peers' level (1.0: a per-rank channel reads
+        the rank's compute over the peers' median) and ends at most the channel's verified
+        shift (``REL_MIN_SHIFT``) above it -- half of it with two ranks, where the median
+        is the mean of the two and a rank's slowdown by x reads 2x / (1 + x). Such a rank
+        does not stall the job more than its peers' noise does.
+
+        The noise model: a per-rank channel verifies a change at ``per_rank_z`` standard
+        errors, which bounds how often a channel wrongly moves its level, not how often a
+        level learned or moved low by chance is followed by the rank's return to its
+        peers; among thousands of ranks under heavy-tailed compute noise such dips are
+        many, and each return was verified as a slowdown (most of the simulator's
+        validation pauses at 10,000 ranks). What it costs: a throttle that leaves a rank
+        less than the verified shift slower than its peers is not alarmed by its own
+        channel. The iteration channel and outlier alarms are not concerned."""
+        if action != DETECT or suspect_of(channel) < 0 or not 1.0 < ch.ratio:
+            return False
+        shift = REL_MIN_SHIFT / 2 if len(self.rel_detectors) == 2 else REL_MIN_SHIFT
+        return ch.before < 1.0 and ch.after <= 1.0 + shift
 
     # ---- the evidence the validation reads; events out -------------------------------------
     def evidence(self, rank: int, onset: int, decided: int) -> RankEvidence:

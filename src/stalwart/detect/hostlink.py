@@ -100,12 +100,18 @@ def crossing(links: Mapping[str, float], host_of: Mapping[int, str]) -> dict[str
     return out
 
 
-def spread(log_ratios: list[float]) -> float:
-    """The noise model's sigma from reference pairs' log ratios (module docstring)."""
+def spread(log_ratios: list[float] | np.ndarray) -> float:
+    """The noise model's sigma from reference pairs' log ratios (module docstring). An
+    array goes through numpy's median (the same arithmetic as ``statistics.median``): one
+    C pass, where a list of 10,000 pairs cost ~30,000 Python calls per host examined."""
     if len(log_ratios) < SPREAD_PAIRS:
         return SIGMA_PRIOR
-    med = statistics.median(log_ratios)
-    mad = 1.4826 * statistics.median(abs(x - med) for x in log_ratios)
+    if isinstance(log_ratios, np.ndarray):
+        med = float(np.median(log_ratios))
+        mad = 1.4826 * float(np.median(np.abs(log_ratios - med)))
+    else:
+        med = statistics.median(log_ratios)
+        mad = 1.4826 * statistics.median(abs(x - med) for x in log_ratios)
     # an upper bound of the estimate: the MAD's relative standard error is ~1.17/sqrt(n),
     # and a sigma read low by chance would make the threshold name healthy hosts
     return max(SIGMA_MIN, mad * (1.0 + 2.0 * 1.17 / math.sqrt(len(log_ratios))))
@@ -238,14 +244,14 @@ def name_host(links: Mapping[str, float], host_of: Mapping[int, str],
         ref = float(np.median(ref_t))  # (statistics.median's arithmetic)
         if ref <= 0:
             continue
-        logs = [math.log(max(x, 1e-12) / ref) for x in ref_t.tolist()]
+        logs = np.log(np.maximum(ref_t, 1e-12) / ref)
         sigma = spread(logs) * math.sqrt(1.0 + math.pi / (2 * len(logs)))
         t_h = threshold(len(tested), len(mine), sigma, alpha)
         t_h = max(t_h, tail_threshold((ref_t / ref).tolist(), len(tested), len(mine),
                                       alpha))
         ratios = {k: links[k] / ref for k in mine}
         if min(ratios.values()) < t_h or not alike(list(ratios.values()), sigma,
-                                                   max(logs) - min(logs)):
+                                                   float(logs.max() - logs.min())):
             continue
         inside = t[(ha == h) & (hb == h)]
         if not above_inside([links[k] for k in mine], inside.tolist(), t_h):
