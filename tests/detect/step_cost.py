@@ -121,7 +121,7 @@ def overhead(a: argparse.Namespace) -> None:
             mon = ov.get("monitor") or {}
             print(json.dumps({**{k: ov.get(k) for k in (
                 "monitor_step_cpu_us_median", "monitor_step_cpu_us_quantiles", "cpu_overhead",
-                "error")}, **{k: mon.get(k) for k in (
+                "overhead", "error")}, **{k: mon.get(k) for k in (
                     "monitor_check_cpu_us_median", "monitor_analysis_cpu_us_median")}}),
                   flush=True)
 

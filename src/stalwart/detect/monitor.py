@@ -215,6 +215,7 @@ class Analysis:
                 self._error = e
             finally:
                 self.cpu_us.append(1e6 * (clock() - c0))
+                job = None  # (an idle thread keeps no monitor alive)
                 self._idle.set()
 
 
