@@ -9,7 +9,8 @@ faster peer's packets of a later round wait in their own buffers.
 
 Both engines write the same numpy arrays: the Python engine from ``receiving.Receiving``, the
 native one from C (it holds pointers to these arrays; ``reset`` clears them in place for that
-reason, never replaces them). Cost: per open round a full-size value buffer and tags
+reason, never replaces them -- all but the owner's sum, which a chunk's count makes valid:
+``aggregate.ShardAccumulator``). Cost: per open round a full-size value buffer and tags
 (4 + 16/chunk bytes per parameter), plus, with erasure codes, every sender's contributions to
 this rank's shard (4 x world bytes per element of the shard).
 """
