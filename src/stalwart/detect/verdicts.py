@@ -136,12 +136,27 @@ class VerdictMixin:
             self._channel, self._healthy = switch_to
         if action != DETECT and finding.kind != "unknown":
             self._follow_born(finding)
+        elif finding.kind not in ("compute", "unknown") and self._channel != "iteration":
+            self._follow_on_iteration(finding)
         self.findings.append(finding)
         # an unexplained slowdown has no culprit to watch for recovery
         self.active = finding if finding.kind != "unknown" else None
         self.rejections, self._recheck_at = 0, None
         if self.leader:
             self._report(finding, suspect, pause, action, outlier)
+
+    def _follow_on_iteration(self, finding: Finding) -> None:
+        """A link found through a rank's own compute channel is followed for its recovery on
+        the iteration time, back to its level before the onset: a slow link moves its
+        ranks' compute over their peers' only by chance (waits that land in the compute
+        window), and that ratio falling back says nothing about the link -- it once
+        reported a 10 Mbit/s host link recovered three steps after it was found, the fault
+        still on."""
+        before = [x.seconds for x in self.samples
+                  if finding.onset_step - BEFORE <= x.key < finding.onset_step]
+        self._channel = "iteration"
+        self._healthy = (statistics.median(before) if before
+                         else self.step_seconds() / max(finding.severity, 1.0))
 
     def _report(self, finding: Finding, suspect: int | None, pause: float, action: int,
                 outlier: Outlier | None) -> None:
