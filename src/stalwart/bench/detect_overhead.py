@@ -5,12 +5,15 @@ on alternating steps (ABBA order) inside the same processes; overhead = geometri
 paired steps' ratios - 1, with its 95% interval (an "on" step followed by an "off" one waits
 for its exchange to complete, so no monitor work runs on into an "off" step), plus the time
 spent inside ``monitor.step`` as a fraction of step time and its CPU time
-(``monitor_step_cpu_us_median``: rank 0's thread CPU time inside ``monitor.step`` on
-monitored steps -- keeping the sample, and at the steps with an exchange due the analysis of
-the samples held since and the exchange of rows -- in microseconds, amortised: the median over
+(``monitor_step_cpu_us_median``: rank 0's training thread's CPU time inside ``monitor.step``
+on monitored steps -- keeping the sample, and at the steps with an exchange due reading its
+own row's header and handing the rest over -- in microseconds, amortised: the median over
 windows of 16 monitored steps of their mean, so a step that analyses eight samples counts at
 its share and one validation pause is one window the median leaves out; the plain per-step
-median is ``monitor_step_cpu_us_per_step_median``). The monitor exchanges every
+median is ``monitor_step_cpu_us_per_step_median``). The analysis of the samples held since
+the last check and the other ranks' rows runs on rank 0's analysis thread (detect/monitor.py):
+its CPU is not in that figure; ``monitor_analysis_cpu_us_median`` in detect_stats.json gives
+it per check, and the process's CPU overhead counts it. The monitor exchanges every
 ``--check-every`` steps (default 8, fixed: ``Monitor(check_every=8)``; a decision then waits
 up to 2 x 8 steps for its rows), or with 0 at a period it chooses up to ``--max-every``
 (default 8), which falls to 1 while a rank's compute jumps (on a loaded machine: most of the
