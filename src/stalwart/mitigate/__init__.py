@@ -54,7 +54,8 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
                       every=pc.every, run_dir=run_dir, hosts=cfg.hosts, traffic=traffic,
                       policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
                               "revert_windows": pc.revert_windows},
-                      restart_s=regroup_s, in_place=regroup_s is not None)
+                      restart_s=regroup_s, in_place=regroup_s is not None,
+                      ranks_per_host=cfg.ranks_per_host)
 
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:

@@ -88,9 +88,12 @@ class Rebalancer:
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
                  traffic: dict[tuple[int, int], float] | None = None,
-                 policy: dict[str, Any] | None = None, in_place: bool = False) -> None:
+                 policy: dict[str, Any] | None = None, in_place: bool = False,
+                 ranks_per_host: int = 1) -> None:
         """``policy``: the policy's settings (min_gain, replan_gain, revert_windows).
-        ``in_place``: S3/S4 regroup in place (their price is ``restart_s`` as given)."""
+        ``in_place``: S3/S4 regroup in place (their price is ``restart_s`` as given).
+        ``ranks_per_host``: slots to an emulated host (``--ranks-per-host``): an S4 event
+        names the host (slot // it), as the finding and the testbed do, not the slot."""
         ready = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
         self.world = world if world is not None else (dist.get_world_size() if ready else 1)
@@ -103,6 +106,7 @@ class Rebalancer:
         self.group = self.rank // tp
         self.micro = micro_batches
         self.hosts = hosts or list(range(self.world))
+        self.ranks_per_host = max(int(ranks_per_host), 1)
         self.run_dir = Path(run_dir) if run_dir is not None else (
             Path(os.environ["STALWART_RUN_DIR"]) if "STALWART_RUN_DIR" in os.environ else None)
         self.counts = planner.uniform(micro_batches, self.groups)
@@ -295,7 +299,7 @@ class Rebalancer:
                                                  dec.counts, sent.reason))
         else:
             target = f"rank{dec.target * self.tp}" if dec.kind == REBALANCE else (
-                f"host{dec.target}" if dec.kind != REMAP else "hosts")
+                f"host{dec.target // self.ranks_per_host}" if dec.kind != REMAP else "hosts")
             plan: list[int] = dec.counts if dec.kind == REBALANCE else \
                 self._next_hosts(dec, sent)
             self._events.emit(MitigationApplied(dec.start_step, step, dec.name, dec.version,
