@@ -55,6 +55,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,12 @@ AUDIT_MIN = 5
 REL_MIN_SHIFT = 0.15  # the per-rank relative channels' verified shift
 DEFER_MAX = 4  # slowdowns held while a decision is under way (bounds the pauses they cost)
 VECTOR_RANKS = 64  # from this many ranks ``relative`` works on arrays, not lists
+NOISE_RUN_RANKS = 64  # from this many ranks a per-rank slowdown is judged against the
+#                      cross-rank noise (_noise_run): q is then resolved to 1/63 or finer
+ROWS_KEPT = 32  # steps of every rank's relative compute kept for _noise_run
+# a per-rank slowdown's chance, under the cross-rank noise, summed over the ranks: what a
+# 4-rank job's per-rank channels allow (per_rank_z: z 2.5 at REF_RANKS ranks)
+NOISE_RUN_ALPHA = NormalDist().cdf(-2.5) * REF_RANKS
 POOLED_FLOOR = 0.75  # above REF_RANKS a per-rank channel's noise scale is at least this x
 #                      the scale pooled over ranks (DecisionCore._pool_noise)
 
@@ -126,6 +133,9 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         # above REF_RANKS ranks: recent cross-rank spreads of log relative compute, the noise
         # floor set from them, and the floors the channels were built with (_pool_noise)
         self._spreads: deque[float] = deque(maxlen=32)
+        # from NOISE_RUN_RANKS ranks: the recent steps' relative compute of every rank (key,
+        # array), the cross-rank noise a per-rank slowdown is judged against (_noise_run)
+        self._rows: deque[tuple[int, np.ndarray]] = deque(maxlen=ROWS_KEPT)
         self._floor: float | None = None
         self._own_floors = (0.0, 0.0)
         self.samples: deque[IterSample] = deque(maxlen=history)
@@ -282,6 +292,8 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                     return
             med = _median(list(comps))
             rel = rel_list = [c / med for c in comps]
+        if len(comps) >= NOISE_RUN_RANKS:
+            self._rows.append((key, np.asarray(rel, dtype=float)))
         group = self._rel_dets(len(comps))
         if len(comps) > REF_RANKS:
             self._pool_noise(group.detectors, rel)
@@ -473,7 +485,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                  severity: float | None = None) -> None:
         """A change (or an outlier: ``action`` OUTLIER, ``severity`` priced from the peers)
         becomes the pending alarm, a recovery, or nothing (see the module docstring)."""
-        if self._back_among_peers(ch, channel, action):
+        if self._back_among_peers(ch, channel, action) or self._noise_run(ch, channel, action):
             return
         if self.pending.action != NONE or self.deciding:
             # a decision is already on its way: a slowdown waits for it (module docstring)
@@ -528,6 +540,37 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
             return False
         shift = REL_MIN_SHIFT / 2 if len(self.rel_detectors) == 2 else REL_MIN_SHIFT
         return ch.before < 1.0 and ch.after <= 1.0 + shift
+
+    def _noise_run(self, ch: Change, channel: str, action: int) -> bool:
+        """From ``NOISE_RUN_RANKS`` ranks: whether a per-rank slowdown is as likely under the
+        job's own cross-rank noise as the per-rank channels allow a false alarm. Its steps
+        from the onset to the decision each read q = the share of the other ranks whose
+        relative compute lay beyond the change's midpoint (sqrt(before x after)) at that
+        step; under noise that is independent from step to step the rank's run has chance
+        p = the product of the q's, and among n ranks n x p must stay under
+        ``NOISE_RUN_ALPHA`` (the job-wide chance a 4-rank job's channels have at z 2.5:
+        ``per_rank_z``'s budget). Why: ``per_rank_z`` scales a normal model of each series'
+        MAD with n, which the measured heavy-tailed compute noise outruns -- at 10,000
+        ranks 3-4 samples of ~1.18x are verified every few hundred steps; a real straggler
+        has no other rank beyond its midpoint (p ~ 0) and passes at once. A host's 8 ranks
+        slowed together keep q ~ 7 / n. Cost: O(n) per step of the run, only for a per-rank
+        slowdown alarm (a few a day); nothing below NOISE_RUN_RANKS ranks."""
+        if action != DETECT or not self._rows or ch.ratio <= 1.0:
+            return False
+        r = suspect_of(channel)
+        n = len(self._rows[-1][1])
+        if r < 0 or r >= n or n < NOISE_RUN_RANKS:
+            return False
+        mid = math.sqrt(ch.before * ch.after)
+        p, steps = 1.0, 0
+        for key, rel in self._rows:
+            if ch.onset <= key <= ch.decided and len(rel) == n:
+                beyond = int(np.count_nonzero(rel > mid)) - int(rel[r] > mid)
+                p *= beyond / (n - 1)
+                steps += 1
+                if p == 0.0:
+                    return False
+        return steps > 0 and p * n > NOISE_RUN_ALPHA
 
     # ---- the evidence the validation reads; events out -------------------------------------
     def evidence(self, rank: int, onset: int, decided: int) -> RankEvidence:
