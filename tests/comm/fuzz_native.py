@@ -91,6 +91,17 @@ def load(path: str | None):
     return mod
 
 
+def bind_rounds(eng, lay: Layout, me: int) -> list[RoundState]:  # noqa: ANN001 (the C type)
+    """ROUNDS_OPEN fresh rounds bound to a native engine's slots and reset (round i in slot
+    i), as the collective binds them."""
+    rounds = [RoundState.new(lay, me, i, keep=True) for i in range(ROUNDS_OPEN)]
+    for i, st in enumerate(rounds):
+        eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib, st.vals,
+                       st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag, st.recovered)
+        eng.reset_round(i, i)
+    return rounds
+
+
 class Target:
     """One engine (rank ``ME`` of ``WORLD``, never started: datagrams come through ``feed``)
     and the Python-owned buffers it writes."""
@@ -103,12 +114,7 @@ class Target:
                               slot=OVERHEAD + 4 * CHUNK, rounds_open=ROUNDS_OPEN,
                               may_copy=may_copy, batch=4, rx_segments=1)
         self.eng.set_peers([0x7F000001] * WORLD, [1000 + s for s in range(WORLD)])
-        self.rounds = [RoundState.new(LAY, ME, i, keep=True) for i in range(ROUNDS_OPEN)]
-        for i, st in enumerate(self.rounds):
-            self.eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib,
-                                st.vals, st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag,
-                                st.recovered)
-            self.eng.reset_round(i, i)
+        self.rounds = bind_rounds(self.eng, LAY, ME)
         self.heard, self.ever = np.zeros(WORLD), np.zeros(WORLD, bool)
         self.rejected = np.zeros(11, np.int64)
         self.lgot, self.lowed = np.zeros(WORLD), np.zeros(WORLD)

@@ -12,8 +12,9 @@ import pytest
 from stalwart.comm import native
 from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.layout import Layout
-from stalwart.comm.rounds import ROUNDS_OPEN, RoundState
+from stalwart.comm.rounds import ROUNDS_OPEN
 from stalwart.comm.wire import OVERHEAD, PHASE_GRAD, Wire
+from tests.comm.fuzz_native import bind_rounds
 
 WORLD, ME, CHUNK = 4, 1, 16
 LAY = Layout(numel=4 * 16 * 9 + 7, world=WORLD, chunk=CHUNK)  # a short last chunk
@@ -66,12 +67,7 @@ class _Engine:
                               me=ME, shard_lens=LAY.shard_lens, chunk=CHUNK,
                               slot=OVERHEAD + 4 * CHUNK, rounds_open=ROUNDS_OPEN,
                               may_copy=False, batch=4, rx_segments=1)
-        self.rounds = [RoundState.new(LAY, ME, i, keep=True) for i in range(ROUNDS_OPEN)]
-        for i, st in enumerate(self.rounds):
-            self.eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib,
-                                st.vals, st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag,
-                                st.recovered)
-            self.eng.reset_round(i, i)
+        self.rounds = bind_rounds(self.eng, LAY, ME)
 
     def close(self) -> None:
         self.eng.stop()
