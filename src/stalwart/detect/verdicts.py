@@ -145,6 +145,11 @@ class VerdictMixin:
         if self.leader:
             self._report(finding, suspect, pause, action, outlier)
 
+    def _seconds_before(self, onset: int) -> list[float]:
+        """The iteration times of the ``BEFORE`` steps before ``onset`` (the level a
+        slowdown is measured against)."""
+        return [x.seconds for x in self.samples if onset - BEFORE <= x.key < onset]
+
     def _follow_on_iteration(self, finding: Finding) -> None:
         """A link found through a rank's own compute channel is followed for its recovery on
         the iteration time, back to its level before the onset: a slow link moves its
@@ -152,8 +157,7 @@ class VerdictMixin:
         window), and that ratio falling back says nothing about the link -- it once
         reported a 10 Mbit/s host link recovered three steps after it was found, the fault
         still on."""
-        before = [x.seconds for x in self.samples
-                  if finding.onset_step - BEFORE <= x.key < finding.onset_step]
+        before = self._seconds_before(finding.onset_step)
         self._channel = "iteration"
         self._healthy = (statistics.median(before) if before
                          else self.step_seconds() / max(finding.severity, 1.0))
@@ -190,8 +194,7 @@ class VerdictMixin:
             if self._unexplained is None:
                 # the iteration time before the onset (the channel that fired may be a
                 # per-rank ratio): what the job's speed must stay above to count as lasting
-                before = [x.seconds for x in self.samples
-                          if finding.onset_step - BEFORE <= x.key < finding.onset_step]
+                before = self._seconds_before(finding.onset_step)
                 self._unexplained = _Unexplained(fields, before, finding.step)
             return
         if self._unexplained is not None:
