@@ -2,10 +2,14 @@
 
 ``overhead``: the benchmark's own overhead job (``stalwart bench detect``'s
 ``measure_overhead``: 4 gloo ranks, the tiny GPT, the monitor on and off in ABBA order), run
-``--repeat`` times; prints each run's ``monitor_step_cpu_us_median`` (rank 0's thread CPU
-time inside ``monitor.step`` on monitored steps, the figure ``monitor_step_cpu_us``) and the
-process-CPU overhead. Compare two commits in one session, alternating, on a machine this
-loaded: the figure moves by 1.5x with the load of other jobs.
+``--repeat`` times; prints each run's ``monitor_step_cpu_us_median`` (the figure
+``monitor_step_cpu_us``: rank 0's CPU per monitored step, its training thread inside
+``monitor.step`` plus its analysis thread, amortised), the training thread's alone, the
+analysis thread's per step, and the process-CPU overhead. ``--phases-dir DIR``: every rank's
+monitor phases timed (thread CPU per call, by thread) into DIR/rankR-phases.json;
+``--profile-dir DIR``: cProfile of the same into DIR/rankR-*.pstats. Compare two commits in
+one session, alternating, on a machine this loaded: the figure moves by 1.5x with the load of
+other jobs.
 
 ``cold``: one process, no torch.distributed: a rank-0 ``Monitor`` fed step hints and an
 exchange whose rows come from a stand-in link (no sockets; the other ranks' compute drawn
@@ -113,15 +117,26 @@ def cold(a: argparse.Namespace) -> None:
 
 
 def overhead(a: argparse.Namespace) -> None:
-    from stalwart.bench.detect import measure_overhead
+    import os
 
+    from stalwart.bench.detect import measure_overhead
+    from stalwart.bench.detect_overhead import PHASES_ENV, PROFILE_ENV
+
+    if a.profile_dir:
+        Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[PROFILE_ENV] = str(Path(a.profile_dir).resolve())
+    if a.phases_dir:
+        Path(a.phases_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[PHASES_ENV] = str(Path(a.phases_dir).resolve())
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.repeat):
             ov = measure_overhead(Path(d), f"r{i}", a.steps)
             mon = ov.get("monitor") or {}
             print(json.dumps({**{k: ov.get(k) for k in (
-                "monitor_step_cpu_us_median", "monitor_step_cpu_us_quantiles", "cpu_overhead",
-                "overhead", "error")}, **{k: mon.get(k) for k in (
+                "monitor_step_cpu_us_median", "monitor_step_cpu_us_mean",
+                "monitor_step_cpu_us_training_thread", "monitor_analysis_cpu_us_per_step",
+                "monitor_step_cpu_us_quantiles", "cpu_overhead", "cpu_ci95", "overhead",
+                "ci95", "error")}, **{k: mon.get(k) for k in (
                     "monitor_check_cpu_us_median", "monitor_analysis_cpu_us_median")}}),
                   flush=True)
 
@@ -136,6 +151,12 @@ def main() -> int:
                     help="cold: a fixed exchange period (0: one exchange per step)")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases-dir", default="",
+                    help="overhead: every rank's monitor phases timed (thread CPU per call) "
+                         "into DIR/rank*-phases.json")
+    ap.add_argument("--profile-dir", default="",
+                    help="overhead: every rank's monitor.step and rank 0's analysis jobs "
+                         "profiled (cProfile, thread CPU) into DIR/rank*-*.pstats")
     a = ap.parse_args()
     (cold if a.what == "cold" else overhead)(a)
     return 0

@@ -278,6 +278,9 @@ def test_the_analysis_thread_decides_as_the_calling_thread() -> None:
             mon.step(k, {"step_time": st, "compute_time": 0.9 * st, "comm_time": 0.1 * st})
     a, b = mons
     assert a.stats()["analysed_off_thread"] == 0 and b.stats()["analysed_off_thread"] > 40
+    # the analysis thread's CPU, every job's (bench detect amortises it into the figure)
+    assert a.analysis_cpu_us == 0.0 and b._analysis is not None
+    assert b.analysis_cpu_us == pytest.approx(sum(b._analysis.cpu_us)) and b.analysis_cpu_us > 0
     assert links[0].threads == {"MainThread"}
     assert "stalwart-monitor-analysis" in links[1].threads
     assert links[0].sent == links[1].sent and len(links[0].sent) > 40

@@ -300,8 +300,12 @@ def _figures(s: dict[str, Any], b: dict[str, Any], lo: dict[str, Any], ov: dict[
         "scripts_2x_missed": len(s["severe_missed"]),
         "unexplained_on_clean": m["clean_unexplained_slowdowns"],
         "tracking_overhead": ov.get("overhead"),
+        # rank 0, median, the analysis thread's CPU amortised in (detect_overhead.py)
         "monitor_step_cpu_us": cpu,
         "monitor_step_cpu_us_median": cpu,
+        "monitor_step_cpu_us_training_thread": ov.get("monitor_step_cpu_us_training_thread"),
+        "monitor_analysis_cpu_us_per_step": ov.get("monitor_analysis_cpu_us_per_step"),
+        "tracking_overhead_ci95": ov.get("ci95"),
         "lossy_detection_rate": lo["detection_rate"],
         "lossy_false_positives": lo["false_positives"],
         "lossy_localization_accuracy": lo["localization_accuracy"],

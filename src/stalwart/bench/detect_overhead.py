@@ -5,15 +5,18 @@ on alternating steps (ABBA order) inside the same processes; overhead = geometri
 paired steps' ratios - 1, with its 95% interval (an "on" step followed by an "off" one waits
 for its exchange to complete, so no monitor work runs on into an "off" step), plus the time
 spent inside ``monitor.step`` as a fraction of step time and its CPU time
-(``monitor_step_cpu_us_median``: rank 0's training thread's CPU time inside ``monitor.step``
-on monitored steps -- keeping the sample, and at the steps with an exchange due reading its
-own row's header and handing the rest over -- in microseconds, amortised: the median over
-windows of 16 monitored steps of their mean, so a step that analyses eight samples counts at
-its share and one validation pause is one window the median leaves out; the plain per-step
-median is ``monitor_step_cpu_us_per_step_median``). The analysis of the samples held since
-the last check and the other ranks' rows runs on rank 0's analysis thread (detect/monitor.py):
-its CPU is not in that figure; ``monitor_analysis_cpu_us_median`` in detect_stats.json gives
-it per check, and the process's CPU overhead counts it. The monitor exchanges every
+(``monitor_step_cpu_us_median``, bench detect's ``monitor_step_cpu_us``: rank 0's CPU time
+for the monitor per monitored step, in microseconds, analysis amortised in -- its training
+thread's CPU inside ``monitor.step`` (keeping the sample, and at the steps with an exchange
+due reading its own row's header and handing the rest over) plus its analysis thread's CPU
+(detect/monitor.py: the samples held since the last check and the other ranks' rows through
+the decision path, and its row's send), each job's counted at the "on" step by whose end it
+finished; amortised: the median over windows of 16 monitored steps of their mean, so a step
+whose check analyses eight samples counts at its share and one validation pause is one
+window the median leaves out). ``monitor_step_cpu_us_training_thread`` is the same for the
+training thread alone, ``monitor_analysis_cpu_us_per_step`` the analysis thread's total over
+the monitored steps, ``monitor_step_cpu_us_per_step_median`` the training thread's plain
+per-step median; the process's CPU overhead counts both threads. The monitor exchanges every
 ``--check-every`` steps (default 8, fixed: ``Monitor(check_every=8)``; a decision then waits
 up to 2 x 8 steps for its rows), or with 0 at a period it chooses up to ``--max-every``
 (default 8), which falls to 1 while a rank's compute jumps (on a loaded machine: most of the
@@ -33,13 +36,109 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the worker imports torch and the monitor only when it runs
     from stalwart.detect import Monitor
 
 
 # ---- the overhead worker (one rank) ---------------------------------------------------------
+# a directory: every rank profiles its monitored steps' ``monitor.step`` (cProfile, thread
+# CPU clock) into rankR-step.pstats, and rank 0 its analysis thread's jobs into
+# rank0-analysis.pstats (a by-hand measurement: tests/detect/step_cost.py overhead --profile)
+PROFILE_ENV = "STALWART_OVERHEAD_PROFILE"
+
+
+# a directory: every rank times the monitor's phases (thread CPU per call, inclusive, by
+# thread) into rankR-phases.json -- less disturbed than cProfile (~1 us per timed call)
+PHASES_ENV = "STALWART_OVERHEAD_PHASES"
+PHASES = (
+    ("stalwart.detect.monitor", "Monitor", ("step", "_check", "_join_held", "_sampled",
+                                            "_after", "_analyse", "_decide")),
+    ("stalwart.detect.detector", "Detector", ("step",)),
+    ("stalwart.detect.decision", "DecisionCore", (
+        "sample_many", "sample", "relative_rows", "relative", "_batch_args", "take_pending",
+        "classify", "step_seconds")),
+    ("stalwart.detect.changepoint", "ChangeDetector", ("after_push", "_verify",
+                                                       "_start_bocpd")),
+    ("stalwart.detect.changepoint", "DetectorGroup", ("row_steps",)),
+    ("stalwart.detect.cusum", "CusumBank", ("after_step",)),
+    ("stalwart.detect.outlier", "OutlierBank", ("_test", "crit_table")),
+    ("stalwart.detect.exchange", "Exchange", ("read", "read_own", "read_rows", "reserve",
+                                              "send", "issue")),
+    ("stalwart.rowlink", "StarRows", ("read", "issue", "wait")),
+)
+
+
+def _phase_timer(rank: int) -> Any:
+    """When ``PHASES_ENV`` is set: the methods in ``PHASES`` wrapped to add their thread
+    CPU time to a table by (thread, Class.method); a function that writes it, else None."""
+    out = os.environ.get(PHASES_ENV)
+    if not out:
+        return None
+    import functools
+    import importlib
+    import threading
+
+    table: dict[str, list[float]] = {}
+    clock = time.thread_time
+
+    def wrap(name: str, f: Any) -> Any:
+        @functools.wraps(f)
+        def timed(*a: Any, **k: Any) -> Any:
+            c0 = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                key = f"{threading.current_thread().name}:{name}"
+                e = table.setdefault(key, [0, 0.0])
+                e[0] += 1
+                e[1] += clock() - c0
+        return timed
+
+    for mod, cls_name, names in PHASES:
+        cls = getattr(importlib.import_module(mod), cls_name)
+        for n in names:
+            setattr(cls, n, wrap(f"{cls_name}.{n}", getattr(cls, n)))
+
+    def write(extra: dict[str, Any]) -> None:
+        rows = {k: {"calls": int(c), "cpu_us": round(1e6 * t, 1)}
+                for k, (c, t) in sorted(table.items())}
+        (Path(out) / f"rank{rank}-phases.json").write_text(
+            json.dumps({"phases": rows, **extra}, indent=1) + "\n")
+    return write
+
+
+def _profiler(rank: int) -> Any:
+    """The training thread's profiler when ``PROFILE_ENV`` is set, else None; on rank 0
+    the analysis thread's jobs are profiled too (``Analysis.submit`` wrapped), written at
+    exit."""
+    out = os.environ.get(PROFILE_ENV)
+    if not out:
+        return None
+    import atexit
+    import cProfile
+
+    from stalwart.detect import monitor as monitor_mod
+
+    if rank == 0:
+        job_prof = cProfile.Profile(time.thread_time)
+        submit = monitor_mod.Analysis.submit
+
+        def profiled(self: Any, job: Any) -> None:
+            def run() -> None:
+                job_prof.enable()
+                try:
+                    job()
+                finally:
+                    job_prof.disable()
+            submit(self, run)
+
+        monitor_mod.Analysis.submit = profiled  # type: ignore[method-assign]
+        atexit.register(lambda: job_prof.dump_stats(Path(out) / "rank0-analysis.pstats"))
+    return cProfile.Profile(time.thread_time)
+
+
 def _paired(xs: list[tuple[bool, float]]) -> tuple[float, float]:
     """Mean log(on/off) over consecutive (on, off) / (off, on) pairs, and its 95% half-width."""
     logs = []
@@ -102,6 +201,8 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
 
     cfg = RunConfig.load(cfg_path)
     rank = int(os.environ["RANK"])
+    prof = _profiler(rank)
+    phases = _phase_timer(rank)
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
@@ -122,6 +223,8 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
     cpus: list[tuple[bool, float]] = []
     in_step: list[float] = []
     in_step_cpu: list[float] = []
+    in_analysis: list[float] = []  # rank 0's analysis thread CPU landed in each "on" step
+    analysed = mon.analysis_cpu_us
     for step in range(warm + steps):
         on = begin_step(mon, step, warm)
         x, y = train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, rank, 0)
@@ -133,10 +236,14 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         m0 = time.thread_time()
+        if prof is not None and on and step >= warm:
+            prof.enable()
         # as stalwart's worker does: the loop reports its compute and communication split
         # (so the tracker keeps no records; their split does not matter here)
         end_step(mon, step, warm, {"step_time": t1 - t0, "compute_time": t1 - t0,
                                    "comm_time": 0.0})
+        if prof is not None:
+            prof.disable()
         m1 = time.thread_time()
         t2 = time.perf_counter()
         c2 = time.process_time()
@@ -146,11 +253,28 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
             if on:
                 in_step.append(t2 - t1)
                 in_step_cpu.append(m1 - m0)
+                # the analysis jobs finished since the last "on" step's end: every one
+                # submitted in an "on" step is done by the end of the next (its ``drain``
+                # or the next check's wait), so none lands in an "off" step
+                done = mon.analysis_cpu_us
+                in_analysis.append(1e-6 * (done - analysed))
+                analysed = done
+        elif on:
+            analysed = mon.analysis_cpu_us
     mon.close()
+    if phases is not None:
+        st = mon.stats()
+        phases({"monitored_steps": len(in_step_cpu), "checks": st.get("checks"),
+                "exchanges": st.get("exchanges"),
+                "analysed_off_thread": st.get("analysed_off_thread"),
+                "training_thread_cpu_us": round(1e6 * sum(in_step_cpu), 1)})
+    if prof is not None:
+        prof.dump_stats(Path(os.environ[PROFILE_ENV]) / f"rank{rank}-step.pstats")
     if rank == 0:
         mean, half = _paired(dts)
         cmean, chalf = _paired(cpus)
         on_times = [d for o, d in dts if o]
+        total = [a + b for a, b in zip(in_step_cpu, in_analysis, strict=True)]
         out = {"overhead": math.exp(mean) - 1.0, "pairs": len(dts) // 2,
                "ci95": [math.exp(mean - half) - 1, math.exp(mean + half) - 1],
                # the same pairing on this process's CPU time (all its threads): what the
@@ -163,13 +287,22 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
                "monitor_step_s_quantiles": [round(q, 6) for q in
                                             statistics.quantiles(in_step, n=10)],
                "monitor_step_fraction": sum(in_step) / sum(on_times),
+               # the figure: training thread + analysis thread, per monitored step
                "monitor_step_cpu_us_median": round(
+                   1e6 * statistics.median(amortised(total)), 1),
+               "monitor_step_cpu_us_mean": round(1e6 * statistics.fmean(total), 1),
+               # the training thread alone (what ``monitor.step`` costs the loop's thread)
+               "monitor_step_cpu_us_training_thread": round(
                    1e6 * statistics.median(amortised(in_step_cpu)), 1),
-               "monitor_step_cpu_us_mean": round(1e6 * statistics.fmean(in_step_cpu), 1),
+               "monitor_step_cpu_us_training_thread_mean": round(
+                   1e6 * statistics.fmean(in_step_cpu), 1),
                "monitor_step_cpu_us_per_step_median": round(
                    1e6 * statistics.median(in_step_cpu), 1),
                "monitor_step_cpu_us_quantiles": [round(1e6 * q, 1) for q in
                                                  statistics.quantiles(in_step_cpu, n=10)],
+               # the analysis thread's CPU per monitored step (its total over the steps)
+               "monitor_analysis_cpu_us_per_step": round(1e6 * statistics.fmean(in_analysis),
+                                                         1),
                "monitor": mon.stats(), "check_every_arg": check_every,
                "max_every_arg": max_every, "nproc": world}
         (run_dir / "overhead.json").write_text(json.dumps(out, indent=2) + "\n")

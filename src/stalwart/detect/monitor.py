@@ -36,13 +36,13 @@ to one analysis thread (``Analysis``), and returns; the next check, ``drain``, `
 every accessor of the decision state wait for it first, so the verdicts, rows and state are
 those of the same work on the training thread (tests/detect/test_rel_rows.py). A check with
 an alarm (validation, recovery: collectives) runs wholly on the training thread; so does
-everything on the gloo fallback exchange (a collective). What the per-step figure (rank 0's
-thread CPU in ``step``, bench detect's ``monitor_step_cpu_us``) then counts: the held steps,
-and at a check the hand-over (its own row's header read, the next row booked, the thread
-woken) -- not the analysis, whose CPU (``stats()["monitor_analysis_cpu_us_median"]``,
-~0.4-0.7 ms a check of 8 steps on a loaded 2-core machine) the process still pays (bench
-detect's ``cpu_overhead`` counts it) and which holds the GIL while it runs: a training
-thread that needs the GIL in that time waits up to that long. Measured (tests/detect/
+everything on the gloo fallback exchange (a collective). Rank 0's training thread then pays
+the held steps and at a check the hand-over (its own row's header read, the next row booked,
+the thread woken); the analysis thread's CPU (``stats()["monitor_analysis_cpu_us_median"]``
+per check, ``analysis_cpu_us`` in all) is still the process's, and it holds the GIL while it
+runs: a training thread that needs the GIL in that time waits up to that long. Bench
+detect's ``monitor_step_cpu_us`` counts both threads per step
+(``monitor_step_cpu_us_training_thread``: the training thread's alone). Measured (tests/detect/
 step_cost.py, exchange every 8, rank 0 after a training step's cache-evicting work): ~15-25
 us of thread CPU a held step, ~85-95 us a check, ~30-37 us a step amortised in the
 one-process probe and ~43-50 us in the bench's 4-rank overhead job.
@@ -169,7 +169,8 @@ class Analysis:
     """One daemon thread that runs the monitor's analysis jobs one at a time, in the order
     given. The monitor gives it a job only after ``wait`` (so at most one is in flight) and
     waits again before it touches the decision state or the exchange; a job's exception is
-    raised by the next ``wait``. ``cpu_us``: each job's thread CPU time, microseconds.
+    raised by the next ``wait``. ``cpu_us``: each job's thread CPU time, microseconds (the
+    last 4096); ``cpu_total_us``: the sum over every job finished so far.
     Cost on the caller's thread: ``submit`` ~2-5 us (a queue put that wakes the thread),
     ``wait`` on a finished job well under 1 us."""
 
@@ -179,6 +180,7 @@ class Analysis:
         self._idle.set()
         self._error: BaseException | None = None
         self.cpu_us: deque[float] = deque(maxlen=4096)
+        self.cpu_total_us = 0.0  # (written by the thread only, before its job counts as done)
         self._thread = threading.Thread(target=self._run, name="stalwart-monitor-analysis",
                                         daemon=True)
         self._thread.start()
@@ -214,7 +216,9 @@ class Analysis:
             except BaseException as e:  # raised on the monitor's thread by ``wait``
                 self._error = e
             finally:
-                self.cpu_us.append(1e6 * (clock() - c0))
+                us = 1e6 * (clock() - c0)
+                self.cpu_us.append(us)
+                self.cpu_total_us += us
                 job = None  # (an idle thread keeps no monitor alive)
                 self._idle.set()
 
@@ -336,6 +340,13 @@ class Monitor:
         """The analysis thread's job in flight finished (its exception raised here)."""
         if self._analysis is not None:
             self._analysis.wait()
+
+    @property
+    def analysis_cpu_us(self) -> float:
+        """The analysis thread's CPU time over every job it has finished, microseconds (0
+        without the thread); a job in flight is not counted until it is done. Does not
+        wait for it: a caller measuring per-step cost reads it after ``drain``."""
+        return self._analysis.cpu_total_us if self._analysis is not None else 0.0
 
     # ---- the held steps' counters (``_holder``) -----------------------------------------------
     @property
