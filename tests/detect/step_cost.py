@@ -80,6 +80,23 @@ def cold(a: argparse.Namespace) -> None:
     from stalwart.detect.monitor import Monitor, amortised
 
     torch.set_num_threads(1)
+    write = None
+    if a.phases_dir:
+        import os
+
+        from stalwart.bench.detect_overhead import PHASES_ENV, _phase_timer
+
+        Path(a.phases_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[PHASES_ENV] = str(Path(a.phases_dir).resolve())
+        write = _phase_timer(0)
+    if a.profile_dir:
+        import os
+
+        from stalwart.bench.detect_overhead import PROFILE_ENV, _profiler
+
+        Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[PROFILE_ENV] = str(Path(a.profile_dir).resolve())
+        _profiler(0)  # (the analysis thread's jobs, written at exit)
     rng = np.random.default_rng(0)
     mon = Monitor(run_dir=None, rank=0, world=1, validate_on_detect=False)
     rows: Any = _Rows(4, 10 ** 9 if a.clean else 250)
@@ -114,6 +131,9 @@ def cold(a: argparse.Namespace) -> None:
           f"({st.get('analysed_off_thread')} checks); verdicts {found}")
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if write is not None:
+        write({"steps": a.steps, "checks": st.get("checks"),
+               "analysed_off_thread": st.get("analysed_off_thread")})
 
 
 def overhead(a: argparse.Namespace) -> None:
@@ -152,8 +172,8 @@ def main() -> int:
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--phases-dir", default="",
-                    help="overhead: every rank's monitor phases timed (thread CPU per call) "
-                         "into DIR/rank*-phases.json")
+                    help="overhead (cold: rank 0 alone): every rank's monitor phases timed "
+                         "(thread CPU per call) into DIR/rank*-phases.json")
     ap.add_argument("--profile-dir", default="",
                     help="overhead: every rank's monitor.step and rank 0's analysis jobs "
                          "profiled (cProfile, thread CPU) into DIR/rank*-*.pstats")

@@ -17,6 +17,7 @@ from stalwart.detect.outlier import (
     MIN_WINDOW,
     STRIDE,
     OutlierBank,
+    _critical_comb,
     alpha_per_test,
     binom_tail,
     critical,
@@ -33,6 +34,15 @@ def test_the_binomial_tail_and_critical_count_are_exact() -> None:
         for log2a in (-7, -20, -25):
             k = critical(n, log2a)
             assert binom_tail(n, k) <= 2.0 ** log2a < binom_tail(n, k - 1)
+
+
+def test_the_critical_count_equals_its_term_by_term_reference() -> None:
+    """``critical`` (each tail term from the one before) against ``_critical_comb`` (each
+    by ``math.comb``): the same count for every window length a bank can hold and every
+    level from 2**-60 up, including the edges (no k, every k)."""
+    for n in range(0, 260):
+        for log2a in range(-60, 1):
+            assert critical.__wrapped__(n, log2a) == _critical_comb(n, log2a), (n, log2a)
 
 
 def test_peer_medians_leave_each_rank_out() -> None:

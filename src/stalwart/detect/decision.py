@@ -202,6 +202,21 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         if self._first_key is None:
             self._first_key = s.key
 
+    def _note_many(self, batch: list[IterSample]) -> None:
+        """``_note`` of each sample of ``batch``, in order (the same state; one call)."""
+        if not batch:
+            return
+        self.samples.extend(batch)
+        self._recent_s.extend([s.seconds for s in batch])
+        warmup, seen, warm_s = self.detector.warmup, self._seen, self._warm_s
+        for s in batch:  # (added one at a time, in order: the same sum as ``_note``'s)
+            seen += 1
+            if seen > warmup:
+                warm_s += s.seconds
+        self._seen, self._warm_s = seen, warm_s
+        if self._first_key is None:
+            self._first_key = batch[0].key
+
     def sample_many(self, samples: Sequence[IterSample]) -> None:
         """``sample`` of each, in order, with the same effects.
 
@@ -222,8 +237,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                 i += 1
                 continue
             stop, code, lag, mass = _gate_run(self.detector._g, samples, i, end, *args)
-            for s in itertools.islice(samples, i, min(stop + 1, end)):
-                self._note(s)
+            self._note_many(list(itertools.islice(samples, i, min(stop + 1, end))))
             if stop == end:
                 return
             s = samples[stop]

@@ -81,6 +81,10 @@ class Exchange:
         """A new sample of this rank's to send with the next row."""
         self._unsent.append((float(key), float(compute)))
 
+    def add_many(self, samples: list[tuple[int, float]]) -> None:
+        """``add(key, compute)`` for each pair, in order."""
+        self._unsent.extend([(float(k), float(c)) for k, c in samples])
+
     def due(self, c: int) -> bool:
         """Whether check ``c`` reads or issues a row (otherwise the check has nothing to do,
         and the monitor skips it)."""
@@ -137,8 +141,8 @@ class Exchange:
             # not vote for itself: once 1, the period would stay 1)
             self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
         n = int(min(r[4] for r in got))  # entries every rank sent
-        return [(int(got[0][j]), [r[j + 1] for r in got])
-                for j in range(HEADER, HEADER + 2 * n, 2)]
+        cols = list(zip(*got, strict=False))  # (column j: every rank's value j, by rank)
+        return [(int(got[0][j]), list(cols[j + 1])) for j in range(HEADER, HEADER + 2 * n, 2)]
 
     def _count_step(self, c: int) -> None:
         """Rank 0, choosing a period: the process CPU per step since the last check."""

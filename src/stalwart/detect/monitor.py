@@ -470,11 +470,22 @@ class Monitor:
         """``_take_held``'s steps as samples, in order, each joined to this rank's next row
         and shown to ``on_sample`` (``_joined``): the caller passes them to the decision
         path (``StepInput.held``) next."""
-        held = []
-        for k, st, cp, cm in raw:
-            s1 = IterSample(k, float(st), float(cp), float(cm))
-            held.append(s1)
-            self._joined(s1)
+        held = [IterSample(k, float(st), float(cp), float(cm)) for k, st, cp, cm in raw]
+        hook, ex = self.on_sample, self.exchange
+        if hook is not None:
+            for s1 in held:
+                self._joined(s1)
+            return held
+        # ``_joined`` for each, inline (no hook): the samples with a compute time and a new
+        # key join the row, in order
+        last, new = self._last_key, []
+        for s1 in held:
+            if s1.compute and s1.key != last:
+                last = s1.key
+                new.append((s1.key, s1.compute))
+        self._last_key = last
+        if ex is not None and new:
+            ex.add_many(new)
         return held
 
     def _admit(self, s: IterSample) -> IterSample | None:

@@ -80,7 +80,28 @@ def binom_tail(n: int, k: int) -> float:
 
 @lru_cache(maxsize=4096)
 def critical(n: int, log2_alpha: int) -> int:
-    """The least k with P(Bin(n, 1/2) >= k) <= 2**log2_alpha (n + 1: none)."""
+    """The least k with P(Bin(n, 1/2) >= k) <= 2**log2_alpha (n + 1: none).
+
+    The tail's terms in exact integers, each from the one before (C(n, k - 1) = C(n, k) k /
+    (n - k + 1), an exact division): the same sums and the same float comparisons as
+    ``_critical_comb``, which computes every term on its own (tests/detect/test_outlier.py
+    compares the two), at ~1/3 of its cost -- a window length's count costs up to a few
+    dozen big-integer operations, a new test level ~160 of them (``OutlierBank.crit_table``,
+    on rank 0's analysis thread when the step time moves the level)."""
+    alpha = 2.0 ** log2_alpha
+    scale = 2.0 ** n
+    total = 0
+    term = 1  # C(n, n)
+    for k in range(n, -1, -1):
+        total += term
+        if total / scale > alpha:
+            return k + 1
+        term = term * k // (n - k + 1)
+    return 0
+
+
+def _critical_comb(n: int, log2_alpha: int) -> int:
+    """``critical``'s reference: each term of the tail by ``math.comb``."""
     alpha = 2.0 ** log2_alpha
     total = 0
     for k in range(n, -1, -1):

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import math
 
+# numpy.ma: np.median imports it at its first call (~12-15 ms of CPU, mid-run on rank 0's
+# analysis thread at a model's first start); here at import, with the rest of the monitor
 import numpy as np
+import numpy.ma  # noqa: F401
 
 
 def robust_scale(x: np.ndarray) -> float:
