@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import rankdata
 
-from stalwart.detect.robust import rank_sum_z
+from stalwart.detect.robust import median, rank_sum_z
 
 
 def _scipy_z(before: np.ndarray, after: np.ndarray) -> float:
@@ -39,3 +39,26 @@ def test_a_detector_rank_does_not_import_scipy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_median_is_numpys_median_exactly() -> None:
+    """``robust.median`` gives np.median's value bit for bit (odd and even counts, ties,
+    nan and infinities; the detector's decisions depend on it), and np.median's own answer
+    for what it hands over (empty, not float64, not 1-d)."""
+    rng = np.random.default_rng(0)
+    for t in range(2000):
+        n = int(rng.integers(1, 80))
+        x = rng.normal(size=n)
+        if t % 3 == 0:
+            x = np.round(x, 1)  # ties
+        if t % 50 == 0:
+            x[int(rng.integers(n))] = np.nan
+        if t % 70 == 0:
+            x[int(rng.integers(n))] = np.inf
+        if t % 90 == 0:
+            x[int(rng.integers(n))] = -np.inf
+        a, b = float(np.median(x)), median(x)
+        assert a == b or (math.isnan(a) and math.isnan(b)), (x, a, b)
+        assert np.float64(a).tobytes() == np.float64(b).tobytes() or math.isnan(a)
+    assert median(np.array([3, 1, 2, 4])) == 2.5  # (int: np.median's own)
+    assert median(np.array([[1.0, 2.0], [3.0, 5.0]])) == 2.5

@@ -36,7 +36,7 @@ import numpy as np
 
 from stalwart.detect.bocpd import BOCPD, BOCPDBank, mass, update_rows
 from stalwart.detect.prefilter import NONE, START, UPDATE, WAKE, PyGate
-from stalwart.detect.robust import best_split, drop_outliers, robust_scale
+from stalwart.detect.robust import best_split, drop_outliers, median, robust_scale
 
 REPLAY = 36  # samples a woken model is rebuilt from (3 x the default max_lag)
 START_MANY = 16  # first models started in one step from which they start as arrays
@@ -154,7 +154,7 @@ class ChangeDetector:
             g.scale = max(robust_scale(v), g.min_scale)
             g.scale_n = len(v)
         scale = g.scale
-        centre = float(np.median(v))
+        centre = median(v)
         self._bocpd = BOCPD(centre, scale, hazard=self.hazard, bank=self.bank, row=self._row)
         self._row = self._bocpd.row  # a new segment reuses the row
         g.model, g.centre = True, centre
@@ -227,7 +227,7 @@ class ChangeDetector:
         after = vals[-run:]
         if len(before) < 2:
             return None
-        lb, la = float(np.mean(before)), float(np.median(after))
+        lb, la = float(np.mean(before)), median(after)
         ratio = math.exp(la - lb)
         if abs(ratio - 1.0) < self.min_shift:
             return None

@@ -54,7 +54,7 @@ from statistics import NormalDist
 import numpy as np
 
 from stalwart.detect.changepoint import Change
-from stalwart.detect.robust import robust_scale
+from stalwart.detect.robust import median, robust_scale
 
 try:  # the per-step part in C (detect/_native/channels.c); ``CusumBank._step`` is the reference
     from stalwart.detect._channels import cusum_step as _native_step  # type: ignore[import-not-found]
@@ -150,7 +150,7 @@ class CusumBank:
         tested against)."""
         keys = self._keys[r]
         ref = self._xs[r][(keys >= self.start_key[r]) & (keys <= upto)]
-        self.mu0[r] = float(np.median(ref))
+        self.mu0[r] = median(ref)
         self.sigma[r] = max(self.min_sigma, robust_scale(ref))
 
     def _fit_many(self, rows: list[int], upto: int) -> None:
@@ -278,8 +278,11 @@ class CusumBank:
         after = self._xs[r][(keys >= onset) & (keys <= key)]
         mu0 = float(self.mu0[r])
         # the level itself must have moved, not just a run of bad luck at the clip
-        if after.size == 0 or float(np.median(after)) - mu0 < 0.5 * math.log1p(self.shift):
+        if after.size == 0:
+            return None
+        level = median(after)
+        if level - mu0 < 0.5 * math.log1p(self.shift):
             return None
         self.alarms += 1
         self.restart(r)
-        return Change(onset, key, math.exp(mu0), math.exp(float(np.median(after))))
+        return Change(onset, key, math.exp(mu0), math.exp(level))
