@@ -133,6 +133,7 @@ class RecordedEvidence:
         self.unmatched = 0
         self.pause_s = 0.0
         self._ev: list[RankEvidence] = []
+        self._retest: dict[str, float] = {}
 
     def _nearest(self, recs: list[dict[str, Any]], decided: int) -> dict[str, Any] | None:
         near = [r for r in recs if abs(int(r["step"]) - decided) <= self.window]
@@ -145,9 +146,10 @@ class RecordedEvidence:
         r = self._nearest(same, decided) or self._nearest(self.validations, decided)
         if r is None:
             self.unmatched += 1
-            self._ev = [own]
+            self._ev, self._retest = [own], {}
             return self._ev
         self.validations.remove(r)
+        self._retest = {str(k): float(v) for k, v in (r.get("retest") or {}).items()}
         self._ev = [RankEvidence(**{k: v for k, v in e.items() if k in _FIELDS})
                     for e in r["evidence"]]
         for e in self._ev:  # JSON lists back to the tuples the live evidence holds
@@ -160,6 +162,11 @@ class RecordedEvidence:
 
     def more_links(self) -> list[RankEvidence] | None:
         return None  # recorded pairs (ring and round robin) were in the evidence already
+
+    def retest_links(self, pairs: list[str]) -> dict[str, float]:
+        """The second reading the live run recorded ({}: none recorded, the verdict stands
+        on the first)."""
+        return {k: v for k, v in self._retest.items() if k in pairs}
 
     def recovery_ratio(self, suspect: int, decided: int) -> float | None:
         r = self._nearest(self.recoveries, decided)

@@ -32,6 +32,9 @@ class Rounds:
     def more_links(self) -> list[RankEvidence] | None:
         return None
 
+    def retest_links(self, pairs: list[str]) -> dict[str, float]:
+        return {}
+
     def recovery_ratio(self, suspect: int, decided: int) -> float | None:
         return None
 

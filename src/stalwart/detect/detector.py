@@ -36,7 +36,13 @@ from typing import Any, Protocol
 from stalwart.detect.alarms import DETECTS, MODES, NONE, QUIET, RECOVER, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.evidence import Finding, RankEvidence
-from stalwart.detect.localize import decide, more_rounds, slowest_counts
+from stalwart.detect.localize import (
+    decide,
+    lone_slow_pairs,
+    more_rounds,
+    retested,
+    slowest_counts,
+)
 
 ROUNDS = 3  # the compute test's first rounds (validate.compute_test's default)
 VALIDATION_FILE = "validation.jsonl"  # a run directory's raw validation rounds (rank 0)
@@ -48,7 +54,9 @@ class EvidenceSource(Protocol):
     ``tests``: the first compute rounds and the ring's link pairs around an alarm (``own``:
     this rank's training-time profile, ``DecisionCore.evidence``); ``more_rounds``: that many
     more compute rounds on every rank; ``more_links``: the pairs the ring did not test (None:
-    there are none, or the source cannot measure them); ``recovery_ratio``: the compute test
+    there are none, or the source cannot measure them); ``retest_links``: those pairs ("a-b")
+measured once more, pair -> time in the unit of the links ({}: the source cannot);
+``recovery_ratio``: the compute test
     at equal load, the suspect's median round over its peers' (None: not measured)."""
 
     def tests(self, alarm: Alarm, decided: int, own: RankEvidence) -> list[RankEvidence]: ...
@@ -56,6 +64,8 @@ class EvidenceSource(Protocol):
     def more_rounds(self, rounds: int) -> list[RankEvidence]: ...
 
     def more_links(self) -> list[RankEvidence] | None: ...
+
+    def retest_links(self, pairs: list[str]) -> dict[str, float]: ...
 
     def recovery_ratio(self, suspect: int, decided: int) -> float | None: ...
 
@@ -87,13 +97,17 @@ class Validation:
     decided: int
     evidence: list[RankEvidence]
     finding: Finding
+    retest: dict[str, float] = field(default_factory=dict)  # lone slow pairs read again
 
     def record(self) -> dict[str, Any]:
         """The raw rounds as a run directory keeps them (``validation.jsonl``), compact."""
-        return {"kind": "validation", "step": self.decided, "action": self.alarm.action,
-                "onset": self.alarm.onset, "severity": _r(self.alarm.severity),
-                "suspect": self.alarm.suspect,
-                "evidence": [_r(asdict(e)) for e in self.evidence]}
+        out = {"kind": "validation", "step": self.decided, "action": self.alarm.action,
+               "onset": self.alarm.onset, "severity": _r(self.alarm.severity),
+               "suspect": self.alarm.suspect,
+               "evidence": [_r(asdict(e)) for e in self.evidence]}
+        if self.retest:
+            out["retest"] = _r(self.retest)
+        return out
 
 
 @dataclass
@@ -194,9 +208,14 @@ class Detector:
                 ev = more
                 finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode,
                                  first, prior)
+        again: dict[str, float] = {}
+        pairs = lone_slow_pairs(finding, ev)
+        if pairs:  # a slow pair read once: read it again before naming it
+            again = src.retest_links(pairs)
+            finding = retested(finding, ev, again)
         self._pool_rounds(ev, finding)
         self.core.apply_verdict(finding, suspect, self._pause_s(), alarm.action)
-        return Validation(alarm, decided, ev, finding)
+        return Validation(alarm, decided, ev, finding, again)
 
     def _pool_rounds(self, ev: list[RankEvidence], finding: Finding) -> None:
         """This validation's compute rounds join every rank's pool -- except the ranks of a

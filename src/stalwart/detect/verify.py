@@ -90,6 +90,30 @@ class LiveEvidence:
             extra, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()})
         return self._done(gather(ev, group, self.world))
 
+    def retest_links(self, pairs: list[str]) -> dict[str, float]:
+        """Collective: the link test once more on ``pairs`` ("a-b", every rank the same
+        list), in passes of disjoint pairs, gathered; pair -> round-trip seconds."""
+        ev = self._ev
+        if ev is None or not self.enabled or not pairs:
+            return {}
+        todo = [(int(a), int(b)) for a, b in (k.split("-") for k in pairs)]
+        passes: list[list[tuple[int, int]]] = []
+        for pr in todo:  # first fit: a pass holds each rank once
+            for ps in passes:
+                if not {pr[0], pr[1]} & {x for q in ps for x in q}:
+                    ps.append(pr)
+                    break
+            else:
+                passes.append([pr])
+        group = self.group()
+        _, link_dev, link_pg = self._where
+        mine = {f"{a}-{b}": t for (a, b), t in validate.link_test(
+            passes, self.rank, self.link_bytes, group=link_pg, device=link_dev).items()}
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, mine, group=group)
+        self.pause_s = round(time.perf_counter() - self._t0, 3)
+        return {k: float(t) for d in out for k, t in (d or {}).items()}
+
     def recovery_ratio(self, suspect: int, decided: int) -> float | None:
         if not self.enabled:
             return None

@@ -113,6 +113,25 @@ class SimEvidence:
     def more_links(self) -> list[RankEvidence] | None:
         return None  # the simulator tests the ring's pairs only
 
+    def retest_links(self, pairs: list[str]) -> dict[str, float]:
+        """The ring's ``pairs`` read once more: each as slow as the slower of its hosts'
+        links when it crosses hosts, x a fresh draw of the measured pair noise."""
+        if not pairs:
+            return {}
+        t0 = time.thread_time()
+        src = self._src
+        slow = np.ones(len(pairs))
+        if src is not None:
+            ends = [tuple(int(x) for x in k.split("-")) for k in pairs]
+            a = np.fromiter((p[0] for p in ends), int, len(ends))
+            b = np.fromiter((p[1] for p in ends), int, len(ends))
+            ha, hb = src.host_of[a], src.host_of[b]
+            slow = np.where(ha != hb, np.maximum(src.link_factor[ha], src.link_factor[hb]),
+                            1.0)
+        rtt = self.noise.rtts(self._rng, slow).tolist()
+        self.sim_s += time.thread_time() - t0
+        return dict(zip(pairs, rtt, strict=True))
+
     def recovery_ratio(self, suspect: int, decided: int) -> float | None:
         """The compute test on a recovery alarm (verify.recovery_ratio): each rank's rounds =
         its compute factor now x test noise; the suspect's median over its peers'."""
