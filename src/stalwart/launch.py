@@ -14,9 +14,10 @@ What it guarantees:
   hangs (except where a job regroups in place, ``launch(..., keep_going=True)``, or the
   rank had joined a script's elastic job -- ``--script`` runs get a membership store of their
   own, elastic/launcher.py --: the others carry on; see supervise.py);
-- when the ranks checkpoint and leave for a restart (S4, or a failed in-place regroup's
-  fallback), the job goes on from that checkpoint on the hosts rank 0 asked for
-  (restart.json), at the same global batch;
+- when the ranks checkpoint and leave for a restart (a failed in-place regroup's fallback,
+  or an S3/S4 decision that takes one: the ranks' exit records, elastic/runlink.py), the job
+  goes on from that checkpoint on the hosts the supervisor's ``Relaunch`` names, at the same
+  global batch;
 - Ctrl-C stops every rank; if the launcher itself is killed -9, the kernel kills the ranks
   (PR_SET_PDEATHSIG) and the testbed's next start removes what it left behind;
 - the testbed's fault schedule follows training progress, read from metrics.jsonl (for a
@@ -30,25 +31,22 @@ progress display.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable
 from stalwart.elastic.launcher import LauncherStore
-from stalwart.mitigate import RESTART_EXIT
 from stalwart.progress import Progress
 from stalwart.rankexits import stop_all
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog
 from stalwart.script import ScriptProgress
-from stalwart.supervise import supervise
+from stalwart.supervise import Relaunch, supervise
 
 
 def free_port() -> int:
@@ -114,7 +112,9 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     else:
         progress = Progress(cfg, run_dir, enabled=show_progress)
     procs: dict[int, subprocess.Popen] = {}
-    store: LauncherStore | None = None  # a script's membership store (elastic/launcher.py)
+    # the membership store of a script's ranks, or of a job that regroups in place
+    # (elastic/launcher.py, elastic/runlink.py)
+    store: LauncherStore | None = None
     rc = 1
     events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
                resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
@@ -122,24 +122,29 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
             all_hosts = list(range(cfg.nproc))
-            store = _script_store(cfg, tb, run_dir)
+            store = _membership_store(cfg, tb, run_dir, module)
             tb.start_liveness()  # ranks beat to it: a hung or cut-off rank is found (heartbeat.py)
             clock0 = time.monotonic()  # fault windows in seconds count from here
             tb.on_time(0.0)
             while True:
                 port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
-                members = _announcer(cfg, run_dir, module)
-                procs = _spawn(cfg, tb, run_dir, module, args, port, incarnation, store)
+                members = _announcer(cfg, run_dir, module, store)
+                # the ranks of a job that regroups in place find this launch's records
+                run_args = args if members is None else [*(args or []), "--link",
+                                                         members.token]
+                procs = _spawn(cfg, tb, run_dir, module, run_args, port, incarnation, store)
                 # a rank started again to rejoin live (supervise.py): the training worker, or
                 # a script's rank with its membership store
-                again = _restarter(cfg, tb, run_dir, module, args, port, incarnation, store)
-                rc = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
-                               first_step, restart_t0, clock0, members, keep_going)
-                if rc != RESTART_EXIT:
+                again = _restarter(cfg, tb, run_dir, module, run_args, port, incarnation,
+                                   store)
+                got = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
+                                first_step, restart_t0, clock0, members, keep_going, store)
+                if not isinstance(got, Relaunch):
+                    rc = got
                     break
-                # S4 (mitigate/): the ranks checkpointed and left; go on with other hosts
+                # the ranks checkpointed and left for a restart; go on with other hosts
                 restart_t0 = time.monotonic()
-                cfg, first_step = _restart_config(cfg, run_dir, events, say)
+                cfg, first_step = _restart_config(cfg, run_dir, events, say, got)
                 if cfg.hosts == all_hosts:
                     cfg.hosts = None
                 tb.set_hosts(cfg.hosts)  # faults stay on their hosts; ranks move
@@ -205,20 +210,34 @@ def _restarter(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[s
                ) -> Callable[[int, dict[str, str]], subprocess.Popen]:
     """How the supervisor starts one rank again: a script's rank as it was started (its
     store's address included, so it joins the elastic job live); stalwart's own rank as the
-    training worker that rejoins in place (mitigate/membership.py)."""
-    if store is not None:
+    training worker that rejoins in place (``--rejoin``: mitigate/membership.py)."""
+    if cfg.script is not None and store is not None:
         return lambda r, extra: _start_rank(cfg, tb, run_dir, module, args, port, incarnation,
                                             r, {**store.env, **extra})
-    return partial(_start_rank, cfg, tb, run_dir, "stalwart.train.worker", None, 0, 0)
+    env = store.env if store is not None else {}
+    return lambda r, extra: _start_rank(cfg, tb, run_dir, "stalwart.train.worker",
+                                        [*(args or []), "--rejoin"], 0, 0, r,
+                                        {**env, **extra})
 
 
-def _script_store(cfg: RunConfig, tb: Any, run_dir: Path) -> LauncherStore | None:
-    """A ``--script`` job's elastic membership store, in rank 0's host (elastic/launcher.py):
-    a rank of a script that joins it may die without stopping the job."""
-    if cfg.script is None:
+def _membership_store(cfg: RunConfig, tb: Any, run_dir: Path,
+                      module: str) -> LauncherStore | None:
+    """The job's membership store, in rank 0's host (elastic/launcher.py), for the whole
+    launch: a ``--script`` job's elastic membership (a rank of a script that joins it may die
+    without stopping the job), or the records of a built-in job that regroups in place
+    (elastic/runlink.py: the launcher keeps them through the store process's pipe)."""
+    in_place = _regroups_in_place(cfg, module)
+    if cfg.script is None and not in_place:
         return None
     port = 29400 if cfg.testbed == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
-    return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir)
+    return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir,
+                         commands=in_place)
+
+
+def _regroups_in_place(cfg: RunConfig, module: str) -> bool:
+    from stalwart.mitigate.membership import in_place_ok
+
+    return module == "stalwart.train.worker" and cfg.nproc >= 2 and in_place_ok(cfg)
 
 
 def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
@@ -251,37 +270,31 @@ def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[
 
 
 def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
-                    say: Callable[[str], None]) -> tuple[RunConfig, int]:
-    """The next incarnation after a planned restart: the hosts rank 0 asked for, resumed from
-    the checkpoint it wrote, the same global batch (config.json is rewritten atomically)."""
-    from stalwart.mitigate import RESTART_FILE
-
-    try:
-        req = json.loads((run_dir / RESTART_FILE).read_text())
-        hosts = [int(h) for h in req["hosts"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RuntimeError(f"ranks left for a restart without a usable {RESTART_FILE}: {e}"
-                           ) from None
-    (run_dir / RESTART_FILE).unlink()
+                    say: Callable[[str], None], req: Relaunch) -> tuple[RunConfig, int]:
+    """The next incarnation after a restart: the hosts ``req`` names, resumed from the
+    checkpoint at its step, the same global batch (config.json is rewritten atomically)."""
+    hosts = list(req.hosts)
     new = RunConfig.from_dict({**cfg.to_dict(), "nproc": len(hosts), "hosts": hosts,
                                "resume": True})
     new.validate()
     new.save(run_dir / CONFIG)
-    events.log("restart", step=int(req.get("step", 0)), nproc=len(hosts), hosts=hosts,
-               strategy=req.get("strategy"), reason=req.get("reason", ""),
-               predicted_gain=req.get("predicted_gain"),
-               step_time_before=req.get("step_time_before"))
-    say(f"stalwart: restarting on {len(hosts)} hosts {hosts} from step {req.get('step')}: "
-        f"{req.get('reason', '')}")
-    return new, int(req.get("step", 0))
+    events.log("restart", step=req.step, nproc=len(hosts), hosts=hosts,
+               strategy=req.strategy, reason=req.reason, predicted_gain=req.predicted_gain,
+               step_time_before=req.step_time_before)
+    say(f"stalwart: restarting on {len(hosts)} hosts {hosts} from step {req.step}: "
+        f"{req.reason}")
+    return new, req.step
 
 
-def _announcer(cfg: RunConfig, run_dir: Path, module: str) -> Any:
-    """The membership record of a job that regroups in place (mitigate/membership.py)."""
-    from stalwart.mitigate.membership import Announcer, in_place_ok
+def _announcer(cfg: RunConfig, run_dir: Path, module: str,
+               store: LauncherStore | None) -> Any:
+    """The membership generations of a job that regroups in place, one launch's
+    (mitigate/membership.py), on the store's records."""
+    from stalwart.mitigate.membership import Announcer
 
-    if module != "stalwart.train.worker" or cfg.nproc < 2 or not in_place_ok(cfg):
+    if store is None or store.pipe is None or not _regroups_in_place(cfg, module):
         return None
-    return Announcer(run_dir, list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc)))
+    return Announcer(store.pipe, run_dir.name,
+                     list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc)))
 
 

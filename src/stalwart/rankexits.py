@@ -29,8 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
-from stalwart.mitigate.fallback import FALLBACK_EXIT
 from stalwart.rundir import LOGS, EventLog
 
 GRACE_S = 3.0
@@ -74,9 +72,9 @@ def _blame_order(failure: tuple[int, int],
 
 
 def failures(procs: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
-    """(rank, exit code) of each rank that exited, other than with success or to leave."""
-    return [(r, p.returncode) for r, p in procs.items()
-            if p.poll() not in (None, 0, RESTART_EXIT, LEFT_EXIT, FALLBACK_EXIT)]
+    """(rank, exit code) of each rank that exited other than with 0 (a rank that leaves
+    early exits 0 too, with its reason in an exit record: elastic/runlink.py)."""
+    return [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
 
 
 def culprit(procs: dict[int, subprocess.Popen], raised: Callable[[], dict[int, dict]],
@@ -130,7 +128,8 @@ def lose_ranks(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen]
     from stalwart.mitigate.membership import survivors
 
     dead = [r for r, _ in failed]
-    kept, left = survivors(members.current, dead, tp)
+    cur = members.newest()  # rank 0 may have changed it since (S3/S4, a host taken back)
+    kept, left = survivors(cur, dead, tp)
     alive = [r for r, p in procs.items() if p.poll() is None and r in kept]
     if not alive or any(code == 2 for _, code in failed):
         return False
@@ -138,7 +137,7 @@ def lose_ranks(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen]
     for r, code in failed:
         # a signal leaves no error of the rank's own (its last line is whatever came before)
         why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
-        host = members.current.hosts[members.current.alive.index(r)]
+        host = cur.hosts[cur.alive.index(r)] if r in cur.alive else -1
         events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
                    world_after=len(alive), left=left)
         say(f"stalwart: rank {r} (host {host}) lost ({describe_exit(code)}){with_it}; the "
@@ -164,26 +163,24 @@ def drop_lost(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
     return True
 
 
-def ranks_left(procs: dict[int, subprocess.Popen], members: Any, tb: Any, run_dir: Path,
+def ranks_left(left: list[int], procs: dict[int, subprocess.Popen], members: Any, tb: Any,
                events: EventLog, say: Callable[[str], None], step: int,
                probe_hosts: bool = True) -> Any:
-    """Ranks that an in-place regroup left out (S4, or a dead rank's TP group) exited: log
-    each (``rank_left``) and, with ``probe_hosts``, probe its host for the way back
-    (probe.py); returns the probe (or None)."""
-    from stalwart.mitigate import membership
+    """Ranks ``left`` that an in-place regroup left out (S4, or a dead rank's TP group)
+    exited (their ``left`` exit records say so): log each (``rank_left``) and, with
+    ``probe_hosts``, probe its host for the way back (probe.py); returns the probe (or
+    None)."""
     from stalwart.mitigate.probe import HostProbe
 
     probe = None
-    g = membership.read(run_dir)
-    for r in [r for r, p in procs.items() if p.poll() == LEFT_EXIT]:
+    g = members.newest() if members is not None else None  # rank 0's planned one
+    for r in left:
         host = tb.host(r)
         del procs[r]
         events.log("rank_left", step=step, rank=r, host=host)
         say(f"stalwart: rank {r} left; host {host} is out of the job"
             + (" and probed for the way back" if probe_hosts else ""))
         if g is not None and probe is None and hasattr(tb, "hosts") and probe_hosts:
-            probe = HostProbe(tb, host, list(g.hosts), run_dir)
-    if members is not None and g is not None and g.token == members.current.token:
-        members.current = g if g.gen > members.current.gen else members.current
+            probe = HostProbe(tb, host, list(g.hosts), members.link)
     return probe
 

@@ -21,25 +21,28 @@ What it guarantees:
 - a host an in-place regroup left out (S4), or the host of a rank lost in place (data
   parallel only: a TP group would need all its ranks back at once), is probed
   for the way back (mitigate/probe.py); once healthy and worth it, its rank is started
-  again and joins live (at most REJOIN_TRIES starts), or, in a job that cannot regroup in
-  place, the ranks are asked to take it back by a restart;
+  again (``--rejoin``) and joins live (at most REJOIN_TRIES starts);
 - a rank that hangs or is cut off (no heartbeat: heartbeat.py, within ``SILENT_S`` = 3 s
   once it is set up, ``START_SILENT_S`` before) is SIGKILLed and logged
   ``rank_unresponsive``: from there it is a dead rank as above, and a failed job's error
   names the silence;
-- a failed in-place regroup (a rank exits FALLBACK_EXIT) falls back to checkpoint and
-  relaunch (mitigate/fallback.py): RESTART_EXIT, as when every rank left for a planned
-  restart (launch.py starts the next incarnation); 0 when every rank exited 0.
+- a rank of a job that regroups in place that exits 0 before the end says why in its exit
+  record (elastic/runlink.py ``ExitRecord``), read once when the exit is seen: ``left`` (S4:
+  its host is probed), ``fallback`` (a failed in-place regroup: checkpoint and relaunch,
+  mitigate/fallback.py) or ``restart`` (every rank: the next incarnation on rank 0's host
+  map); either relaunch is returned as a ``Relaunch`` (launch.py starts it); 0 when every
+  rank exited 0 without a record (finished);
+- the membership store process of such a job dying stops the job (1, ``store_lost``).
 
 Cost: a poll reads only what the two files gained and each rank's exit status, then sleeps
 POLL_S; a rank's death is seen within POLL_S (plus rankexits.py's settle time while only
-peers that aborted have exited).
+peers that aborted have exited); one store round trip per rank that exits 0, and one per
+poll while a rank started to rejoin is not ready yet.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -52,9 +55,8 @@ from typing import Any
 
 from stalwart.config import RunConfig
 from stalwart.elastic.launcher import registered
+from stalwart.elastic.runlink import FALLBACK, LEFT, RESTART
 from stalwart.events import RankUnresponsive, describe
-from stalwart.mitigate import LEFT_EXIT, RESTART_EXIT
-from stalwart.mitigate.fallback import FALLBACK_EXIT
 from stalwart.mitigate.membership import failstop_ok
 from stalwart.progress import Progress
 from stalwart.rankexits import (
@@ -90,21 +92,19 @@ class _Rejoin:
     slot: int
     host: int
     reason: str
-    ready: Path
     t0: float
     tries: int = 1  # this host's starts so far
     asked: bool = False
 
 
-def _rejoin(start_rank: StartRank, tb: Any, run_dir: Path, probe: Any,
+def _rejoin(start_rank: StartRank, tb: Any, members: Any, probe: Any,
             procs: dict[int, subprocess.Popen], reason: str, events: EventLog,
             say: Callable[[str], None], step: int) -> _Rejoin | None:
-    """Start the excluded host's launch rank again, to join in place once rank 0 agrees (it
-    asks only when the rank is ready: its start-up is off the job's critical path)."""
-    from stalwart.mitigate import membership
-
-    g = membership.read(run_dir)
-    if g is None or probe.host not in g.home or probe.host in g.hosts:
+    """Start the excluded host's launch rank again (``--rejoin``), to join in place once rank
+    0 agrees (it asks only when the rank's ``ready`` record is there: its start-up is off
+    the job's critical path)."""
+    g = members.newest()
+    if probe.host not in g.home or probe.host in g.hosts:
         return None
     slot = g.home.index(probe.host)
     if slot in procs:
@@ -112,79 +112,95 @@ def _rejoin(start_rank: StartRank, tb: Any, run_dir: Path, probe: Any,
     probe.tries += 1
     if probe.tries > REJOIN_TRIES:
         return None
-    ready = membership.ready_path(run_dir, g.token, slot)
-    ready.unlink(missing_ok=True)  # an earlier try's: this start says it anew
-    p = start_rank(slot, {membership.JOIN_ENV: "1"})
+    members.link.clear_ready(slot)  # an earlier try's: this start says it anew
+    members.link.clear_exit(slot)  # its earlier process's (it left): not this one's
+    p = start_rank(slot, {})
     procs[slot] = p
     tb.attach_ranks({slot: p.pid})
     events.log("rank_rejoining", step=step, rank=slot, host=probe.host, reason=reason)
     say(f"stalwart: host {probe.host} is healthy again; its rank {slot} starts to rejoin live")
-    return _Rejoin(slot, probe.host, reason, ready, time.monotonic(), probe.tries)
+    return _Rejoin(slot, probe.host, reason, time.monotonic(), probe.tries)
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """The ranks left for a restart: launch.py starts the next incarnation on ``hosts`` from
+    the checkpoint at ``step`` (a failed in-place regroup's fallback, or an S3/S4 decision
+    that takes a restart: rank 0's exit record); the rest is the ``restart`` event's."""
+
+    hosts: tuple[int, ...]
+    step: int
+    strategy: str
+    reason: str
+    predicted_gain: float | None = None
+    step_time_before: float | None = None
 
 
 def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], members: Any,
-               events: EventLog, say: Callable[[str], None], step: int) -> int:
-    """A rank's in-place regroup failed (it saved its state and exited FALLBACK_EXIT): ask
-    every rank to do the same, then relaunch from the most advanced state on the membership
-    being built (mitigate/fallback.py). RESTART_EXIT, with restart.json written for
-    launch.py's ``_restart_config``; 1 when there is no usable state or no fallback left."""
+               events: EventLog, say: Callable[[str], None], step: int) -> Relaunch | int:
+    """A rank's in-place regroup failed (it saved its state and exited 0 with a ``fallback``
+    exit record): ask every rank to do the same, then relaunch from the most advanced state
+    on the membership being built (mitigate/fallback.py): a ``Relaunch``; 1 when there is
+    no usable state or no fallback left."""
+    from stalwart.elastic.runlink import FALLBACK
     from stalwart.events import RegroupFailed
-    from stalwart.mitigate import RESTART_FILE, fallback
-    from stalwart.rundir import atomic_write_text, read_jsonl
+    from stalwart.mitigate import fallback
+    from stalwart.rundir import read_jsonl
 
     g = members.fall_back(step)
     say("stalwart: an in-place regroup failed; every rank saves its state for a relaunch")
     deadline = time.monotonic() + fallback.WAIT_S
     while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    crashed = {r for r, p in procs.items()
-               if p.poll() not in (None, 0, LEFT_EXIT, FALLBACK_EXIT)}
+    crashed = {r for r, p in procs.items() if p.poll() not in (None, 0)}
     stop_all(procs)  # the ranks that did not save in time
+    records = [members.link.exit_of(r) for r, p in procs.items() if p.poll() == 0]
+    states = [x.saved for x in records if x is not None and x.why == FALLBACK and x.saved]
     hosts = [h for s, h in zip(g.alive, g.hosts, strict=True) if s not in crashed]
     since = [e for e in read_jsonl(run_dir / EVENTS) if e.get("event") in (
         "run_started", RegroupFailed.name)]
     starts = [i for i, e in enumerate(since) if e["event"] == "run_started"]
     done = sum(1 for e in since[(starts[-1] if starts else 0):]
                if e.get("fallback") == "restart")
-    got = fallback.plan(run_dir, g.token, cfg.tp) \
+    got = fallback.plan(run_dir, g.token, cfg.tp, states) \
         if done < fallback.MAX_FALLBACKS and hosts and len(hosts) % cfg.tp == 0 else None
     if got is None:
-        reason, failed = fallback.first_reason(fallback.saved(run_dir, g.token))
+        reason, failed = fallback.first_reason(states)
         events.emit(RegroupFailed(step, g.gen - 1, reason, "none", hosts, failed))
         say(f"stalwart: in-place regroup failed ({reason}) and no relaunch is possible "
             f"({'no usable saved state' if done < fallback.MAX_FALLBACKS else 'too many'})")
         return 1
     events.emit(RegroupFailed(step, g.gen - 1, got["reason"], "restart", hosts, got["failed"],
                               got["step"]))
-    atomic_write_text(run_dir / RESTART_FILE, json.dumps(
-        {"hosts": hosts, "step": got["step"], "strategy": "fallback",
-         "reason": f"in-place regroup failed: {got['reason']}"}) + "\n")
-    return RESTART_EXIT
+    return Relaunch(tuple(hosts), got["step"], "fallback",
+                    f"in-place regroup failed: {got['reason']}")
 
 
-def _start_probe(cfg: RunConfig, tb: Any, run_dir: Path) -> Any:
-    """While a host is excluded (S4), probe it for the way back (mitigate/probe.py)."""
-    if cfg.mitigate != "auto" or not cfg.hosts:
+def _start_probe(cfg: RunConfig, tb: Any, members: Any) -> Any:
+    """While a host is excluded (a relaunch without it), probe it for the way back
+    (mitigate/probe.py): in a job that regroups in place (``members``), whose rank 0 takes a
+    request to take it back."""
+    if cfg.mitigate != "auto" or not cfg.hosts or members is None:
         return None
     missing = [h for h in range(max(cfg.hosts) + 1) if h not in cfg.hosts]
     if not missing:
         return None
     from stalwart.mitigate.probe import HostProbe
 
-    return HostProbe(tb, missing[0], list(cfg.hosts), run_dir)
+    return HostProbe(tb, missing[0], list(cfg.hosts), members.link)
 
 
 def supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
               progress: Progress, events: EventLog, say: Callable[[str], None],
               start_rank: StartRank, first_step: int = 0, restart_t0: float | None = None,
               clock0: float | None = None, members: Any = None,
-              keep_going: bool = False) -> int:
+              keep_going: bool = False, store: Any = None) -> Relaunch | int:
     """Supervise the started ranks ``procs`` until the job's outcome is known: 0, 1, 2 (a
-    rank hit bad input) or RESTART_EXIT (launch.py relaunches)."""
+    rank hit bad input) or a ``Relaunch`` (launch.py starts the next incarnation)."""
     tb.on_step(first_step)
     sv = Supervisor(cfg, run_dir, procs, tb, progress, events, say, start_rank, first_step,
                     restart_t0, time.monotonic() if clock0 is None else clock0, members,
-                    keep_going)
+                    keep_going, store)
     try:
         return sv.run()
     finally:
@@ -197,12 +213,15 @@ class Supervisor:
     def __init__(self, cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen],
                  tb: Any, progress: Progress, events: EventLog, say: Callable[[str], None],
                  start_rank: StartRank, first_step: int, restart_t0: float | None,
-                 clock0: float, members: Any, keep_going: bool) -> None:
+                 clock0: float, members: Any, keep_going: bool, store: Any = None) -> None:
         self.cfg, self.run_dir, self.procs, self.tb = cfg, run_dir, procs, tb
         self.progress, self.events, self.say = progress, events, say
         self.start_rank, self.members, self.keep_going = start_rank, members, keep_going
+        self.store = store  # the membership store process (elastic/launcher.py) or None
+        # launch rank -> its exit record (None: it finished), read once when it exits 0
+        self.exits: dict[int, Any] = {}
         self.first_step, self.restart_t0, self.clock0 = first_step, restart_t0, clock0
-        self.probe = _start_probe(cfg, tb, run_dir)  # the host probed for the way back
+        self.probe = _start_probe(cfg, tb, members)  # the host probed for the way back
         self.probes = [self.probe] if self.probe is not None else []  # closed at the end
         # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
         self.metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
@@ -221,16 +240,19 @@ class Supervisor:
         self.expected: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
         self.silenced: dict[int, float] = {}  # rank -> seconds silent when it was killed
 
-    def run(self) -> int:
+    def run(self) -> Relaunch | int:
         while True:
             self.tb.on_time(time.monotonic() - self.clock0)
             self._judge_liveness()
+            if self.members is not None and self.store is not None and self.store.died():
+                return self._store_lost(self.store.died())
             self._read_metrics()
-            if self.members is not None and self._any_exited(FALLBACK_EXIT):
+            if self._exited_for(FALLBACK):
                 return _fall_back(self.cfg, self.run_dir, self.procs, self.members, self.events,
                                   self.say, self.next_step)
-            if self._any_exited(LEFT_EXIT):
-                self._take_leavers()
+            left = self._exited_for(LEFT)
+            if left:
+                self._take_leavers(left)
             self._take_back()  # a probed host is healthy again: its rank rejoins, or a restart
             self._ask_for_rejoin()  # the rank started to rejoin is ready
             self._log_declined()
@@ -245,9 +267,10 @@ class Supervisor:
             code = self._blame()
             if code is not None:
                 return code
-            if all(p.poll() == RESTART_EXIT for p in self.procs.values()):
-                return RESTART_EXIT
             if all(p.poll() == 0 for p in self.procs.values()):
+                again = self._relaunch()
+                if again is not None:
+                    return again
                 self._finish()
                 return 0
             time.sleep(POLL_S)
@@ -256,8 +279,29 @@ class Supervisor:
         for p in self.probes:
             p.close()
 
-    def _any_exited(self, code: int) -> bool:
-        return any(p.poll() == code for p in self.procs.values())
+    def _exit_record(self, r: int) -> Any:
+        """Launch rank ``r``'s exit record (it exited 0; None: it finished the job). Read
+        once: one store round trip per rank that exits 0."""
+        if r not in self.exits:
+            self.exits[r] = self.members.link.exit_of(r) if self.members is not None else None
+        return self.exits[r]
+
+    def _exited_for(self, why: str) -> list[int]:
+        """The ranks that exited 0 early for ``why`` (elastic/runlink.py ``ExitRecord``)."""
+        return [r for r, p in self.procs.items() if p.poll() == 0
+                and getattr(self._exit_record(r), "why", None) == why]
+
+    def _relaunch(self) -> Relaunch | None:
+        """Every rank exited 0 for a restart (their ``restart`` exit records): the next
+        incarnation, on the host map rank 0's record carries; None when they finished."""
+        recs = [self._exit_record(r) for r in self.procs]
+        if not recs or not all(x is not None and x.why == RESTART for x in recs):
+            return None
+        lead = next((x for x in recs if x.hosts), None)
+        if lead is None:
+            raise RuntimeError("the ranks left for a restart and none said on which hosts")
+        return Relaunch(lead.hosts, lead.step, lead.strategy, lead.reason, lead.predicted_gain,
+                        lead.step_time_before)
 
     def _judge_liveness(self) -> None:
         """SIGKILL each live rank that is silent past its bound (heartbeat.py ``overdue``):
@@ -300,9 +344,9 @@ class Supervisor:
     def _step_time(self) -> float:
         return sorted(self.recent)[len(self.recent) // 2]
 
-    def _take_leavers(self) -> None:
+    def _take_leavers(self, left: list[int]) -> None:
         """Ranks an in-place regroup left out (S4) exited: the first host's probe starts."""
-        got = ranks_left(self.procs, self.members, self.tb, self.run_dir, self.events, self.say,
+        got = ranks_left(left, self.procs, self.members, self.tb, self.events, self.say,
                          self.next_step, probe_hosts=self.cfg.tp == 1 and self.probe is None)
         if got is not None:
             self.probes.append(got)
@@ -313,19 +357,13 @@ class Supervisor:
             self.rejoin = None  # the rank started to rejoin was not taken back, and left
 
     def _take_back(self) -> None:
-        """The probed host is healthy again and taking it back pays: in place, its rank starts
-        again and joins live (price: a regroup); otherwise the ranks are asked to restart."""
+        """The probed host is healthy again and taking it back pays: its rank starts again and
+        joins live (price: a regroup). Probes run only in jobs that regroup in place."""
         probe = self.probe
-        if probe is None or not self.recent:
+        if probe is None or not self.recent or self.members is None:
             return
-        if self.members is not None:
-            if self.rejoin is None:
-                self._start_rejoin(probe)
-        elif self.restart_s is not None and probe.request_restore(
-                self.cfg.steps - self.next_step, self._step_time(), len(self.procs),
-                self.restart_s):
-            self.say(f"stalwart: host {probe.host} is healthy again; asking the ranks to take "
-                     "it back")
+        if self.rejoin is None:
+            self._start_rejoin(probe)
 
     def _start_rejoin(self, probe: Any) -> None:
         why = probe.restore_reason(self.cfg.steps - self.next_step, self._step_time(),
@@ -333,8 +371,10 @@ class Supervisor:
                                    how="live rejoin")
         if why is None:
             return
-        self.rejoin = _rejoin(self.start_rank, self.tb, self.run_dir, probe, self.procs, why,
+        self.rejoin = _rejoin(self.start_rank, self.tb, self.members, probe, self.procs, why,
                               self.events, self.say, self.next_step)
+        if self.rejoin is not None:
+            self.exits.pop(self.rejoin.slot, None)  # its earlier process's (it left)
         if self.rejoin is None and probe.tries > REJOIN_TRIES:
             probe.stop()  # its rank failed to rejoin each time: the host stays out
             self.probe = None
@@ -357,7 +397,7 @@ class Supervisor:
     def _ask_for_rejoin(self) -> None:
         """The rank started to rejoin is ready: rank 0 is asked to take it in."""
         rj, probe = self.rejoin, self.probe
-        if rj is None or rj.asked or not rj.ready.exists() or probe is None:
+        if rj is None or rj.asked or probe is None or self.members.link.ready(rj.slot) is None:
             return
         rj.asked = True
         probe.request(rj.reason, len(self.procs) - 1, live=True)
@@ -427,9 +467,18 @@ class Supervisor:
     def _new_probe(self, host: int) -> Any:
         from stalwart.mitigate.probe import HostProbe
 
-        probe = HostProbe(self.tb, host, list(self.members.current.hosts), self.run_dir)
+        probe = HostProbe(self.tb, host, list(self.members.current.hosts), self.members.link)
         self.probes.append(probe)
         return probe
+
+    def _store_lost(self, why: str) -> int:
+        """The membership store process of a job that regroups in place died: no membership
+        change can be announced any more, so the job stops (1), saying so."""
+        stop_all(self.procs)
+        self.progress.close()
+        self.events.log("store_lost", step=self.next_step, error=why)
+        self.say(f"stalwart: {why}; the job stops (resume it from its last checkpoint)")
+        return 1
 
     def _blame(self) -> int | None:
         """A failed job: stop every rank and name the likely cause, not the first rank seen

@@ -8,7 +8,7 @@ from stalwart.mitigate.probe import HostProbe
 
 
 def _probe(tmp_path: Path) -> HostProbe:
-    p = HostProbe(object(), 1, [0, 2, 3], tmp_path)  # no hosts, no groups: nothing measured
+    p = HostProbe(object(), 1, [0, 2, 3])  # no hosts, no groups, no store: nothing measured
     p.stop()
     return p
 

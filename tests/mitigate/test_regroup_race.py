@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from stalwart.elastic.launcher import LauncherStore
+from stalwart.elastic.ranklink import RankLink
+from stalwart.launch import free_port
 from stalwart.mitigate import membership
 from stalwart.mitigate.regroup import Regrouper, agree_state
 from stalwart.train.inplace import regroup_until_done
@@ -25,8 +28,8 @@ LAUNCHER_LATE_S = 1.0  # the launcher's word comes this long after the death
 class _Member:
     """The part of a rank that ``regroup_until_done`` drives: groups, then the agreed state."""
 
-    def __init__(self, run_dir: Path, slot: int, dies: bool) -> None:
-        self.regrouper = Regrouper(run_dir, slot)
+    def __init__(self, port: int, token: str, slot: int, dies: bool) -> None:
+        self.regrouper = Regrouper(RankLink("127.0.0.1", port, "job", token), slot)
         self.dies = dies
         self.model = torch.nn.Linear(4, 4)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
@@ -38,9 +41,9 @@ class _Member:
         return agree_state(self.model, self.opt, applied)[0]
 
 
-def _rank(run_dir: str, slot: int, dies: bool, ready: Any, out: Any) -> None:
+def _rank(port: int, token: str, slot: int, dies: bool, ready: Any, out: Any) -> None:
     os.environ["STALWART_HOST_ADDR"] = "127.0.0.1"
-    m = _Member(Path(run_dir), slot, dies)
+    m = _Member(port, token, slot, dies)
     ready.put(slot)  # watching generation 0: the next one announced wakes it
     try:
         done = regroup_until_done(m, 10 + slot, "planned")  # type: ignore[arg-type]
@@ -54,17 +57,20 @@ def _rank(run_dir: str, slot: int, dies: bool, ready: Any, out: Any) -> None:
 
 def test_survivors_of_a_member_lost_mid_regroup_regroup_again_without_it(
         tmp_path: Path) -> None:
-    members = membership.Announcer(tmp_path, [0, 1, 2])
+    port = free_port()
+    store = LauncherStore([], "127.0.0.1", port, "job", tmp_path, commands=True)
+    members = membership.Announcer(store.pipe, "job", [0, 1, 2])
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(str(tmp_path), s, s == 2, ready, out))
+    procs = [ctx.Process(target=_rank, args=(port, members.token, s, s == 2, ready, out))
              for s in range(3)]
     for p in procs:
         p.start()
     try:
         assert sorted(ready.get(timeout=60) for _ in procs) == [0, 1, 2]
-        # every member regroups at a planned generation (as for a host taken back) ...
-        membership.announce(tmp_path, membership.with_hosts(members.current, [0, 1, 2], 5))
+        # every member regroups at a planned generation (as for a host taken back), which
+        # rank 0 writes ...
+        members.link.propose_generation(membership.with_hosts(members.current, [0, 1, 2], 5))
         procs[2].join(timeout=60)
         assert procs[2].exitcode == 3
         # ... member 2 dies in it; the launcher says so, late
@@ -76,5 +82,6 @@ def test_survivors_of_a_member_lost_mid_regroup_regroup_again_without_it(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        store.close()
     # both survivors are in the generation without member 2, with the most advanced state
     assert got == [(0, "ok", g.gen, 2, 11), (1, "ok", g.gen, 2, 11)], got

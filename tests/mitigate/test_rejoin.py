@@ -19,23 +19,68 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.mitigate import membership
 from stalwart.rundir import RunData
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
+# run inside the store's network namespace (host 0's): a rank's view of the launch's records
+_WATCH = """
+import sys
+from stalwart.elastic.ranklink import RankLink
+host, port, job, token = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+link = RankLink(host, port, job, token)
+g = link.first()
+while not (g.gen >= 2 and 1 in g.alive):  # woken by the store as each one is written
+    g = link.wait_generation(g.gen + 1, 600) or g
+ready = link.store.get("ready/1").decode()
+print(ready, flush=True)
+"""
 
-def _kill_first_joiner(run_dir: Path, proc: subprocess.Popen, deadline: float) -> bool:
-    """Wait for the first generation that takes launch rank 1 back; SIGKILL that rank."""
-    while time.monotonic() < deadline and proc.poll() is None:
-        g = membership.read(run_dir)
-        if g is not None and g.gen >= 2 and 1 in g.alive:
-            ready = membership.ready_path(run_dir, g.token, 1)
-            pid = json.loads(ready.read_text())["pid"]
-            os.kill(pid, signal.SIGKILL)
-            return True
-        time.sleep(0.005)
-    return False
+
+def _cmdline(pid: str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def _find(launcher: int, deadline: float) -> tuple[int, list[str], str]:
+    """The launcher's store process (pid, its command line) and its ranks' launch token."""
+    store: tuple[int, list[str]] | None = None
+    token = None
+    while time.monotonic() < deadline and (store is None or token is None):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            cmd = _cmdline(pid)
+            if str(launcher) not in cmd:
+                continue  # (lifeline's first argument: the launcher's pid)
+            if "stalwart.elastic.store" in cmd:
+                store = (int(pid), cmd)
+            if "--link" in cmd:
+                token = cmd[cmd.index("--link") + 1]
+        time.sleep(0.2)
+    assert store is not None and token is not None, "no store process or ranks found"
+    return store[0], store[1], token
+
+
+def _kill_first_joiner(proc: subprocess.Popen, deadline: float) -> bool:
+    """Wait for the first generation that takes launch rank 1 back (read in the launch's
+    store, from its network namespace); SIGKILL that rank (its ``ready`` record's pid)."""
+    pid, cmd, token = _find(proc.pid, deadline)
+    host, port = cmd[cmd.index("--host") + 1], cmd[cmd.index("--port") + 1]
+    watch = subprocess.Popen(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c",
+                              _WATCH, host, port, "rj", token], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and watch.poll() is None:
+            time.sleep(0.005)
+        if watch.poll() is None or watch.returncode != 0:
+            return False
+        out = watch.stdout.read() if watch.stdout else ""
+        os.kill(json.loads(out)["pid"], signal.SIGKILL)
+        return True
+    finally:
+        if watch.poll() is None:
+            watch.kill()
 
 
 def test_an_excluded_host_rejoins_live_and_a_joiner_lost_mid_regroup_is_survived(
@@ -48,7 +93,7 @@ def test_an_excluded_host_rejoins_live_and_a_joiner_lost_mid_regroup_is_survived
            "--no-progress", "--out", str(tmp_path), "--name", "rj"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        killed = _kill_first_joiner(tmp_path / "rj", proc, time.monotonic() + 600)
+        killed = _kill_first_joiner(proc, time.monotonic() + 600)
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:

@@ -1,10 +1,12 @@
 """The launcher's side of the elastic membership under ``stalwart run --script``, torch-free:
 the store it serves the ranks, and how it knows which ranks handle a lost peer themselves.
 
-- ``LauncherStore``: for every ``--script`` run the launcher starts the membership store
-  (``python -m stalwart.elastic.store``, tied to the launcher by ``stalwart.lifeline``) as a
-  process of its own in rank 0's host -- its network namespace on the netns testbed -- and
-  gives every rank ``STALWART_STORE`` and ``STALWART_JOB`` (the run's name). The store is no
+- ``LauncherStore``: for every ``--script`` run, and every built-in job that regroups in
+  place, the launcher starts the membership store (``python -m stalwart.elastic.store``,
+  tied to the launcher by ``stalwart.lifeline``) as a process of its own in rank 0's host --
+  its network namespace on the netns testbed -- and gives every rank ``STALWART_STORE`` and
+  ``STALWART_JOB`` (the run's name). For a built-in job the launcher also keeps its own
+  records there, through the process's stdin and stdout (elastic/runlink.py). The store is no
   rank's: any rank, rank 0 included, may die and the membership goes on. A script that does
   not use ``stalwart.elastic`` never connects to it (cost: one idle process, ~150 MB, its
   torch import beside the ranks' own).
@@ -39,20 +41,42 @@ RUN_DIR_ENV = "STALWART_RUN_DIR"
 
 
 class LauncherStore:
-    """The membership store of one ``stalwart run --script`` job, in a process of its own."""
+    """The membership store of one ``stalwart run`` job (a ``--script`` run's, or a built-in
+    job's that regroups in place), in a process of its own. ``commands``: the launcher also
+    keeps records in it through the process's stdin and stdout (``pipe``, elastic/runlink.py);
+    the process then also ends when the launcher closes its stdin."""
 
-    def __init__(self, prefix: list[str], addr: str, port: int, job: str, run_dir: Path
-                 ) -> None:
+    def __init__(self, prefix: list[str], addr: str, port: int, job: str, run_dir: Path,
+                 commands: bool = False) -> None:
+        from stalwart.elastic.runlink import StorePipe
+
         cmd = [*prefix, sys.executable, "-m", "stalwart.lifeline", str(os.getpid()),
-               "stalwart.elastic.store", "--host", addr, "--port", str(port)]
+               "stalwart.elastic.store", "--host", addr, "--port", str(port),
+               *(["--commands"] if commands else [])]
         (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
-        with open(run_dir / LOGS / "elastic-store.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.log = run_dir / LOGS / "elastic-store.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE if commands else log, stderr=log,
+                stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
+                start_new_session=True)
+        self.job = job
+        self.pipe = StorePipe(self.proc, str(self.log)) if commands else None
         # the ranks' clients retry their connection until the store serves (STORE_TIMEOUT_S)
         self.env = {"STALWART_STORE": f"{addr}:{port}", "STALWART_JOB": job}
 
+    def died(self) -> str | None:
+        """One line when the store process has exited (None while it runs)."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return (f"the run's membership store process exited (exit code {code}); its log: "
+                f"{self.log}")
+
     def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -239,12 +239,52 @@ def serve(host: str, port: int) -> Any:
                          timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
 
 
+def commands(srv: Any, lines: Any, out: Any) -> int:
+    """Answer store operations, one JSON line ``{"op", "key", "args"}`` each, until ``lines``
+    ends (the launcher's side closed it: the launcher is gone or done). Operations: ``set
+    KEY VALUE``, ``get KEY`` (null when absent), ``cas KEY EXPECTED DESIRED`` (the value
+    after it), ``delete KEY``; each answered ``{"value": ...}`` or ``{"error": "..."}``, in
+    order; ``"prefix"``: the key is under that prefix, as a rank's ``PrefixStore`` puts it.
+    Cost: one in-process store call per line."""
+    import json
+
+    prefixed: dict[str, Any] = {}
+    for raw in lines:
+        try:
+            req = json.loads(raw)
+            op, key, args = req["op"], req["key"], list(req.get("args") or [])
+            pre = req.get("prefix")
+            srv_ = srv if not pre else prefixed.setdefault(pre, dist.PrefixStore(pre, srv))
+            if op == "set":
+                srv_.set(key, args[0])
+                value: Any = None
+            elif op == "get":
+                value = srv_.get(key).decode() if srv_.check([key]) else None
+            elif op == "cas":
+                got = srv_.compare_set(key, args[0], args[1])
+                value = got.decode() if isinstance(got, bytes) else str(got)
+            elif op == "delete":
+                value = bool(srv_.delete_key(key))
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+            reply = {"value": value}
+        except Exception as e:  # noqa: BLE001 -- answered, the loop goes on
+            first = (str(e).splitlines() or [""])[0][:200]
+            reply = {"error": f"{type(e).__name__}: {first}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m stalwart.elastic.store [--host H] [--port P]``: serve a membership store
     until SIGTERM/SIGINT; prints ``STALWART_STORE=host:port`` when ready."""
     p = argparse.ArgumentParser(prog="python -m stalwart.elastic.store")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--commands", action="store_true",
+                   help="also take store operations as JSON lines on stdin, answered on "
+                        "stdout, until stdin closes (the launcher's side: elastic/runlink.py)")
     a = p.parse_args(argv)
     try:
         srv = serve(a.host, a.port)
@@ -253,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shown = a.host if a.host != "0.0.0.0" else "HOST"
     print(f"STALWART_STORE={shown}:{srv.port}", flush=True)
+    if a.commands:
+        return commands(srv, sys.stdin.buffer, sys.stdout)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -19,22 +19,18 @@ from stalwart.presets import PRESETS
 if TYPE_CHECKING:
     from stalwart.mitigate.rebalance import Rebalancer, StaticPlan
 
-# files of the run directory the launcher and rank 0 exchange (rebalance.py)
-RESTART_EXIT = 75  # a rank leaving for a planned restart (EX_TEMPFAIL): not a failure
-LEFT_EXIT = 76  # a rank an in-place regroup left out (S4 without its host): not a failure
-RESTART_FILE = "restart.json"  # rank 0 -> launcher: which hosts the next incarnation runs on
-CONTROL_FILE = "control.json"  # launcher -> rank 0: a host is healthy again (restore it)
-
-__all__ = ["CONTROL_FILE", "LEFT_EXIT", "RESTART_EXIT", "RESTART_FILE", "Assignment", "Rebalancer",
+__all__ = ["Assignment", "Rebalancer",
            "StaticPlan", "work_plan"]
 
 
 def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
-              n_params: int = 0, regroup_s: float | None = None) -> Rebalancer | StaticPlan:
+              n_params: int = 0, regroup_s: float | None = None,
+              link: Any = None) -> Rebalancer | StaticPlan:
     """The worker's seam: which micro-batches each rank computes, per the run's --mitigate.
     ``n_params``: the model's parameters per rank (sizes the traffic that S3 re-maps).
     ``regroup_s``: S3/S4's price when they regroup in place (mitigate/regroup.py) instead of
-    restarting; None: a restart's, measured."""
+    restarting; None: a restart's, measured. ``link``: the launch's records in a job that
+    regroups in place (elastic/ranklink.py)."""
     from stalwart.mitigate.rebalance import Rebalancer, StaticPlan  # torch: only in a rank
 
     micro = cfg.global_micro_batches()
@@ -55,7 +51,7 @@ def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
                       policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
                               "revert_windows": pc.revert_windows},
                       restart_s=regroup_s, in_place=regroup_s is not None,
-                      ranks_per_host=cfg.ranks_per_host)
+                      ranks_per_host=cfg.ranks_per_host, link=link)
 
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:

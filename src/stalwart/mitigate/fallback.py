@@ -4,10 +4,11 @@ Mechanism:
 1. A rank whose regroup fails (it cannot build the new groups, the new membership does not
    come in time, the membership changed ``MAX_REGROUPS`` times in a row, the re-wrap raised)
    saves its own model, optimizer and RNG state -- no collective: its groups are broken --
-   to ``run_dir/fallback/<token>/slot-S.pt`` with a sidecar ``slot-S.json`` (the optimizer
-   steps it has applied, its tensor-parallel index, the reason), and exits with
-   ``FALLBACK_EXIT``.
-2. The launcher, seeing that exit, announces a *fallback* generation (membership.py): the
+   to ``run_dir/fallback/<token>/slot-S.pt``, then writes its exit record (``fallback``,
+   elastic/runlink.py ``ExitRecord``) with a ``Saved`` (the optimizer steps it has applied,
+   its tensor-parallel index, the reason) and exits 0.
+2. The launcher, reading that record when it sees the exit, announces a *fallback*
+   generation (membership.py): the
    same members as the generation being built, marked ``fallback``. Every other rank's
    membership thread shuts its connections as for a lost rank, its regroup (or the
    collective it waits in) fails, it sees the mark and saves and exits the same way.
@@ -27,7 +28,8 @@ state and the job stops with ``regroup_failed`` (fallback "none") and the reason
 so -- the simpler of the two correct choices (the other: re-shard the saved files at load).
 
 Guarantees: nothing is lost that the ranks had applied (the most advanced state wins); a
-rank that cannot save (killed meanwhile) is simply not a source. At most
+rank that cannot save (killed meanwhile) is simply not a source (its record, written after
+its state file, is what makes a state count). At most
 ``MAX_FALLBACKS`` relaunches per launch, so a failure that repeats does not loop. Cost: a
 restart (the ranks' cold start, 10-30 s here) instead of an in-place regroup.
 
@@ -36,15 +38,13 @@ Torch-free: the launcher imports it (files are copied as bytes).
 
 from __future__ import annotations
 
-import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from stalwart.rundir import CHECKPOINTS, atomic_write_text
 
-FALLBACK_EXIT = 77  # a rank whose in-place regroup failed, its state saved: not a failure
 FALLBACK_DIR = "fallback"
 WAIT_S = 20.0  # how long the launcher waits for the other ranks to save theirs
 MAX_FALLBACKS = 2  # relaunches after a failed regroup, per launch
@@ -55,7 +55,7 @@ TEST_FAIL_ENV = "STALWART_TEST_REGROUP_FAIL"
 
 @dataclass(frozen=True)
 class Saved:
-    """One rank's state saved on a failed regroup (the sidecar's content)."""
+    """One rank's state saved on a failed regroup (part of its ``fallback`` exit record)."""
 
     slot: int
     step: int  # optimizer steps applied: the step to resume at
@@ -65,6 +65,15 @@ class Saved:
     time: float
     sharded: bool = False  # its optimizer state is its own shard only (--comm lossy)
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Saved:
+        return Saved(int(d["slot"]), int(d["step"]), int(d["tp_index"]),
+                     str(d.get("reason", "")), bool(d.get("requested")),
+                     float(d.get("time", 0.0)), bool(d.get("sharded")))
+
 
 def folder(run_dir: Path, token: str) -> Path:
     return Path(run_dir) / FALLBACK_DIR / token
@@ -72,27 +81,6 @@ def folder(run_dir: Path, token: str) -> Path:
 
 def state_path(run_dir: Path, token: str, slot: int) -> Path:
     return folder(run_dir, token) / f"slot-{slot}.pt"
-
-
-def record(run_dir: Path, token: str, s: Saved) -> None:
-    """The sidecar, written after the state file: its presence means the state is whole."""
-    atomic_write_text(folder(run_dir, token) / f"slot-{s.slot}.json", json.dumps(
-        {"slot": s.slot, "step": s.step, "tp_index": s.tp_index, "reason": s.reason,
-         "requested": s.requested, "time": s.time, "sharded": s.sharded}) + "\n")
-
-
-def saved(run_dir: Path, token: str) -> list[Saved]:
-    """Every rank's saved state of launch ``token`` (ranks that could not save are absent)."""
-    out = []
-    for p in sorted(folder(run_dir, token).glob("slot-*.json")):
-        try:
-            d = json.loads(p.read_text())
-            out.append(Saved(int(d["slot"]), int(d["step"]), int(d["tp_index"]),
-                             str(d.get("reason", "")), bool(d.get("requested")),
-                             float(d.get("time", 0.0)), bool(d.get("sharded"))))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
 
 
 def first_reason(states: list[Saved]) -> tuple[str, list[int]]:
@@ -143,10 +131,10 @@ def materialise(run_dir: Path, token: str, chosen: dict[int, Saved]) -> int:
     return step
 
 
-def plan(run_dir: Path, token: str, tp: int) -> dict[str, Any] | None:
-    """The launcher's relaunch after a failed regroup: {step, reason, failed} with the
-    checkpoint in place, or None when no usable state was saved."""
-    states = saved(run_dir, token)
+def plan(run_dir: Path, token: str, tp: int, states: list[Saved]) -> dict[str, Any] | None:
+    """The launcher's relaunch after a failed regroup, from the ranks' saved ``states``
+    (their exit records'): {step, reason, failed} with the checkpoint in place, or None when
+    no usable state was saved."""
     chosen = choose(states, tp)
     if chosen is None:
         return None

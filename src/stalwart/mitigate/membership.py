@@ -1,23 +1,28 @@
-"""Who is in the job now: the launcher's membership record, read by every rank.
+"""Who is in the job now: the membership generations of a job that regroups in place, kept
+in the launch's membership store (elastic/runlink.py says where, who writes, who reads).
 
 The launcher is the one witness of a rank's death that cannot be wrong or late: it holds the
 rank's process and sees its exit within one poll (0.1 s). When a rank dies in a job that
 regroups in place (``in_place_ok``), the launcher does not stop the others; it writes a new
-*generation* to ``run_dir/membership.json``:
+*generation* (``Generation``, record ``gen/<n>`` of the launch):
 
     {"token": "...", "gen": 1, "alive": [0, 1, 2], "hosts": [0, 1, 2], "lost": [3],
-     "step": 60, "time": 1712345678.9}
+     "step": 60, "time": 1712345678.9, ...}
 
 ``alive`` are launch ranks (a rank's number when the job started: its *slot*), ``hosts`` the
 host under each of them. A rank of generation g has the new rank ``alive.index(slot)`` and
-the world ``len(alive)``. The survivors rebuild their process groups on the generation's own
-store file (``store_path``), so nothing from the dead generation -- its TCPStore, which lived
-in launch rank 0, included -- is needed (regroup.py does the rebuilding).
+the world ``len(alive)``. The survivors rebuild their process groups on a TCPStore that the
+generation's own rank 0 serves, found through the generation's ``pg/<n>`` record, so nothing
+from the dead generation -- its TCPStore, which lived in launch rank 0, included -- is
+needed (regroup.py does the rebuilding).
 
-Guarantees: the file is replaced atomically (a reader sees one whole generation); generations
-only grow; ``token`` is new for every launch, so a resumed run in the same directory never
-reads an older launch's store files. Cost: one ``stat`` per poll on the ranks (every 50 ms, in
-a background thread), nothing per step.
+Guarantees: a generation is one record, written whole; generation n + 1 is written by
+compare-and-set only after n (the launcher for a lost rank, rank 0 for a planned change:
+the first writer wins, the other builds on it), so generations only grow; ``token`` is new
+for every launch and prefixes its records, so a relaunch or a resumed run never reads an
+older launch's. Cost: on the ranks, one wait on the store per 60 s in a background thread
+(the store wakes it when a generation is written), nothing per step; on the launcher, one
+round trip per generation it writes.
 
 Torch-free: the launcher imports it.
 """
@@ -26,17 +31,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from stalwart.rundir import atomic_write_text
-
-MEMBERSHIP_FILE = "membership.json"
-JOIN_ENV = "STALWART_JOIN"  # set by the launcher on a launch rank started again to rejoin
-STORE_DIR = "membership"
 
 
 @dataclass(frozen=True)
@@ -77,6 +74,10 @@ class Generation:
                            "step": self.step, "time": self.time, "planned": self.planned,
                            "basis": self.basis, "home": list(self.home),
                            "fallback": self.fallback})
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Generation:
+        return Generation.from_dict(json.loads(text))
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Generation:
@@ -123,21 +124,6 @@ def survivors(g: Generation, slots: list[int], tp: int = 1) -> tuple[list[int], 
     return kept, left
 
 
-def read(run_dir: Path) -> Generation | None:
-    """The current generation, or None when there is none (the launch's first)."""
-    try:
-        return Generation.from_dict(json.loads((run_dir / MEMBERSHIP_FILE).read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # never half-written (atomic), so only a foreign file lands here
-
-
-def store_path(run_dir: Path, g: Generation) -> Path:
-    """The file store generation ``g`` rebuilds its process groups on (FileStore)."""
-    return run_dir / STORE_DIR / f"{g.token}-gen{g.gen}.store"
-
-
 def with_hosts(g: Generation, hosts: list[int], step: int,
                basis: dict[str, Any] | None = None) -> Generation:
     """The next generation on ``hosts`` (a rank -> host map, in any order): a planned change,
@@ -162,56 +148,58 @@ def joined(before: Generation, after: Generation) -> list[int]:
     return [s for s in after.alive if s not in before.alive]
 
 
-def ready_path(run_dir: Path, token: str, slot: int) -> Path:
-    """Written by a launch rank started again to rejoin, once it is ready to (its model,
-    data and optimizer built, waiting for the generation that takes it back)."""
-    return run_dir / STORE_DIR / f"{token}-join-{slot}.ready"
-
-
-def announce(run_dir: Path, g: Generation) -> None:
-    """Make ``g`` the current generation (rank 0 for a planned change; the launcher for a
-    lost rank)."""
-    atomic_write_text(run_dir / MEMBERSHIP_FILE, g.to_json() + "\n")
-
-
 class Announcer:
-    """The launcher's side: generation 0 at launch, one more per lost rank."""
+    """The launcher's side: generation 0 at launch, one more per lost rank, on the launch's
+    records (``link``: elastic/runlink.py ``LauncherLink``, made here with a new token)."""
 
-    def __init__(self, run_dir: Path, hosts: list[int]) -> None:
-        self.run_dir = run_dir
-        self.current = Generation(f"{os.getpid()}-{time.time_ns()}", 0,
-                                  tuple(range(len(hosts))), tuple(hosts), (), 0, time.time(),
-                                  home=tuple(hosts))
-        shutil.rmtree(run_dir / STORE_DIR, ignore_errors=True)  # an older launch's stores
-        (run_dir / STORE_DIR).mkdir(parents=True, exist_ok=True)
-        self._write()
+    def __init__(self, pipe: Any, job: str, hosts: list[int]) -> None:
+        from stalwart.elastic.runlink import LauncherLink
 
-    def _write(self) -> None:
-        announce(self.run_dir, self.current)
+        token = f"{os.getpid()}-{time.time_ns()}"
+        self.link = LauncherLink(pipe, job, token)
+        self.current = Generation(token, 0, tuple(range(len(hosts))), tuple(hosts), (), 0,
+                                  time.time(), home=tuple(hosts))
+        # not waited for: the store process may still be importing torch (the ranks wait)
+        self.link.put_generation(self.current, wait=False)
+
+    @property
+    def token(self) -> str:
+        return self.current.token
+
+    def newest(self) -> Generation:
+        """The newest generation (rank 0 may have made planned changes since the last one
+        the launcher wrote or read)."""
+        while True:
+            text = self.link.generation_text(self.current.gen + 1)
+            if text is None:
+                return self.current
+            self.current = Generation.from_json(text)
+
+    def _write(self, make: Any) -> Generation:
+        """``make(current)`` written as the next generation; built again on the one rank 0
+        wrote first when it did (a planned change). One store round trip when nobody did."""
+        while True:
+            g = make(self.current)
+            won = Generation.from_json(self.link.propose_generation(g))
+            if won == g:
+                self.current = g
+                return g
+            self.current = won  # rank 0's: build on it (and on any after it)
 
     def lose(self, slots: list[int], step: int, tp: int = 1) -> Generation:
         """The next generation without launch ranks ``slots`` (and, with tensor parallelism,
         without the rest of their TP groups: ``survivors``)."""
-        now = read(self.run_dir)  # rank 0 may have made planned changes since
-        if now is not None and now.token == self.current.token and now.gen > self.current.gen:
-            self.current = now
-        cur = self.current
-        kept, _ = survivors(cur, slots, tp)
-        keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s in kept]
-        self.current = Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
-                                  tuple(h for _, h in keep), tuple(sorted(slots)), step,
-                                  time.time(), home=cur.home)
-        self._write()
-        return self.current
+        def make(cur: Generation) -> Generation:
+            kept, _ = survivors(cur, slots, tp)
+            keep = [(s, h) for s, h in zip(cur.alive, cur.hosts, strict=True) if s in kept]
+            return Generation(cur.token, cur.gen + 1, tuple(s for s, _ in keep),
+                              tuple(h for _, h in keep), tuple(sorted(slots)), step,
+                              time.time(), home=cur.home)
+        return self._write(make)
 
     def fall_back(self, step: int) -> Generation:
         """Give up the in-place regroup: the newest generation's members, marked
         ``fallback`` (every rank saves its state and exits; fallback.py)."""
-        now = read(self.run_dir)
-        if now is not None and now.token == self.current.token and now.gen > self.current.gen:
-            self.current = now
-        cur = self.current
-        self.current = Generation(cur.token, cur.gen + 1, cur.alive, cur.hosts, (), step,
-                                  time.time(), home=cur.home, fallback=True)
-        self._write()
-        return self.current
+        return self._write(lambda cur: Generation(cur.token, cur.gen + 1, cur.alive,
+                                                  cur.hosts, (), step, time.time(),
+                                                  home=cur.home, fallback=True))

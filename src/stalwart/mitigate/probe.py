@@ -14,19 +14,16 @@ its peers' rate or better and its compute within ``TOLERANCE``. It is taken back
 predicted gain over the remaining steps -- the step time with G-1 hosts against G -- exceeds its
 price: the measured restart time, or, in a job that regroups in place, the last regroup's time
 (the launcher starts the host's rank again first and asks only once it is ready to join live).
-The request goes to rank 0 through ``run_dir/control.json``, so the change itself is agreed and
-made at one step by every rank (agreement.py).
+The request goes to rank 0 as a ``TakeBack`` record in the launch's membership store
+(elastic/runlink.py), so the change itself is agreed and made at one step by every rank
+(agreement.py). Only a job that regroups in place has that store and a rank 0 that reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
-from pathlib import Path
 from typing import Any
-
-from stalwart.rundir import atomic_write_text
 
 PROBE_EVERY_S = 6.0
 HEALTHY_ROUNDS = 2
@@ -52,11 +49,13 @@ def reference_pair(hosts: Any, host: int, peers: list[int]) -> tuple[int, int]:
 class HostProbe:
     """Probes one excluded host in the background (see the module docstring)."""
 
-    def __init__(self, testbed: Any, host: int, peers: list[int], run_dir: Path) -> None:
+    def __init__(self, testbed: Any, host: int, peers: list[int], link: Any = None) -> None:
+        """``link``: the launch's records (elastic/runlink.py ``LauncherLink``), where the
+        request to take the host back goes."""
         self.tb = testbed
         self.host = host
         self.peers = peers
-        self.run_dir = run_dir
+        self.link = link
         self.rounds: list[dict[str, float | None]] = []
         self.healthy = 0
         self.declined = ""  # why a healthy host was not taken back (for the event log)
@@ -117,23 +116,15 @@ class HostProbe:
                 f"predicted {gain_s:.1f} s saved over {remaining_steps} steps, {how} "
                 f"{price_s:.1f} s")
 
-    def request(self, reason: str, groups: int, live: bool = False) -> None:
-        """Ask rank 0 (``control.json``) to take the host back, once; ``live``: its rank
-        was started again and is ready to join in place."""
-        atomic_write_text(self.run_dir / "control.json", json.dumps(
-            {"restore_host": self.host, "predicted_gain": 1.0 - groups / (groups + 1),
-             "reason": reason, "live": live}) + "\n")
-        self.healthy = -10**9  # once
+    def request(self, reason: str, groups: int, live: bool = True) -> None:
+        """Ask rank 0 (a ``TakeBack`` record) to take the host back, once; ``live``: its
+        rank was started again and is ready to join in place."""
+        from stalwart.elastic.runlink import TakeBack
 
-    def request_restore(self, remaining_steps: int, step_s: float, groups: int,
-                        restart_s: float) -> bool:
-        """Ask rank 0 to take the host back by a restart when it is healthy and that pays
-        off; True if asked."""
-        reason = self.restore_reason(remaining_steps, step_s, groups, restart_s)
-        if reason is None:
-            return False
-        self.request(reason, groups)
-        return True
+        if self.link is None:
+            raise RuntimeError("no membership store to ask rank 0 through")
+        self.link.ask_take_back(TakeBack(self.host, 1.0 - groups / (groups + 1), reason, live))
+        self.healthy = -10**9  # once
 
     def stop(self) -> None:
         """Stop probing (the host is back): no more load on it; ``close`` joins later."""

@@ -18,8 +18,9 @@ micro-batch with rank 0 and receive its decision (agreement.py: one version, one
 all ranks switch together); rank 0 runs the policy (policy.py) on the detector's findings and
 logs ``mitigation_applied`` / ``mitigation_reverted`` / ``mitigation_measured`` to
 events.jsonl. A restart decision (S4 without a host, or S3 on a permuted host map) is returned
-by ``restart_due`` at its start step; the caller checkpoints and leaves with ``RESTART_EXIT``
-(launch.py relaunches on the host map rank 0 wrote to ``restart.json``).
+by ``restart_due`` at its start step; in a job that regroups in place it is made there
+(train/inplace.py ``planned``); otherwise the caller checkpoints and leaves for a restart
+(rank 0's ``restart_request``: the host map its exit record gives the launcher).
 
 Use in your own DDP script (see docs/mitigate.md)::
 
@@ -36,7 +37,6 @@ Use in your own DDP script (see docs/mitigate.md)::
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.events import MitigationApplied, MitigationMeasured, MitigationReverted
-from stalwart.mitigate import CONTROL_FILE, RESTART_FILE, planner
+from stalwart.mitigate import planner
 from stalwart.mitigate.agreement import (
     EXCLUDE,
     REBALANCE,
@@ -89,8 +89,10 @@ class Rebalancer:
                  restart_s: float | None = None,
                  traffic: dict[tuple[int, int], float] | None = None,
                  policy: dict[str, Any] | None = None, in_place: bool = False,
-                 ranks_per_host: int = 1) -> None:
+                 ranks_per_host: int = 1, link: Any = None) -> None:
         """``policy``: the policy's settings (min_gain, replan_gain, revert_windows).
+        ``link``: the launch's records (elastic/ranklink.py) in a job that regroups in place:
+        where rank 0 reads the launcher's request to take a host back.
         ``in_place``: S3/S4 regroup in place (their price is ``restart_s`` as given).
         ``ranks_per_host``: slots to an emulated host (``--ranks-per-host``): an S4 event
         names the host (slot // it), as the finding and the testbed do, not the slot."""
@@ -119,6 +121,7 @@ class Rebalancer:
         # S3/S4 regroup in place (``planned_hosts``): their price is ``restart_s`` as given,
         # not this process's start-up
         self.in_place = in_place
+        self.link = link
         self._regroup_s = restart_s or 0.0
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
@@ -127,6 +130,8 @@ class Rebalancer:
         self._pending: Decision | None = None  # agreed, waiting for its start step
         self._sent: dict[int, Decision] = {}  # rank 0: version -> decision (with reason)
         self._restart: Decision | None = None
+        # rank 0: the last S3/S4 decision's host map and basis, for a restart's exit record
+        self.restart_request: dict[str, Any] | None = None
         self._win_compute = 0.0
         self._win_micro = 0
         self._win_step = 0.0
@@ -161,7 +166,7 @@ class Rebalancer:
 
     def planned_hosts(self, dec: Decision) -> list[int] | None:
         """The rank -> host map an S4 exclusion or an S3 re-map asks for, on every rank
-        (an in-place regroup needs it everywhere, not in rank 0's restart.json), and for a host
+        (an in-place regroup needs it everywhere, not in rank 0's restart request), and for a host
         taken back live (its rank started again and waiting to join); None for a restore by a
         restart."""
         if dec.kind == EXCLUDE:
@@ -252,15 +257,13 @@ class Rebalancer:
         return dec
 
     def _control(self, start: int) -> Decision | None:
-        """The launcher's probe found an excluded host healthy: restart with it."""
-        if self.run_dir is None or not (self.run_dir / CONTROL_FILE).exists():
+        """The launcher's probe found an excluded host healthy and its rank is ready to join
+        (a ``TakeBack`` record; one store round trip per exchange while there is none):
+        take it back."""
+        req = self.link.take_back() if self.link is not None else None
+        if req is None:
             return None
-        try:
-            req = json.loads((self.run_dir / CONTROL_FILE).read_text())
-            (self.run_dir / CONTROL_FILE).unlink()
-        except (OSError, json.JSONDecodeError):
-            return None
-        host = int(req.get("restore_host", -1))
+        host = req.host
         if host < 0 or host in self.hosts:
             return None
         assert self.policy is not None
@@ -268,10 +271,9 @@ class Rebalancer:
         # live: the launcher started the host's rank again and it is ready to join in place.
         # Marked by today's hosts (1-based) in the counts' slots: the new map has one host
         # more than the message has slots, and every rank can build it (planned_hosts)
-        live = [h + 1 for h in self.hosts] if req.get("live") and self.in_place else []
-        return Decision(RESTORE, self.policy.version, start, live, host,
-                        float(req.get("predicted_gain", 0.0)),
-                        str(req.get("reason", "excluded host healthy again")))
+        live = [h + 1 for h in self.hosts] if req.live and self.in_place else []
+        return Decision(RESTORE, self.policy.version, start, live, host, req.predicted_gain,
+                        req.reason or "excluded host healthy again")
 
     def _next_hosts(self, dec: Decision, sent: Decision) -> list[int]:
         """The rank -> host map a restart decision asks for."""
@@ -283,14 +285,12 @@ class Rebalancer:
 
     def _log_decision(self, step: int, dec: Decision) -> None:
         sent = self._sent.pop(dec.version, dec)
-        if dec.kind in (EXCLUDE, RESTORE, REMAP) and self.run_dir is not None:
-            hosts = self._next_hosts(dec, sent)
-            from stalwart.rundir import atomic_write_text
-
-            atomic_write_text(self.run_dir / RESTART_FILE, json.dumps(
-                {"hosts": hosts, "step": dec.start_step, "strategy": dec.name,
-                 "reason": sent.reason, "predicted_gain": round(dec.predicted_gain, 4),
-                 "step_time_before": self._recent_step_time()}) + "\n")
+        if dec.kind in (EXCLUDE, RESTORE, REMAP):  # taken in place, or by a restart
+            self.restart_request = {
+                "hosts": self._next_hosts(dec, sent), "step": dec.start_step,
+                "strategy": dec.name, "reason": sent.reason,
+                "predicted_gain": round(dec.predicted_gain, 4),
+                "step_time_before": self._recent_step_time()}
         if self._events is None:
             return
         before = self._recent_step_time()

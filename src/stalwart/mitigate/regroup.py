@@ -1,22 +1,25 @@
 """Regroup in place: a rank's side of a membership change (membership.py), without a restart.
 
 Mechanism, per rank:
-1. A background thread polls ``membership.json`` (every 50 ms). When the launcher announces a
-   new generation (a rank lost), the thread *shuts down this process's TCP connections*
-   (gloo's pairs and the monitor's row links; not listening sockets, not the old rendezvous
-   store's) and calls ``on_abort`` (a lossy job interrupts its UDP collective there: a
-   phase would otherwise wait for the dead owner up to its deadline cap, then train on
-   without it). That is what wakes a rank blocked in a collective: in a ring all-reduce only
-   the dead rank's two neighbours get "connection reset"; the others wait on a live
+1. A background thread waits on the launch's membership store for the next generation's key
+   (elastic/ranklink.py: the store wakes it the moment the key is written). When the
+   launcher announces a new generation (a rank lost), the thread *shuts down this process's
+   TCP connections* (gloo's pairs and the monitor's row links; not listening sockets, not the
+   old rendezvous store's, not the membership store's) and calls ``on_abort`` (a lossy job
+   interrupts its UDP collective there: a phase would otherwise wait for the dead owner up
+   to its deadline cap, then train on without it). That is what wakes a rank blocked in a
+   collective: in a ring all-reduce only the dead rank's two neighbours get "connection
+   reset"; the others wait on a live
    neighbour that has given up, until gloo's timeout (measured, torch 2.13: 30 s of a 30 s
    timeout). gloo's own
    ``ProcessGroup.abort()`` does not wake them, and its pairs close only when the group is
    freed, which the DDP reducer's hooks on the parameters prevent.
 2. The step loop catches the failed collective (``is_comm_error``) and calls ``regroup``:
    wait for the generation (already there when the thread woke us), destroy the old process
-   groups, and ``init_process_group`` again on the generation's own file store (a fresh
-   store per generation: the old TCPStore lived in launch rank 0, which may be the dead one),
-   with rank ``alive.index(slot)`` in a world of ``len(alive)``.
+   groups, and ``init_process_group`` again on a TCPStore that the generation's rank 0 serves
+   (a fresh store per generation, its address in the generation's ``pg/<n>`` record: the old
+   TCPStore lived in launch rank 0, which may be the dead one), with rank
+   ``alive.index(slot)`` in a world of ``len(alive)``.
 3. ``agree_state``: every rank says how many optimizer steps it has applied; the most advanced
    rank's model and optimizer state go to everyone (a live transfer, not a checkpoint). A
    ``--comm lossy`` job re-shards its owners' optimizer state instead (train/inplace.py
@@ -30,8 +33,9 @@ path without step 1:
 rank 0 announces it at the agreed step (agreement.py), when every rank has finished the step
 before, and every rank calls ``regroup`` there by itself (``PlannedRegroup``); a rank the new
 generation leaves out gets ``NotAMember`` and exits. To take a host back live, the launcher
-starts its launch rank again beforehand (``joining``): it builds its model and data, says it is
-ready (``membership.ready_path``), and waits in ``regroup`` for the generation that has it;
+starts its launch rank again beforehand (``joining``, its ``--rejoin`` argument): it builds
+its model and data, says it is ready (its ``ready/<slot>`` record), and waits in ``regroup``
+for the generation that has it;
 ``agree_state`` then gives it the current parameters and optimizer state from a peer.
 
 In a tensor-parallel job (S3; and fail-stop, where the dead rank's TP group leaves whole:
@@ -48,10 +52,13 @@ breaks the others' new connections before the launcher's word of it arrives: the
 waits for that word (``await_change``, at most ``CHANGE_WAIT_S``) and regroups again to the
 generation without it, rather than counting its own regroup failed.
 
-Guarantees: no rank waits on a dead peer longer than the launcher's poll plus this thread's
-(~0.15 s) when the process died; when it did not (a host cut off), gloo's timeout bounds the
-wait. A rank that is not a member of the new generation gets ``NotAMember``. Cost in
-steady state: the polling thread (one ``stat`` per 50 ms).
+Guarantees: no rank waits on a dead peer longer than the launcher's poll (0.1 s) plus two
+store round trips when the process died; when it did not (a host cut off), gloo's timeout
+bounds the wait. A rank that is not a member of the new generation gets ``NotAMember``. Cost in
+steady state: the watching thread (one wait request on the store per ``WATCH_WAIT_S``, 60 s;
+the store process runs in rank 0's host, so the other ranks' requests cross their link --
+~100 bytes each, negligible beside the job's traffic, but queued behind it when host 0's
+link is shaped).
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +79,13 @@ import torch.distributed as dist
 from stalwart.mitigate import fallback, membership
 from stalwart.mitigate.membership import Generation
 
+if TYPE_CHECKING:
+    from stalwart.elastic.ranklink import RankLink
+
 POLL_S = 0.05
+# one wait request on the store per this long while the membership stays (each wait that
+# times out costs a request and a c10d warning line in the rank's log)
+WATCH_WAIT_S = 60.0
 WAIT_S = 60.0  # longest wait for the launcher's word after a failed collective
 # a regroup that failed on a connection waits this long for the launcher's word that a member
 # died (its poll, 0.1 s, plus this thread's, 0.05 s, on a loaded machine) before it is
@@ -160,18 +173,19 @@ def shutdown_tcp(keep_ports: set[int]) -> int:
 class Regrouper:
     """One per rank of a job that regroups in place (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, slot: int, keep_ports: set[int] | None = None,
+    def __init__(self, link: RankLink, slot: int, keep_ports: set[int] | None = None,
                  joining: bool = False) -> None:
-        """``joining``: this process is a launch rank started again to rejoin (a host taken
-        back live): its first ``regroup`` waits for the generation that includes it."""
-        g = membership.read(run_dir)
-        if g is None:
-            raise RuntimeError(f"no {membership.MEMBERSHIP_FILE} in {run_dir}")
-        self.run_dir = run_dir
+        """``link``: the launch's records (its connection is this thread's; the watcher
+        makes its own). ``joining``: this process is a launch rank started again to rejoin
+        (a host taken back live): its first ``regroup`` waits for the generation that
+        includes it. The store's connections are kept by the shutdown that wakes a
+        collective (``keep_ports``)."""
+        g = link.newest(link.first())
+        self.link = link
         self.slot = slot
         self.joining = joining
         self.current = g
-        self.keep_ports = set(keep_ports or ())
+        self.keep_ports = set(keep_ports or ()) | {link.port}
         self.last_parts: dict[str, float] = {}  # seconds of the last regroup's phases
         self._seen = g
         self._building = g.gen  # the generation this rank is in, or is building groups for
@@ -188,19 +202,21 @@ class Regrouper:
         self._thread.start()
 
     def _watch(self) -> None:
-        path = self.run_dir / membership.MEMBERSHIP_FILE
-        last: tuple[int, int] | None = None
-        while not self._stop.wait(POLL_S):
-            try:  # a stat per poll; the file is read only when it was replaced
-                st = os.stat(path)
-            except OSError:
+        link = self.link.clone()  # a connection of this thread's own
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            # woken by the store when the next generation is written (no poll interval)
+            nxt = link.wait_generation(self._seen.gen + 1, WATCH_WAIT_S)
+            if self._stop.is_set():
+                break  # closed meanwhile: the rank is finishing or leaving
+            if nxt is None:
+                if time.monotonic() - t0 < WATCH_WAIT_S / 2:  # the store did not answer
+                    self._stop.wait(POLL_S)  # (it is gone: the launcher stops the job)
                 continue
-            if (st.st_ino, st.st_mtime_ns) == last:
-                continue
-            last = (st.st_ino, st.st_mtime_ns)
-            g = membership.read(self.run_dir)
-            if g is None or g.token != self.current.token or g.gen <= self._seen.gen:
-                continue
+            try:
+                g = link.newest(nxt)  # and any written since
+            except Exception:  # noqa: BLE001 -- as above
+                g = nxt
             self._seen = g
             if g.fallback:
                 self._fallback.set()
@@ -222,8 +238,7 @@ class Regrouper:
         """Rank 0, at a planned change's step: announce the generation on ``hosts``; every
         rank regroups there. ``basis``: what its gain is measured against afterwards."""
         g = membership.with_hosts(self.current, hosts, step, basis)
-        membership.announce(self.run_dir, g)
-        return g
+        return self.link.propose(g)  # the launcher's, when a rank was lost meanwhile
 
     def falling_back(self) -> bool:
         """The launcher asked every rank to save its state and exit (fallback.py)."""
@@ -284,41 +299,41 @@ class Regrouper:
 
     def _store(self, g: Generation, rank: int, timeout_s: float) -> Any:
         """The generation's store: a TCPStore served by its rank 0 on this host's address,
-        found through the generation's file store (one key). The file store alone works, but
-        every wait on it polls the file: measured 0.3 s more per regroup of 4 ranks."""
-        fs = dist.FileStore(str(membership.store_path(self.run_dir, g)), g.world)
+        found through the generation's ``pg/<n>`` record. Not the launch's store itself:
+        its connections are kept by the shutdown that wakes a rank (``keep_ports``), and a
+        rendezvous with a member that died must be broken off by that shutdown."""
         timeout = timedelta(seconds=timeout_s)
         if rank == 0:
             host = os.environ.get("STALWART_HOST_ADDR", "127.0.0.1")
             tcp = dist.TCPStore(host, 0, g.world, is_master=True, timeout=timeout,
                                 wait_for_workers=False)
-            fs.set("tcpstore", f"{host} {tcp.port}")
+            self.link.put_pg_addr(g.gen, host, tcp.port)
         else:
-            self._wait_key(fs, "tcpstore", timeout_s)
-            host, port = fs.get("tcpstore").decode().split()
-            tcp = dist.TCPStore(host, int(port), g.world, is_master=False, timeout=timeout)
+            host, port = self._wait_addr(g.gen, timeout_s)
+            tcp = dist.TCPStore(host, port, g.world, is_master=False, timeout=timeout)
         return dist.PrefixStore(f"gen{g.gen}", tcp)
 
-    def _wait_key(self, store: Any, key: str, timeout_s: float) -> None:
-        """Wait for ``key`` in a file store in short slices: a fallback (or a newer
-        generation) ends the wait at once (a file store has no connection to shut)."""
+    def _wait_addr(self, gen: int, timeout_s: float) -> tuple[str, int]:
+        """Wait for generation ``gen``'s rendezvous address in short slices: a fallback (or
+        a newer generation) ends the wait at once (the launch store's connection is not
+        shut)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                store.wait([key], timedelta(seconds=0.2))
-                return
-            except Exception:  # noqa: BLE001 -- the store's timeout: look again
-                if self._fallback.is_set():
-                    raise FallbackRequested("the launcher falls back to a restart") from None
-                if self._aborted.is_set():
-                    raise RuntimeError("a newer generation came during the regroup") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no store for the new generation in {timeout_s:.0f} s"
-                                       ) from None
+            got = self.link.pg_addr(gen, 0.2)
+            if got is not None:
+                return got
+            if self._fallback.is_set():
+                raise FallbackRequested("the launcher falls back to a restart")
+            if self._aborted.is_set():
+                raise RuntimeError("a newer generation came during the regroup")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no store for the new generation in {timeout_s:.0f} s")
 
     def close(self) -> None:
+        """Stop watching. The thread may stay blocked in its wait on the store (at most
+        ``WATCH_WAIT_S``): it acts on nothing once stopped, so it is not waited for."""
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        self._thread.join(timeout=0.05)
 
 
 def agree_state(model: torch.nn.Module, opt: Any, applied: int) -> tuple[int, int]:

@@ -25,9 +25,11 @@ Guarantees:
   collectives while another is in the evaluation's;
 - a regroup broken by a further membership change (a member lost during it) is redone on the
   next generation, up to MAX_REGROUPS times in a row (``regroup_until_done``);
-- any other failure of a regroup saves the rank's own state without a collective and exits
-  with FALLBACK_EXIT: the launcher relaunches from the most advanced state (mitigate/fallback.py);
-- a rank the new generation leaves out exits with LEFT_EXIT without the job's collectives.
+- any other failure of a regroup saves the rank's own state without a collective and exits 0
+  with a ``fallback`` exit record (elastic/runlink.py): the launcher relaunches from the most
+  advanced state (mitigate/fallback.py);
+- a rank the new generation leaves out exits 0 with a ``left`` exit record, without the
+  job's collectives.
 
 Cost: nothing per step; a regroup takes 0.6-0.9 s on the netns testbed (4 ranks on 2 cores):
 new groups on the generation's store, two all-gathers (the state, the boundary's work; the
@@ -38,8 +40,6 @@ and work plan.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -113,12 +113,7 @@ class InPlace:
         """Say this rank is ready, wait for the generation that takes it back, and regroup
         into it: the parameters and optimizer state come from a peer (``agree_state``).
         Returns the step to run next; raises TimeoutError when no generation takes it."""
-        from stalwart.mitigate import membership
-        from stalwart.rundir import atomic_write_text
-
-        g = self.regrouper.current
-        ready = membership.ready_path(self.r.run_dir, g.token, self.r.rank)
-        atomic_write_text(ready, json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
+        self.regrouper.link.ready(self.regrouper.slot)  # the launcher then asks rank 0
         return self.regroup(0, "rejoined", timeout_s=JOIN_WAIT_S)
 
     def regroup(self, applied: int, why: str, timeout_s: float | None = None) -> int:
@@ -174,7 +169,7 @@ class InPlace:
         parts["ddp"] = time.monotonic() - t0
         regroup_s = time.monotonic() - t0
         work = work_plan(cfg, r.monitor, rank, world, r.run_dir, r.n_params,
-                         max(regroup_s, 0.1))
+                         max(regroup_s, 0.1), self.regrouper.link)
         if g.planned and hasattr(work, "measure_from"):
             work.measure_from(g.basis, done + 2)  # its first steps warm up
         r.plug(work=work)
@@ -288,8 +283,10 @@ class InPlace:
 
     def fall_back(self, applied: int, err: BaseException) -> int:
         """The in-place regroup failed (or the launcher gave it up): save this rank's state
-        without any collective and exit with FALLBACK_EXIT; the launcher relaunches the job
-        from the most advanced rank's state (mitigate/fallback.py)."""
+        without any collective, say so (a ``fallback`` exit record, elastic/runlink.py) and
+        exit 0; the launcher relaunches the job from the most advanced rank's state
+        (mitigate/fallback.py)."""
+        from stalwart.elastic.runlink import FALLBACK, ExitRecord
         from stalwart.mitigate import fallback
         from stalwart.mitigate.regroup import FallbackRequested
 
@@ -301,23 +298,41 @@ class InPlace:
         step = max(applied, self.agreed)
         ckpt.save_state(fallback.state_path(r.run_dir, token, slot), step, r.cfg,
                         r.stepper.model, r.opt)
-        fallback.record(r.run_dir, token, fallback.Saved(
-            slot, step, r.tp_index, reason, isinstance(err, FallbackRequested), time.time(),
-            r.cfg.comm == "lossy"))
-        self.close()
-        r.metrics.close()
-        r.events.close()
-        return fallback.FALLBACK_EXIT
+        saved = fallback.Saved(slot, step, r.tp_index, reason,
+                               isinstance(err, FallbackRequested), time.time(),
+                               r.cfg.comm == "lossy")
+        self._exit(ExitRecord(slot, FALLBACK, step, reason, saved=saved))
+        return 0
 
     def leave(self) -> int:
-        """Left out by a planned regroup (S4), or not taken back: exit without the job's
-        collectives."""
-        from stalwart.mitigate import LEFT_EXIT
+        """Left out by a planned regroup (S4), or not taken back: exit (0, with a ``left``
+        exit record) without the job's collectives."""
+        from stalwart.elastic.runlink import LEFT, ExitRecord
 
+        self._exit(ExitRecord(self.regrouper.slot, LEFT, max(self.agreed, 0)))
+        return 0
+
+    def leave_for_restart(self, step: int) -> int:
+        """An S3/S4 decision that takes a restart, at ``step`` (checkpointed by the caller):
+        the ``restart`` exit record -- rank 0's carries the next incarnation's host map (the
+        plan's ``restart_request``) -- and 0, the code to exit with once the rank is
+        finished (``Rank.finish``); the launcher relaunches from the checkpoint."""
+        from stalwart.elastic.runlink import RESTART, ExitRecord
+
+        req = getattr(self.r.work, "restart_request", None) or {}
+        self.regrouper.link.exiting(ExitRecord(
+            self.regrouper.slot, RESTART, step, str(req.get("reason", "")),
+            tuple(int(h) for h in req.get("hosts") or ()), str(req.get("strategy", "")),
+            req.get("predicted_gain"), req.get("step_time_before")))
+        return 0
+
+    def _exit(self, rec: Any) -> None:
+        """Write this rank's exit record (before it exits: the launcher reads it when it sees
+        the exit), then close what the rank holds."""
+        self.regrouper.link.exiting(rec)
         self.close()
         self.r.metrics.close()
         self.r.events.close()
-        return LEFT_EXIT
 
     def close(self) -> None:
         self.regrouper.close()

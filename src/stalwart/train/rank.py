@@ -109,8 +109,10 @@ class Rank:
     inplace: InPlace | None = None  # a job that regroups in place: its membership
 
     @classmethod
-    def start(cls, cfg: RunConfig) -> Rank:
-        """Devices, the process group, the run directory and logs, then the capabilities."""
+    def start(cls, cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> Rank:
+        """Devices, the process group, the run directory and logs, then the capabilities.
+        ``link``: the launch's token when the launcher keeps this job's membership
+        (elastic/ranklink.py); ``rejoin``: started again to take its host back (``join``)."""
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != cfg.nproc:
@@ -127,10 +129,10 @@ class Rank:
         device = torch.device(dplan.device_of(slot))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from stalwart.mitigate.membership import JOIN_ENV
-
-        if os.environ.get(JOIN_ENV) == "1":
-            return cls._rejoiner(cfg, rank, device, dplan)
+        if rejoin:
+            if link is None:
+                raise ConfigError("--rejoin needs --link TOKEN (the launcher gives both)")
+            return cls._rejoiner(cfg, rank, device, dplan, link)
         dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
         launched = "STALWART_RUN_DIR" in os.environ
         if not launched and cfg.faults:
@@ -142,14 +144,16 @@ class Rank:
         dist.barrier()
         r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
                 JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
-        r._plug_in()
+        r._plug_in(link)
         return r
 
     @classmethod
-    def _rejoiner(cls, cfg: RunConfig, slot: int, device: torch.device, dplan: Any) -> Rank:
+    def _rejoiner(cls, cfg: RunConfig, slot: int, device: torch.device, dplan: Any,
+                  link: str) -> Rank:
         """Launch rank ``slot`` started again by the launcher to take its host back in place:
         everything a rank holds but its process groups (those come with the generation that
         takes it back: ``join``)."""
+        from stalwart.elastic.ranklink import RankLink
         from stalwart.mitigate.regroup import Regrouper
 
         run_dir = Path(os.environ["STALWART_RUN_DIR"])
@@ -161,7 +165,8 @@ class Rank:
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         with torch.device("meta"):
             r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
-        r.inplace = InPlace(r, Regrouper(run_dir, slot, set(), joining=True), rejoiner=True)
+        r.inplace = InPlace(r, Regrouper(RankLink.from_env(link), slot, set(), joining=True),
+                            rejoiner=True)
         # what joining builds, imported now: the detector's imports took 2.7 s of a live
         # rejoin's regroup on a loaded machine when left to the regroup itself
         import stalwart.detect  # noqa: F401
@@ -212,7 +217,7 @@ class Rank:
             persist=d.persist, history=d.history, compute_reps=d.compute_reps,
             link_bytes=d.link_bytes, device=self.device, hinted=hinted)
 
-    def _plug_in(self) -> None:
+    def _plug_in(self, link: str | None = None) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
         self.monitor = self.make_monitor()
         torch.manual_seed(cfg.seed)
@@ -231,12 +236,13 @@ class Rank:
         # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
         from stalwart.mitigate.membership import in_place_ok
 
-        if self.launched and self.world > 1 and in_place_ok(cfg):
+        if self.launched and self.world > 1 and in_place_ok(cfg) and link is not None:
+            from stalwart.elastic.ranklink import RankLink
             from stalwart.mitigate.regroup import Regrouper
 
             # the first generation's rendezvous store (launch rank 0's TCPStore) is left
             # alone: a regroup never needs it, and shutting its connections would add errors
-            self.inplace = InPlace(self, Regrouper(self.run_dir, self.rank,
+            self.inplace = InPlace(self, Regrouper(RankLink.from_env(link), self.rank,
                                                    {int(os.environ.get("MASTER_PORT", "0"))}))
             if hasattr(self.opt, "keep_undo"):  # the step in flight can be taken back
                 self.opt.keep_undo = True
@@ -244,7 +250,8 @@ class Rank:
                 self.stepper.interruptible()
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
                               self.n_params,
-                              REGROUP_PRICE_S if self.inplace is not None else None)
+                              REGROUP_PRICE_S if self.inplace is not None else None,
+                              self.inplace.regrouper.link if self.inplace is not None else None)
         self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
             self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
             cfg.seed)]

@@ -13,8 +13,11 @@ Guarantees:
   reproduces the uninterrupted run's losses (train/rank.py);
 - per step and rank one metrics line; each evaluation and checkpoint once per step boundary;
 - in a job that regroups in place, a failed collective or a planned change redoes at most the
-  step in flight; a regroup that cannot be done exits with FALLBACK_EXIT, a rank left out with
-  LEFT_EXIT; an S3/S4 decision in any other job checkpoints and exits with RESTART_EXIT;
+  step in flight; a rank whose regroup cannot be done, or that is left out, exits 0 with its
+  reason in an exit record for the launcher (elastic/runlink.py); an S3/S4 decision that
+  takes a restart checkpoints and exits the same way (``restart``, rank 0's record with the
+  host map) -- outside ``stalwart run`` (no launcher to relaunch it) it exits 1, which a
+  torchrun with ``--max-restarts`` answers by restarting the workers;
 - a ConfigError (bad checkpoint, bad option) exits with code 2 and one line on stderr.
 
 Cost: the loop adds nothing to a step beyond its capabilities' (see their modules).
@@ -33,17 +36,18 @@ from stalwart.train.inplace import first_line, regroup_until_done
 from stalwart.train.rank import Rank
 
 
-def train(cfg: RunConfig) -> int:
+def train(cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> int:
     """Each step: its share of the work, forward/backward and optimizer step, measurements to
     the metrics, the monitor and the plan; evaluations and checkpoints. In a job that regroups
     in place a failed collective (a rank lost) or a planned change (S3/S4) rebuilds the rank's
-    groups and the loop goes on at the agreed step (``InPlace.regroup``)."""
-    from stalwart.mitigate import RESTART_EXIT
+    groups and the loop goes on at the agreed step (``InPlace.regroup``). ``link``: the
+    launch's token (its records: elastic/ranklink.py); ``rejoin``: this launch rank was
+    started again to take its host back live."""
     from stalwart.mitigate.regroup import NotAMember
 
     if elastic_loop.wanted():  # torchrun nodes joined by stalwart's membership store
         return elastic_loop.train_elastic(cfg)
-    r = Rank.start(cfg)
+    r = Rank.start(cfg, link, rejoin)
     heartbeat.ready()  # set up: the launcher now judges its silence at SILENT_S
     applied = r.enter()  # optimizer steps applied: the next step to run
     if applied is None:  # started to rejoin and not taken back
@@ -60,7 +64,11 @@ def train(cfg: RunConfig) -> int:
             share = r.work.assign(step)  # which of the step's micro-batches this rank computes
             if r.restart_due(step):  # S3/S4 (in place, they raise PlannedRegroup)
                 r.checkpoint(step)
-                return r.finish(RESTART_EXIT)
+                if r.inplace is None:
+                    print(f"stalwart: an S3/S4 decision at step {step} takes a restart; "
+                          "checkpointed, and no launcher of ours to relaunch", file=sys.stderr)
+                    return r.finish(1)
+                return r.finish(r.inplace.leave_for_restart(step))
             rec, fb = r.train_step(step, share, t0)
             applied = step + 1
             r.record(step, rec, fb)
@@ -85,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["--config"] and len(argv) >= 2:
+            # from the launcher: ``--config PATH [--link TOKEN] [--rejoin]``
             cfg = RunConfig.load(Path(argv[1]))
-        else:
-            from stalwart.runargs import config_from_run_args
+            rest = argv[2:]
+            link = rest[rest.index("--link") + 1] if "--link" in rest[:-1] else None
+            return train(cfg, link, "--rejoin" in rest)
+        from stalwart.runargs import config_from_run_args
 
-            cfg = config_from_run_args(argv)
-        return train(cfg)
+        return train(config_from_run_args(argv))
     except ConfigError as e:
         print(f"stalwart: error: {e}", file=sys.stderr)
         return 2
