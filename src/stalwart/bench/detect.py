@@ -305,7 +305,9 @@ def _figures(s: dict[str, Any], b: dict[str, Any], lo: dict[str, Any], ov: dict[
         "monitor_step_cpu_us_median": cpu,
         "monitor_step_cpu_us_training_thread": ov.get("monitor_step_cpu_us_training_thread"),
         "monitor_analysis_cpu_us_per_step": ov.get("monitor_analysis_cpu_us_per_step"),
-        "tracking_overhead_ci95": ov.get("ci95"),
+        # its 95% interval's ends (figures are scalars)
+        "tracking_overhead_ci95_low": (ov.get("ci95") or [None, None])[0],
+        "tracking_overhead_ci95_high": (ov.get("ci95") or [None, None])[1],
         "lossy_detection_rate": lo["detection_rate"],
         "lossy_false_positives": lo["false_positives"],
         "lossy_localization_accuracy": lo["localization_accuracy"],
