@@ -1,6 +1,7 @@
 """Build of the native parts (the data plane ``stalwart.comm._stwnative``, the detector's
 BOCPD step ``stalwart.detect._bocpd`` and its per-rank channels' step
-``stalwart.detect._channels``); everything else is in pyproject.toml. All three extensions
+``stalwart.detect._channels``, the heartbeat's sender ``stalwart._beat``); everything else
+is in pyproject.toml. All four extensions
 are optional: without a compiler (or OpenSSL's headers) the install still succeeds and the
 Python reference runs instead (``stalwart.comm`` says so in one line)."""
 
@@ -29,6 +30,13 @@ setup(
             depends=["src/stalwart/detect/_native/bocpd_step.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             libraries=["m"],
+            optional=True,
+        ),
+        Extension(
+            "stalwart._beat",
+            sources=["src/stalwart/_native/beat.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            libraries=["pthread"],
             optional=True,
         ),
     ]

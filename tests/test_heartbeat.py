@@ -86,3 +86,44 @@ def test_datagrams_that_are_not_beats_are_ignored() -> None:
         assert [x.heard for x in got] == [False]  # still never heard from
     finally:
         lis.close()
+
+
+_GIL_HOLDER = """
+import ctypes, sys, time
+from stalwart import heartbeat
+heartbeat.beat(sys.argv[1], native=sys.argv[2] == "native")
+heartbeat.ready()
+print("up", flush=True)
+time.sleep(2 * heartbeat.BEAT_S)
+ctypes.PyDLL("libc.so.6").sleep(int(sys.argv[3]))  # a C call that keeps the GIL
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(heartbeat._native() is None, reason="stalwart._beat not built")
+def test_a_rank_whose_main_thread_holds_the_gil_keeps_beating_natively() -> None:
+    """A main thread inside a C call that holds the GIL (as a dlopen does) for longer than
+    ``SILENT_S``: the Python beat thread falls silent and the launcher would kill a live
+    rank; the native one (stalwart._beat) keeps beating, phase included."""
+    hold = int(heartbeat.SILENT_S) + 2
+    lis = Listener("127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = {kind: subprocess.Popen([sys.executable, "-c", _GIL_HOLDER, lis.addr, kind,
+                                     str(hold)], env=env, stdout=subprocess.PIPE, text=True)
+             for kind in ("native", "python")}
+    try:
+        for p in procs.values():
+            lis.expect(p.pid)
+        for p in procs.values():
+            assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        t0 = time.monotonic()
+        silent: set[int] = set()
+        while time.monotonic() - t0 < hold + 2 * heartbeat.BEAT_S:
+            time.sleep(0.1)
+            silent |= {s.pid for s in lis.overdue([p.pid for p in procs.values()])}
+        assert silent == {procs["python"].pid}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        lis.close()

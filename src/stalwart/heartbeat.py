@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 ENV = "STALWART_HEARTBEAT"  # HOST:PORT of the launcher's listener, given to every rank
 BEAT_S = 0.5
@@ -48,6 +49,7 @@ STARTING, READY, LEAVING = 0, 1, 2  # a process's phases, in order
 
 _phase = [STARTING]
 _send: list[Callable[[], None]] = []  # the beat thread's send, to beat at once on a change
+_keep: list[socket.socket] = []  # the native beat thread's socket, kept open
 
 
 # ---- rank side ---------------------------------------------------------------------------
@@ -69,13 +71,44 @@ def _enter(phase: int) -> None:
         send()
 
 
-def beat(addr: str, pid: int | None = None) -> threading.Thread:
-    """Start the daemon thread that sends this process's beats to ``addr`` (HOST:PORT); a
-    send that fails (no route while the link is down) is skipped, never raised."""
+def _native() -> Any:
+    """``stalwart._beat`` (_native/beat.c), or None where it was not built."""
+    try:
+        from stalwart import _beat
+    except ImportError:
+        return None
+    return _beat
+
+
+def beat(addr: str, pid: int | None = None, native: bool | None = None
+         ) -> threading.Thread | None:
+    """Start the thread that sends this process's beats to ``addr`` (HOST:PORT); a send that
+    fails (no route while the link is down) is skipped, never raised.
+
+    The thread is native (``stalwart._beat``: a pthread that never takes the GIL) when the
+    extension is built, else (or with ``native=False``) a Python daemon thread, returned. Why
+    native: a rank's main thread may hold the GIL for seconds (a dlopen in a lazy import,
+    slowed by the load and by the rank's own CPU quota) -- a Python beat thread then falls
+    silent past ``SILENT_S`` and the launcher kills a slow rank as a hung one (seen: a rank
+    under a 2x CPU quota at step 0, load ~15, in `stalwart bench detect`). Either thread
+    stops with the whole process (SIGSTOP) and its beats stop arriving with its link."""
     host, port = addr.rsplit(":", 1)
     me = os.getpid() if pid is None else pid
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    lib = _native() if native is not False else None
+    if lib is not None:
+        ip = socket.gethostbyname(host)
+        _keep.append(sock)  # its fd is the native thread's for the process's life
+        lib.set_phase(_phase[0])
+        lib.start(sock.fileno(), ip, int(port), me & 0xFFFFFFFF, int(BEAT_S * 1000))
+
+        def send_native() -> None:
+            lib.set_phase(_phase[0])
+            lib.send_now()
+
+        _send.append(send_native)
+        return None
     seq = [0]
 
     def send() -> None:
