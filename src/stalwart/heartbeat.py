@@ -97,6 +97,8 @@ def beat(addr: str, pid: int | None = None, native: bool | None = None
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     lib = _native() if native is not False else None
+    if lib is not None and _keep:
+        return None  # this process's native beat runs already (one per process)
     if lib is not None:
         ip = socket.gethostbyname(host)
         _keep.append(sock)  # its fd is the native thread's for the process's life
