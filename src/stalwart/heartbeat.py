@@ -5,7 +5,8 @@ A process exit is seen by the launcher at once (supervise.py polls every 0.1 s);
 is frozen (SIGSTOP, a deadlock in native code) or whose host lost its link does not exit, and
 its peers wait in gloo's collective up to the group's timeout (minutes). So every rank started
 through ``stalwart.lifeline`` sends a small UDP datagram to the launcher every ``BEAT_S``
-(``beat``: a daemon thread; its address in ``ENV``). The datagram travels the rank's own
+(``beat``: a native thread that never takes the GIL, else a daemon thread; its address in
+``ENV``). The datagram travels the rank's own
 network path -- on the netns testbed from the rank's host to a control namespace on the same
 bridge (testbed/hosts.py ``Hosts.control``) -- so a host cut off goes silent like a frozen one.
 The launcher (``Listener``) keeps the last beat of each process; ``overdue`` (pure) says
