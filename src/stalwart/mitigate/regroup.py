@@ -86,6 +86,7 @@ POLL_S = 0.05
 # one wait request on the store per this long while the membership stays (each wait that
 # times out costs a request and a c10d warning line in the rank's log)
 WATCH_WAIT_S = 60.0
+WATCHER_THREAD = "stw-members"  # the watcher's thread name (train/worker.py ``leave``)
 WAIT_S = 60.0  # longest wait for the launcher's word after a failed collective
 # a regroup that failed on a connection waits this long for the launcher's word that a member
 # died (its poll, 0.1 s, plus this thread's, 0.05 s, on a loaded machine) before it is
@@ -198,7 +199,7 @@ class Regrouper:
         # wait in and must stop waiting in -- the lossy transport's phases (UDP: no
         # connection to shut)
         self.on_abort: list[Callable[[], None]] = []
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="stw-members")
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=WATCHER_THREAD)
         self._thread.start()
 
     def _watch(self) -> None:

@@ -25,7 +25,11 @@ Cost: the loop adds nothing to a step beyond its capabilities' (see their module
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,5 +110,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def leave(code: int) -> None:
+    """End the process with ``code``, everything written and closed by then.
+
+    A rank of a job that regroups in place has a membership watcher (mitigate/regroup.py)
+    blocked in a store wait, in c10d's C++ with the GIL released. At interpreter
+    finalization the store's connection is torn down under it; when the wait returns, the
+    daemon thread cannot take the GIL back and is ended by ``pthread_exit`` inside C++
+    frames, which aborts the process ("terminate called without an active exception": two of
+    four ranks exited -6 at the last step of a clean-clone CI run). Such a process leaves
+    with ``os._exit`` after flushing what the interpreter would have flushed; any other
+    with ``sys.exit``."""
+    from stalwart.mitigate.regroup import WATCHER_THREAD
+
+    if any(t.name == WATCHER_THREAD and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
+        for f in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                f.flush()
+        heartbeat.leaving()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
