@@ -8,7 +8,7 @@ import numpy as np
 
 from stalwart.detect.alarms import DETECT, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
-from stalwart.detect.detector import Detector, StepInput
+from stalwart.detect.detector import Detector, StepInput, Validation
 from stalwart.detect.evidence import RankEvidence
 from stalwart.detect.localize import decide, lone_slow_pairs, retested
 
@@ -73,17 +73,23 @@ class Spiky:
         return None
 
 
+def _validated(src: object) -> Validation:
+    """The validation a Detector over ``src`` makes of one alarm at step 20 of 30."""
+    det = Detector(DecisionCore(True, audit=False), src)  # type: ignore[arg-type]
+    out = None
+    for k in range(30):
+        alarm = Alarm(DETECT, k - 3, 1.4, -1) if k == 20 else None
+        got = det.step(StepInput(IterSample(k, 0.1, 0.05, 0.05), alarm=alarm, issue=False))
+        out = got.validation or out
+    assert out is not None
+    return out
+
+
 def test_the_detector_reads_a_lone_pair_again_and_records_both_readings() -> None:
     for slow, kind in ((True, "link"), (False, "unknown")):
         src = Spiky(slow)
-        det = Detector(DecisionCore(True, audit=False), src)
-        out = None
-        for k in range(30):
-            alarm = Alarm(DETECT, k - 3, 1.4, -1) if k == 20 else None
-            got = det.step(StepInput(IterSample(k, 0.1, 0.05, 0.05), alarm=alarm,
-                                     issue=False))
-            out = got.validation or out
-        assert out is not None and src.asked == [["1-2"]]
+        out = _validated(src)
+        assert src.asked == [["1-2"]]
         assert out.finding.kind == kind
         rec = out.record()
         assert rec["retest"] == {"1-2": 0.3 if slow else 0.0041}
@@ -95,21 +101,6 @@ def test_replay_decides_again_on_both_recorded_readings() -> None:
     from stalwart.replay import RecordedEvidence
 
     for slow, kind in ((True, "link"), (False, "unknown")):
-        src = Spiky(slow)
-        det = Detector(DecisionCore(True, audit=False), src)
-        live = None
-        for k in range(30):
-            alarm = Alarm(DETECT, k - 3, 1.4, -1) if k == 20 else None
-            got = det.step(StepInput(IterSample(k, 0.1, 0.05, 0.05), alarm=alarm,
-                                     issue=False))
-            live = got.validation or live
-        assert live is not None
-        rec = RecordedEvidence([live.record()])
-        again = Detector(DecisionCore(True, audit=False), rec)
-        replayed = None
-        for k in range(30):
-            alarm = Alarm(DETECT, k - 3, 1.4, -1) if k == 20 else None
-            got = again.step(StepInput(IterSample(k, 0.1, 0.05, 0.05), alarm=alarm,
-                                       issue=False))
-            replayed = got.validation or replayed
-        assert replayed is not None and replayed.finding.kind == kind == live.finding.kind
+        live = _validated(Spiky(slow))
+        replayed = _validated(RecordedEvidence([live.record()]))
+        assert replayed.finding.kind == kind == live.finding.kind
