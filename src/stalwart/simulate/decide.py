@@ -66,6 +66,13 @@ class _Events:
         self.logged.append((ev.name, ev.fields()))
 
 
+def _pair_slow(src: Evidence, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each pair (a[i], b[i]) as slow as the slower of its hosts' links when it crosses
+    hosts, else 1."""
+    ha, hb = src.host_of[a], src.host_of[b]
+    return np.where(ha != hb, np.maximum(src.link_factor[ha], src.link_factor[hb]), 1.0)
+
+
 class SimEvidence:
     """The validation tests' measurements drawn from the simulated job (module docstring):
     the Detector's ``EvidenceSource``. ``job``: what the job can say now (set per step by
@@ -125,9 +132,7 @@ class SimEvidence:
             ends = [tuple(int(x) for x in k.split("-")) for k in pairs]
             a = np.fromiter((p[0] for p in ends), int, len(ends))
             b = np.fromiter((p[1] for p in ends), int, len(ends))
-            ha, hb = src.host_of[a], src.host_of[b]
-            slow = np.where(ha != hb, np.maximum(src.link_factor[ha], src.link_factor[hb]),
-                            1.0)
+            slow = _pair_slow(src, a, b)
         rtt = self.noise.rtts(self._rng, slow).tolist()
         self.sim_s += time.thread_time() - t0
         return dict(zip(pairs, rtt, strict=True))
@@ -211,8 +216,7 @@ class SimEvidence:
         # the ring's pairs; a pair is as slow as the slower of its hosts' links when it
         # crosses hosts
         a, b, names = self._ring()
-        ha, hb = src.host_of[a], src.host_of[b]
-        slow = np.where(ha != hb, np.maximum(src.link_factor[ha], src.link_factor[hb]), 1.0)
+        slow = _pair_slow(src, a, b)
         rtt = self.noise.rtts(self._rng, slow).tolist()
         out[0].links = dict(zip(names, rtt, strict=True))
         self.sim_s += time.thread_time() - t0
