@@ -296,6 +296,13 @@ def test_a_link_found_after_another_channels_alarm_is_placed_where_the_step_time
     f = decide(es, onset_step=85, step=93, severity=1.2)
     assert f.kind == "link" and f.ranks == [1]
     assert f.onset_step == 90 and f.evidence["channel_onset_step"] == 85
+    # validated at 90, the link's first step: its one slow sample places it (a CI run named
+    # it with the alarm's onset 85); one noisy sample below the rise leaves the alarm's onset
+    for last, onset in ((0.16, 90), (0.06, 85)):
+        es = [RankEvidence(r, 0.05, 0.05, 0.01, 0.1, 0.2, per.get(r, {}),
+                           steps=steps[:28] + [(90, last)]) for r in range(4)]
+        f = decide(es, onset_step=85, step=90, severity=1.2)
+        assert f.kind == "link" and f.ranks == [1] and f.onset_step == onset, (last, f)
     # no rise in the window (a mild link): the alarm's onset stands
     flat = [RankEvidence(r, 0.05, 0.05, 0.01, 0.1, 0.2, per.get(r, {}),
                          steps=[(k, 0.05) for k in range(62, 94)]) for r in range(4)]

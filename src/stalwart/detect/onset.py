@@ -156,7 +156,30 @@ def changed_link_onset(ev: list[RankEvidence], onset_step: int, step: int) -> in
         return onset_step
     rise = rise_onset(keys, xs, onset_step - ONSET_SLACK, step, before=BEFORE,
                       min_rise=math.log(LINK_RISE))
+    if rise is None:
+        rise = _last_sample_rise(keys, xs, onset_step - ONSET_SLACK, step)
     return onset_step if rise is None else rise
+
+
+def _last_sample_rise(keys: np.ndarray, xs: np.ndarray, lo: int, hi: int) -> int | None:
+    """The key of the series' last sample when it alone rose: within ``[lo, hi]``, above every
+    one of the up to ``BEFORE`` samples before it and above their median by ``LINK_RISE`` x;
+    else None. ``rise_onset`` places a rise only with two samples after it, and a validation
+    that ends at the step a link fault began holds one (a CI run: a noise alarm at step 85,
+    validated at 90 just as a host link was throttled there, named with onset 85). Asked only
+    once the link test has found a slow link, so it places an onset, never detects one;
+    under no rise the last sample is the highest of n + 1 with chance 1 / (n + 1)."""
+    order = np.argsort(keys, kind="stable")
+    keys, xs = keys[order], xs[order]
+    if not lo <= int(keys[-1]) <= hi:
+        return None
+    before = xs[:-1][-BEFORE:]
+    if len(before) < RISE_MIN_BEFORE:
+        return None
+    last = float(xs[-1])
+    if last > float(np.max(before)) and last > float(np.median(before)) + math.log(LINK_RISE):
+        return int(keys[-1])
+    return None
 
 
 def peer_rise(ev: list[RankEvidence], rank: int, onset: int) -> float | None:
