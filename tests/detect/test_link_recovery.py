@@ -1,6 +1,7 @@
 """A link found through a rank's own compute channel is followed for its recovery on the
-iteration time (verdicts._follow_on_iteration): the rank's compute over its peers' falling
-back is not the link's recovery; the step time back at its level before the onset is."""
+iteration time (``VerdictLog._iteration_level``, verdicts.py): the rank's compute over its
+peers' falling back is not the link's recovery; the step time back at its level before the
+onset is."""
 
 from __future__ import annotations
 

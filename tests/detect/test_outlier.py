@@ -186,7 +186,7 @@ def test_a_link_the_audit_finds_is_logged_as_never_healthy_and_followed() -> Non
             core.apply_verdict(f, None, action=AUDIT)
     (ev,) = events
     assert ev.kind == "link" and ev.onset_step == 0 and ev.evidence["never_healthy"]
-    assert core.active is not None and core._healthy == pytest.approx(0.2 / 4.0)
+    assert core.active is not None and core.follow.healthy == pytest.approx(0.2 / 4.0)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

@@ -109,12 +109,12 @@ def test_one_fault_seen_by_two_channels_is_one_finding() -> None:
     from stalwart.detect.localize import Finding
 
     core = DecisionCore(leader=True)
-    core.active = Finding("compute", 30, 34, 1.5, ranks=[1])
-    core._channel = "iteration"
+    core.follow.found(Finding("compute", 30, 34, 1.5, ranks=[1]))
+    core.follow.watch("iteration", None)
     # the culprit's own channel fires on the same slowdown later: nothing new
     core.classify(Change(onset=31, decided=38, before=1.0, after=1.3), "rank1")
     # so does the iteration time of a slowdown that began before the decision
-    core._channel = "rank1"
+    core.follow.watch("rank1", None)
     core.classify(Change(onset=29, decided=39, before=1.0, after=1.4), "iteration")
     assert core.pending.action == NONE
     # another rank slowing down after the decision is a new straggler
@@ -128,7 +128,7 @@ def test_a_verdict_naming_nobody_while_a_straggler_is_active_keeps_it(tmp_path: 
     mon = Monitor(run_dir=tmp_path, rank=0, world=1)
     feed(mon, steps(40, 2))
     active = Finding("compute", 30, 34, 1.5, ranks=[1])
-    mon.core.active = active
+    mon.core.follow.found(active)
     # a lagging channel; the tests name nobody
     mon.core.apply_verdict(Finding("unknown", 36, 42, 1.2), None)
     assert mon.core.active is active and mon.findings == [] and mon.hiccups == 1
@@ -144,11 +144,13 @@ def test_a_second_slowdown_the_tests_do_not_confirm_leaves_the_active_one_follow
     for k, t in enumerate(steps(40, 3)):
         core.sample(IterSample(k, float(t), 0.8 * float(t), 0.2 * float(t)))
     active = Finding("compute", 30, 34, 1.5, ranks=[1])
-    core.active, core._channel, core._healthy = active, "rank1", 1.0
+    core.follow.found(active)
+    core.follow.watch("rank1", 1.0)
     # the iteration time slows after the decision: maybe a second straggler
     core.classify(Change(onset=38, decided=44, before=0.1, after=0.13), "iteration")
-    assert core.pending.action == DETECT and core._channel == "rank1"
+    assert core.pending.action == DETECT and core.follow.channel == "rank1"
     core.take_pending(travels=False)
     core.apply_verdict(Finding("unknown", 38, 44, 1.3), None)  # the tests name nobody
     # recovery is still followed on the straggler's own channel, against its own level
-    assert core.active is active and core._channel == "rank1" and core._healthy == 1.0
+    assert core.active is active and core.follow.channel == "rank1"
+    assert core.follow.healthy == 1.0

@@ -30,15 +30,16 @@ rank-hour), whose alarm (``OUTLIER``) is validated like a change's; and once per
 ``AUDIT_AFTER`` samples or ``AUDIT_S`` seconds after the warm-up, the validation tests run
 with no alarm (``AUDIT``: a link slow from the start, or a rank both the audit's sign test
 and the compute test name). Their findings are followed for recovery at the peers' level
-(``_follow_born``, recovery.py).
+(``Following.follow_born``, recovery.py).
 
 Recovery at equal load: a compute straggler's recovery alarm is confirmed by the compute test
 before it counts (recovery.py).
 
-Layout: this module holds the channels, the classification of their changes and the alarm's
-journey (``DecisionCore``); what a validated verdict does (``VerdictMixin``, verdicts.py) and
-the followed straggler's recovery (``RecoveryMixin``, recovery.py) are its two halves over the
-same state; the alarm vocabulary is alarms.py.
+Layout: ``DecisionCore`` owns the channels, the classification of their changes and the
+alarm's journey; it is composed of two parts that own their own state: the followed straggler
+and its recovery (``Following``, recovery.py) and the record of validated verdicts
+(``VerdictLog``, verdicts.py), each given what it reads by its constructor or per call. The
+alarm vocabulary is alarms.py.
 
 Guarantees: bounded memory (``history`` samples); the same inputs give the same alarms and
 verdict bookkeeping on every call order the monitor and replay use.
@@ -78,8 +79,8 @@ from stalwart.detect.cusum import REF_RANKS, CusumBank, per_rank_z
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
 from stalwart.detect.outlier import Outlier, OutlierBank
-from stalwart.detect.recovery import RecoveryMixin
-from stalwart.detect.verdicts import VerdictMixin, _Unexplained
+from stalwart.detect.recovery import Following
+from stalwart.detect.verdicts import VerdictLog, still_open
 from stalwart.events import Event
 
 try:  # the per-rank channels' rows in one call (detect/_native/channels.c); ``relative`` is
@@ -117,15 +118,18 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-class DecisionCore(VerdictMixin, RecoveryMixin):
-    """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms."""
+class DecisionCore:
+    """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms.
+
+    Parts: ``follow`` (the followed straggler, recovery.py) and ``log`` (the verdicts'
+    record, verdicts.py); the attributes ``active``, ``findings``, ``verdicts``,
+    ``repeats``, ``hiccups``, ``hiccup_log`` and ``unexplained_logged`` read them."""
 
     def __init__(self, leader: bool, *, warmup: int = 10, persist: int = 20,
                  history: int = 1000, audit: bool = True,
                  emit: Callable[[Event], None] | None = None) -> None:
         self.leader = leader
-        self.persist = persist
-        self.emit = emit
+        self.emit = emit  # (rebound by Detector: the parts call it through ``_emit``)
         self.detector = ChangeDetector(warmup=warmup)
         self.rel_detectors: dict[int, ChangeDetector] = {}
         self._rel_group: DetectorGroup | None = None  # the same, in rank order
@@ -143,28 +147,18 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         # read at every batched check, where walking the history cost ~20 us after a step)
         self._recent_s: deque[float] = deque(maxlen=min(32, history))
         self._batch_cache: tuple[Any, ...] | None = None  # _batch_args' arrays
-        self.findings: list[Finding] = []
         self.pending: Alarm = QUIET
         self.deciding = 0
-        self.active: Finding | None = None  # the straggler being followed
-        self._channel = "iteration"  # the channel that found it
-        self._healthy: float | None = None  # that channel's level before it
-        self._switch_to: tuple[str, float] | None = None  # a second straggler's channel
-        self._unexplained: _Unexplained | None = None
-        self.repeats = 0  # verdicts that named the active straggler again (not logged)
-        self.hiccups = 0
-        self.hiccup_log: deque[dict[str, Any]] = deque(maxlen=16)
-        self.unexplained_logged = 0
-        self.rejections = 0  # recoveries the compute test rejected (this straggler)
-        self._recheck_at: int | None = None  # leader: when to test the straggler again
-        self._recover_level = 1.0  # the last recovery alarm's level (a recheck reuses it)
+        self.follow = Following(leader, self._emit)
+        self.log = VerdictLog(leader, persist=persist, min_shift=self.detector.min_shift,
+                              samples=self.samples, step_seconds=self.step_seconds,
+                              emit=self._emit)
         # every rank against its peers all the time (outlier.py), made at the first rows
         self.outliers: OutlierBank | None = None
         self._outlier: Outlier | None = None  # the one whose alarm is on its way
         self.audit_on = audit
         self._warm_s = 0.0  # seconds of iterations since the warm-up (the audit's clock)
         self.audit: dict[str, Any] | None = None  # the audit's outcome, once it ran
-        self.verdicts = 0  # validated alarms (each one a validation pause)
         self._seen = 0
         self._first_key: int | None = None
         self._deferred: list[tuple[Change, str]] = []  # slowdowns seen while deciding
@@ -177,15 +171,14 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
             return
         if self._deferred and self.pending.action == NONE and not self.deciding:
             self._replay_deferred()
-        if (self._recheck_at is not None and s.key >= self._recheck_at
-                and self.pending.action == NONE and not self.deciding):
-            self._recheck_at = None
-            self.pending = Alarm(RECOVER, s.key, self._recover_level, -1)
+        if (self.follow.recheck_at is not None and self.pending.action == NONE
+                and not self.deciding and self.follow.recheck_due(s.key)):
+            self.pending = Alarm(RECOVER, s.key, self.follow.recover_level, -1)
         ch = self.detector.add(s.key, s.seconds)
         if ch is not None:
             self.classify(ch)
-        if self._unexplained is not None:
-            self._settle_unexplained(s.key)
+        if self.log.unexplained is not None:
+            self.log.settle(s.key)
         if self._audit_due() and self._quiet():
             # the one look at a job that may be slow from its start (no change to find): the
             # validation tests once, from the first sample on, with no suspect
@@ -251,7 +244,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         (``sample_many``)."""
         d = self.detector
         if (_gate_run is None or not self.leader or self._deferred
-                or self._recheck_at is not None or self._unexplained is not None
+                or self.follow.recheck_at is not None or self.log.unexplained is not None
                 or (self.audit_on and self.audit is None) or type(d._g) is not _NativeGate):
             return None
         bank = d.bank
@@ -283,7 +276,7 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
         would wait for ever), and asking costs a call per rank per step."""
         forming = self.detector.pending or (len(self.rel_detectors) < VECTOR_RANKS and any(
             d.pending for d in self.rel_detectors.values()))
-        return (self.pending.action == NONE and not self.deciding and self.active is None
+        return (self.pending.action == NONE and not self.deciding and self.follow.active is None
                 and self.outliers is not None and not forming)
 
     def relative(self, key: int, comps: list[float] | np.ndarray) -> None:
@@ -507,32 +500,30 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                 self._deferred.append((ch, channel))
             return
         sev = ch.ratio if severity is None else severity
-        if self.active is None:
+        follow, active = self.follow, self.follow.active
+        if active is None:
             if ch.ratio > 1.0:
-                self._healthy = ch.before
-                self._channel = channel
+                follow.watch(channel, ch.before)
                 self.pending = Alarm(action, ch.onset, sev, suspect_of(channel))
             # a speed-up while healthy just moves the baseline
             return
-        if ch.ratio > 1.0 and (ch.onset <= self.active.step or (
-                self.active.kind == "compute" and suspect_of(channel) in self.active.ranks)):
+        if ch.ratio > 1.0 and (ch.onset <= active.step or (
+                active.kind == "compute" and suspect_of(channel) in active.ranks)):
             # the slowdown already found, seen again (the iteration time and the culprit's
             # own compute move together; BOCD+V and CUSUM share a rank's channel): one fault,
             # one finding
             return
-        if channel != self._channel:
+        if channel != follow.channel:
             if ch.ratio > 1.0:  # another straggler while one is in progress
                 # followed on its channel only if the tests confirm it is a new one
-                self._switch_to = (channel, ch.before)
+                follow.propose(channel, ch.before)
                 self.pending = Alarm(action, ch.onset, sev, suspect_of(channel))
             return  # recoveries are followed on the channel that found the slowdown
         if ch.ratio > 1.0:
-            self.pending = Alarm(action, ch.onset, ch.after / (self._healthy or ch.before)
+            self.pending = Alarm(action, ch.onset, ch.after / (follow.healthy or ch.before)
                                  if severity is None else severity, suspect_of(channel))
-        elif self._healthy is not None and ch.after <= self._healthy * (
-                1.0 + self.detector.min_shift):
-            self._recover_level = ch.after / self._healthy
-            self.pending = Alarm(RECOVER, ch.onset, self._recover_level, -1)
+        elif (level := follow.recovery_level(ch.after, self.detector.min_shift)) is not None:
+            self.pending = Alarm(RECOVER, ch.onset, level, -1)
 
     def _back_among_peers(self, ch: Change, channel: str, action: int) -> bool:
         """Whether a per-rank channel's slowdown only brings the rank back among its peers,
@@ -604,5 +595,96 @@ class DecisionCore(VerdictMixin, RecoveryMixin):
                             steps=[(s.key, s.seconds) for s in window])
 
     def _emit(self, ev: Event) -> None:
+        """An event to the sink ``emit`` is bound to now (none: dropped)."""
         if self.emit is not None:
             self.emit(ev)
+
+    # ---- verdicts and recovery: the parts, with what they need ------------------------------
+    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,
+                      action: int = DETECT) -> None:
+        """Every rank: the validated verdict on an alarm (the same on every rank);
+        ``action``: the alarm's (DETECT, OUTLIER or AUDIT). The slowdowns held while it was
+        decided that it explains are dropped (``still_open``), the audit's outcome kept, and
+        the verdict recorded (``VerdictLog.apply``)."""
+        self._deferred = [(c, n) for c, n in self._deferred
+                          if still_open(c, n, finding, action)]
+        outlier, self._outlier = self._outlier, None
+        if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
+                finding.kind == "compute" and finding.ranks == [suspect]):
+            self.outliers.unconfirmed(suspect)  # not paused for again at that level
+        if action == AUDIT:
+            self.audit = {"step": finding.step, "kind": finding.kind,
+                          "evidence": finding.evidence}
+        self.log.apply(finding, suspect, pause, action, follow=self.follow, outlier=outlier,
+                       cusum=self.cusum)
+
+    def needs_recovery_test(self) -> bool:
+        """Whether a recovery alarm must be confirmed by the compute test
+        (``Following.needs_test``)."""
+        return self.follow.needs_test()
+
+    def request_recovery_test(self, key: int) -> bool:
+        """Leader: the mitigation policy sees the followed compute straggler healthy on the
+        reduced share its plan gave it, and asks for the compute test (a recovery alarm now).
+        Ignored while a decision is under way or a rejected recovery's wait
+        (``RECHECK``..``RECHECK_MAX``, recovery.py) runs: the tests' pauses stay bounded."""
+        if not self.follow.may_request() or self.pending.action != NONE or self.deciding:
+            return False
+        self.pending = Alarm(RECOVER, key, self.follow.recover_level, -1)
+        return True
+
+    def recovery_threshold(self) -> float:
+        """The compute-test ratio below which the straggler counts as recovered
+        (``Following.threshold``)."""
+        return self.follow.threshold()
+
+    def recovery_test(self, ratio: float | None, decided: int) -> bool:
+        """Every rank: the compute test's verdict on a recovery alarm (``Following.test``)."""
+        return self.follow.test(ratio, decided)
+
+    def apply_recovery(self, onset: int, decided: int, level: float,
+                       test_ratio: float | None = None) -> None:
+        """Every rank: the followed straggler's channel is back to its healthy level
+        (``Following.recovered``). A slowdown that waited and began before this recovery
+        was part of the straggler's episode (another channel seeing it late): dropped."""
+        self.follow.recovered(onset, decided, level, test_ratio)
+        self._deferred = [(c, n) for c, n in self._deferred if c.onset > onset]
+
+    def close(self) -> None:
+        """The run ended: settle an unexplained slowdown still waiting to prove it lasts."""
+        self.log.close()
+
+    @property
+    def active(self) -> Finding | None:
+        """The straggler being followed (``Following.active``)."""
+        return self.follow.active
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every new verdict, in order (``VerdictLog.findings``)."""
+        return self.log.findings
+
+    @property
+    def verdicts(self) -> int:
+        """Validated alarms so far, each one a validation pause."""
+        return self.log.count
+
+    @property
+    def repeats(self) -> int:
+        """Verdicts that named the followed straggler again (not logged)."""
+        return self.log.repeats
+
+    @property
+    def hiccups(self) -> int:
+        """Slowdowns counted, not logged (unconfirmed, or unexplained and not lasting)."""
+        return self.log.hiccups
+
+    @property
+    def hiccup_log(self) -> deque[dict[str, Any]]:
+        """The last 16 hiccups: why, and the verdict's step, onset, severity, evidence."""
+        return self.log.hiccup_log
+
+    @property
+    def unexplained_logged(self) -> int:
+        """Unexplained slowdowns that lasted and were logged."""
+        return self.log.unexplained_logged

@@ -8,7 +8,12 @@ recovery is rejected (``RecoveryRejected``), the straggler stays active, and the
 again ``RECHECK`` steps later (doubling to ``RECHECK_MAX``) -- a fault that ends while the plan
 is in force is found there even if the channel moves no further. A straggler found with no
 healthy level of its own (the outlier test, the audit) is followed at its peers' level
-(``_follow_born``).
+(``Following.follow_born``).
+
+Layout: ``Following`` owns the followed straggler and everything its recovery needs (the
+channel that watches it, that channel's healthy level, a second straggler's channel waiting
+for its verdict, the rejected recoveries and the next recheck); ``DecisionCore``
+(decision.py) and ``VerdictLog`` (verdicts.py) change it only through its methods.
 
 Guarantees: every rank applies the same recovery verdicts to the same state, so every rank
 agrees on the followed straggler; the leader alone schedules rechecks and emits events; the
@@ -21,51 +26,95 @@ straggler (``needs_recovery_test``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from stalwart.detect.alarms import NONE, RECOVER, Alarm
-from stalwart.detect.changepoint import Change
 from stalwart.detect.evidence import Finding
 from stalwart.detect.localize import COMPUTE_MILD
-from stalwart.events import RecoveryRejected, StragglerRecovered
+from stalwart.events import Event, RecoveryRejected, StragglerRecovered
 
 RECHECK = 16  # steps after a rejected recovery before the compute test runs again...
 RECHECK_MAX = 64  # ...doubling per rejection up to this (one validation pause each)
 
 
-class RecoveryMixin:
-    """``DecisionCore``'s recovery half: the state below is built by ``DecisionCore``
-    (decision.py), whose ``step_seconds`` and ``_emit`` it calls."""
+class Following:
+    """The straggler followed until it recovers, on the channel that found it.
 
-    leader: bool
-    active: Finding | None
-    pending: Alarm
-    deciding: int
-    rejections: int
-    _recheck_at: int | None
-    _recover_level: float
-    _channel: str
-    _healthy: float | None
-    _deferred: list[tuple[Change, str]]
+    ``leader``: this rank schedules rechecks and emits the recovery events (through
+    ``emit``); every other rank applies the same verdicts to the same state."""
 
-    def needs_recovery_test(self) -> bool:
+    def __init__(self, leader: bool, emit: Callable[[Event], None]) -> None:
+        self.leader = leader
+        self._emit = emit
+        self.active: Finding | None = None  # the straggler being followed
+        self.channel = "iteration"  # the channel that found it
+        self.healthy: float | None = None  # that channel's level before it
+        self.switch_to: tuple[str, float] | None = None  # a second straggler's channel
+        self.rejections = 0  # recoveries the compute test rejected (this straggler)
+        self.recheck_at: int | None = None  # leader: when to test the straggler again
+        self.recover_level = 1.0  # the last recovery alarm's level (a recheck reuses it)
+
+    # ---- what the channels' changes do (DecisionCore.classify) ------------------------------
+    def watch(self, channel: str, healthy: float | None) -> None:
+        """Follow on ``channel``, whose level before the slowdown was ``healthy``."""
+        self.channel, self.healthy = channel, healthy
+
+    def propose(self, channel: str, before: float) -> None:
+        """A second straggler on ``channel`` (level ``before``): followed there if its
+        verdict confirms a new one (``take_switch``)."""
+        self.switch_to = (channel, before)
+
+    def take_switch(self) -> tuple[str, float] | None:
+        """The channel a verdict would switch to (cleared: one verdict uses it)."""
+        switch_to, self.switch_to = self.switch_to, None
+        return switch_to
+
+    def recovery_level(self, after: float, min_shift: float) -> float | None:
+        """A speed-up to ``after`` on the followed channel: its level over the healthy one if
+        it is back within ``min_shift`` of it (kept for a recheck), else None."""
+        if self.healthy is not None and after <= self.healthy * (1.0 + min_shift):
+            self.recover_level = after / self.healthy
+            return self.recover_level
+        return None
+
+    def recheck_due(self, key: int) -> bool:
+        """Leader, nothing under way: whether a rejected recovery's wait ended at ``key``
+        (then cleared: the recheck's alarm is raised once)."""
+        if self.recheck_at is not None and key >= self.recheck_at:
+            self.recheck_at = None
+            return True
+        return False
+
+    # ---- what a verdict does (VerdictLog.apply) ---------------------------------------------
+    def found(self, finding: Finding) -> None:
+        """A new verdict: its straggler followed (none for an unexplained slowdown, which has
+        no culprit to watch), its recovery's bookkeeping from zero."""
+        self.active = finding if finding.kind != "unknown" else None
+        self.rejections, self.recheck_at = 0, None
+
+    def follow_born(self, f: Finding, step_s: float) -> None:
+        """A straggler found by the outlier test or the audit is followed for its recovery
+        at its peers' level, since it has no healthy level of its own: a rank on its own
+        relative-compute channel back to 1 (the job's median), a link on the iteration time
+        back to the step time ``step_s`` priced without it (``severity``)."""
+        if f.kind == "compute" and len(f.ranks) == 1:
+            self.watch(f"rank{f.ranks[0]}", 1.0)
+        else:
+            self.watch("iteration", step_s / max(f.severity, 1.0))
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def needs_test(self) -> bool:
         """Whether a recovery alarm must be confirmed by the compute test (every rank asks
         the same state: the verdicts are applied everywhere)."""
         f = self.active
         return f is not None and f.kind == "compute" and len(f.ranks) == 1
 
-    def request_recovery_test(self, key: int) -> bool:
-        """Leader: the mitigation policy sees the followed compute straggler healthy on the
-        reduced share its plan gave it, and asks for the compute test (a recovery alarm now).
-        Ignored while a decision is under way or a rejected recovery's wait
-        (``RECHECK``..``RECHECK_MAX``) runs: the tests' pauses stay bounded."""
-        if (not self.leader or not self.needs_recovery_test() or self._recheck_at is not None
-                or self.pending.action != NONE or self.deciding):
-            return False
-        self.pending = Alarm(RECOVER, key, self._recover_level, -1)
-        return True
+    def may_request(self) -> bool:
+        """Leader: whether the policy's request for the compute test can be taken now (a
+        compute straggler followed, no rejected recovery's wait running)."""
+        return self.leader and self.needs_test() and self.recheck_at is None
 
-    def recovery_threshold(self) -> float:
+    def threshold(self) -> float:
         """The compute-test ratio below which the straggler counts as recovered: the
         geometric midpoint between its ratio when it was found and healthy (1.0), at least
         ``COMPUTE_MILD`` (below which the compute test calls no rank slow)."""
@@ -77,44 +126,32 @@ class RecoveryMixin:
             return COMPUTE_MILD
         return max(COMPUTE_MILD, math.sqrt(float(found)))
 
-    def recovery_test(self, ratio: float | None, decided: int) -> bool:
+    def test(self, ratio: float | None, decided: int) -> bool:
         """Every rank: the compute test's verdict on a recovery alarm (``ratio``: the
         straggler's test time over its peers' median; None = no test ran, believed). On a
-        rejection the straggler stays active and the leader schedules the next test."""
-        if ratio is None or ratio < self.recovery_threshold():
+        rejection the straggler stays active and the leader schedules the next test
+        (``RECHECK`` steps, doubling per rejection up to ``RECHECK_MAX``)."""
+        if ratio is None or ratio < self.threshold():
             return True
         f = self.active
         assert f is not None
         self.rejections += 1
         wait = min(RECHECK << (self.rejections - 1), RECHECK_MAX)
         if self.leader:
-            self._recheck_at = decided + wait
+            self.recheck_at = decided + wait
             self._emit(RecoveryRejected(step=decided, kind=f.kind, ranks=list(f.ranks),
                                         compute_test_ratio=round(ratio, 3),
-                                        threshold=round(self.recovery_threshold(), 3),
+                                        threshold=round(self.threshold(), 3),
                                         next_check_step=decided + wait))
         return False
 
-    def _follow_born(self, f: Finding) -> None:
-        """A straggler found by the outlier test or the audit is followed for its recovery
-        at its peers' level, since it has no healthy level of its own: a rank on its own
-        relative-compute channel back to 1 (the job's median), a link on the iteration time
-        back to the step time priced without it (``severity``)."""
-        if f.kind == "compute" and len(f.ranks) == 1:
-            self._channel, self._healthy = f"rank{f.ranks[0]}", 1.0
-        else:
-            self._channel = "iteration"
-            self._healthy = self.step_seconds() / max(f.severity, 1.0)
-
-    def apply_recovery(self, onset: int, decided: int, level: float,
-                       test_ratio: float | None = None) -> None:
+    def recovered(self, onset: int, decided: int, level: float,
+                  test_ratio: float | None = None) -> None:
         """Every rank: the followed straggler's channel is back to its healthy level (and,
-        for a compute straggler, the compute test agreed: ``test_ratio``)."""
+        for a compute straggler, the compute test agreed: ``test_ratio``); a
+        ``StragglerRecovered`` through ``emit``."""
         f, self.active = self.active, None
-        self.rejections, self._recheck_at = 0, None
-        # a slowdown that waited and began before this recovery was part of the straggler's
-        # episode (another channel seeing it late): not a new one to look at
-        self._deferred = [(c, n) for c, n in self._deferred if c.onset > onset]
+        self.rejections, self.recheck_at = 0, None
         if f is None:
             return
         f.recovered_step = onset
@@ -128,4 +165,3 @@ class RecoveryMixin:
             if test_ratio is not None:
                 fields["compute_test_ratio"] = round(test_ratio, 3)
             self._emit(StragglerRecovered(**fields))
-

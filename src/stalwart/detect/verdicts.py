@@ -10,6 +10,11 @@ only if the job's iteration time stays above its level before the onset for ``pe
 samples, by ``min_shift`` in the median and beyond chance in a rank-sum test (``LASTING_Z``);
 otherwise, like a verdict the tests did not confirm, it is counted as a hiccup.
 
+Layout: ``VerdictLog`` owns the verdicts' record (the findings, the repeats, the hiccups, the
+unexplained slowdown on probation) and is given what it reads: the core's sample history, its
+step time and its event sink at construction; the followed straggler (``Following``,
+recovery.py), the alarm's outlier and the CUSUM bank with each verdict.
+
 Guarantees: one fault, one finding -- a repeat is counted, not logged; an unexplained slowdown
 followed by a culprit becomes a hiccup; bounded memory (the last 16 hiccups are kept).
 Cost: a few comparisons per verdict (one per validation pause); a slowdown on probation costs
@@ -21,20 +26,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from stalwart.detect.alarms import AUDIT, DETECT, OUTLIER, IterSample, suspect_of
-from stalwart.detect.changepoint import Change, ChangeDetector
+from stalwart.detect.changepoint import Change
 from stalwart.detect.cusum import CusumBank
 from stalwart.detect.evidence import Finding
 from stalwart.detect.localize import COMPUTE_MILD
 from stalwart.detect.onset import BEFORE, ONSET_SLACK
-from stalwart.detect.outlier import Outlier, OutlierBank
+from stalwart.detect.outlier import Outlier
+from stalwart.detect.recovery import Following
 from stalwart.detect.robust import rank_sum_z
-from stalwart.events import SlowdownUnexplained, StragglerDetected
+from stalwart.events import Event, SlowdownUnexplained, StragglerDetected
 
 LASTING_Z = 3.0  # an unexplained slowdown is logged only if it lasts beyond chance (p ~ 1e-3)
 
@@ -77,52 +84,43 @@ def still_open(change: Change, channel: str, verdict: Finding, action: int) -> b
     return any(float(v) >= COMPUTE_MILD for k, v in ratios if rank < 0 or int(k) == rank)
 
 
-class VerdictMixin:
-    """``DecisionCore``'s verdict half: the state below is built by ``DecisionCore``
-    (decision.py), whose ``_emit`` it calls, and ``RecoveryMixin._follow_born`` (recovery.py)."""
+class VerdictLog:
+    """The record of validated verdicts (module docstring).
 
-    leader: bool
-    persist: int
-    detector: ChangeDetector
-    cusum: CusumBank | None
-    outliers: OutlierBank | None
-    samples: deque[IterSample]
-    findings: list[Finding]
-    active: Finding | None
-    audit: dict[str, Any] | None
-    verdicts: int
-    repeats: int
-    hiccups: int
-    hiccup_log: deque[dict[str, Any]]
-    unexplained_logged: int
-    rejections: int
-    _recheck_at: int | None
-    _channel: str
-    _healthy: float | None
-    _switch_to: tuple[str, float] | None
-    _outlier: Outlier | None
-    _unexplained: _Unexplained | None
-    _deferred: list[tuple[Change, str]]
+    ``samples``: the core's iteration history (read only: the level before an onset, the
+    times since a decision); ``step_seconds``: the job's recent step time; ``emit``: the
+    events' sink; ``persist``, ``min_shift``: how long and by how much an unexplained
+    slowdown must last to be logged."""
 
-    def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,
-                      action: int = DETECT) -> None:
-        """Every rank: the validated verdict on an alarm (the same on every rank);
-        ``action``: the alarm's (DETECT, OUTLIER or AUDIT)."""
-        self.verdicts += 1
-        self._deferred = [(c, n) for c, n in self._deferred
-                          if still_open(c, n, finding, action)]
-        switch_to, self._switch_to = self._switch_to, None
-        outlier, self._outlier = self._outlier, None
-        if self.leader and action == OUTLIER and suspect is not None and self.outliers and not (
-                finding.kind == "compute" and finding.ranks == [suspect]):
-            self.outliers.unconfirmed(suspect)  # not paused for again at that level
-        if action == AUDIT:
-            self.audit = {"step": finding.step, "kind": finding.kind,
-                          "evidence": finding.evidence}
-            if finding.kind == "unknown":
-                return  # a clean audit: nothing to report, nothing to follow
-        if self.active is not None and (finding.kind == "unknown"
-                                        or same_straggler(finding, self.active)):
+    def __init__(self, leader: bool, *, persist: int, min_shift: float,
+                 samples: deque[IterSample], step_seconds: Callable[[], float],
+                 emit: Callable[[Event], None]) -> None:
+        self.leader = leader
+        self.persist = persist
+        self.min_shift = min_shift
+        self._samples = samples
+        self._step_seconds = step_seconds
+        self._emit = emit
+        self.findings: list[Finding] = []
+        self.count = 0  # validated alarms (each one a validation pause)
+        self.repeats = 0  # verdicts that named the active straggler again (not logged)
+        self.hiccups = 0
+        self.hiccup_log: deque[dict[str, Any]] = deque(maxlen=16)
+        self.unexplained_logged = 0
+        self.unexplained: _Unexplained | None = None  # on probation
+
+    def apply(self, finding: Finding, suspect: int | None, pause: float, action: int, *,
+              follow: Following, outlier: Outlier | None, cusum: CusumBank | None) -> None:
+        """Every rank: the validated verdict on an alarm (the same on every rank) recorded,
+        and ``follow`` told what it follows next; ``action``: the alarm's (DETECT, OUTLIER or
+        AUDIT); ``outlier``: the outlier test that raised it, if one did; ``cusum``: the bank
+        whose next alarm on ``suspect`` a verdict makes easier or harder."""
+        self.count += 1
+        switch_to = follow.take_switch()
+        if action == AUDIT and finding.kind == "unknown":
+            return  # a clean audit: nothing to report, nothing to follow
+        active = follow.active
+        if active is not None and (finding.kind == "unknown" or same_straggler(finding, active)):
             # while a straggler is active: its own slowdown seen by a channel that lags (the
             # same verdict again), or nothing the tests confirm -- not a new finding, and the
             # active one stays followed on its channel
@@ -133,37 +131,34 @@ class VerdictMixin:
                 self.repeats += 1
             return
         if switch_to is not None:
-            self._channel, self._healthy = switch_to
+            follow.watch(*switch_to)
         if action != DETECT and finding.kind != "unknown":
-            self._follow_born(finding)
-        elif finding.kind not in ("compute", "unknown") and self._channel != "iteration":
-            self._follow_on_iteration(finding)
+            follow.follow_born(finding, self._step_seconds())
+        elif finding.kind not in ("compute", "unknown") and follow.channel != "iteration":
+            follow.watch("iteration", self._iteration_level(finding))
         self.findings.append(finding)
-        # an unexplained slowdown has no culprit to watch for recovery
-        self.active = finding if finding.kind != "unknown" else None
-        self.rejections, self._recheck_at = 0, None
+        follow.found(finding)
         if self.leader:
-            self._report(finding, suspect, pause, action, outlier)
+            self._report(finding, suspect, pause, action, outlier, cusum)
 
     def _seconds_before(self, onset: int) -> list[float]:
         """The iteration times of the ``BEFORE`` steps before ``onset`` (the level a
         slowdown is measured against)."""
-        return [x.seconds for x in self.samples if onset - BEFORE <= x.key < onset]
+        return [x.seconds for x in self._samples if onset - BEFORE <= x.key < onset]
 
-    def _follow_on_iteration(self, finding: Finding) -> None:
-        """A link found through a rank's own compute channel is followed for its recovery on
-        the iteration time, back to its level before the onset: a slow link moves its
-        ranks' compute over their peers' only by chance (waits that land in the compute
-        window), and that ratio falling back says nothing about the link -- it once
-        reported a 10 Mbit/s host link recovered three steps after it was found, the fault
-        still on."""
+    def _iteration_level(self, finding: Finding) -> float:
+        """The iteration time a link found through a rank's own compute channel is followed
+        back to: its level before the onset. Why not that rank's channel: a slow link moves
+        its ranks' compute over their peers' only by chance (waits that land in the compute
+        window), and that ratio falling back says nothing about the link -- it once reported
+        a 10 Mbit/s host link recovered three steps after it was found, the fault still
+        on."""
         before = self._seconds_before(finding.onset_step)
-        self._channel = "iteration"
-        self._healthy = (statistics.median(before) if before
-                         else self.step_seconds() / max(finding.severity, 1.0))
+        return (statistics.median(before) if before
+                else self._step_seconds() / max(finding.severity, 1.0))
 
     def _report(self, finding: Finding, suspect: int | None, pause: float, action: int,
-                outlier: Outlier | None) -> None:
+                outlier: Outlier | None, cusum: CusumBank | None) -> None:
         """Leader: a new verdict logged (a straggler), followed (an unexplained slowdown
         until it proves it lasts) or counted (a hiccup)."""
         fields = finding.event_fields()
@@ -172,13 +167,13 @@ class VerdictMixin:
             fields["evidence"]["outlier_test"] = {
                 "rank": outlier.rank, "above": outlier.count, "of": outlier.n,
                 "p": float(f"{outlier.p:.3g}"), "level": round(outlier.level, 3)}
-        if suspect is not None and self.cusum is not None and action == DETECT:
+        if suspect is not None and cusum is not None and action == DETECT:
             # a rank's own channel pointed at it: an alarm the tests did not confirm makes
             # that rank's next CUSUM alarm need more evidence (bounded validation pauses)
             if finding.kind == "compute" and finding.ranks == [suspect]:
-                self.cusum.confirmed(suspect)
+                cusum.confirmed(suspect)
             else:
-                self.cusum.unconfirmed(suspect)
+                cusum.unconfirmed(suspect)
         if finding.kind == "unknown" and suspect is not None:
             # one rank's compute moved relative to its peers and the tests found nothing
             # (load from elsewhere shifting CPU shares, or a rank that is not slow now): not
@@ -191,28 +186,27 @@ class VerdictMixin:
             # Validation is what makes a slowdown a straggler (FALCON): when it names no rank
             # or link, the job as a whole slowed (load from elsewhere) or something passed
             # (an OS hiccup, a fault already gone). Only a slowdown that lasts is logged.
-            if self._unexplained is None:
+            if self.unexplained is None:
                 # the iteration time before the onset (the channel that fired may be a
                 # per-rank ratio): what the job's speed must stay above to count as lasting
                 before = self._seconds_before(finding.onset_step)
-                self._unexplained = _Unexplained(fields, before, finding.step)
+                self.unexplained = _Unexplained(fields, before, finding.step)
             return
-        if self._unexplained is not None:
+        if self.unexplained is not None:
             # a culprit was found after all: the earlier slowdown was its start or a hiccup
-            self._hiccup("unexplained slowdown, then a culprit found", self._unexplained.fields)
-            self._unexplained = None
+            self._hiccup("unexplained slowdown, then a culprit found", self.unexplained.fields)
+            self.unexplained = None
         self._emit(StragglerDetected(**fields))
-
 
     def close(self) -> None:
         """The run ended: settle an unexplained slowdown still waiting to prove it lasts."""
-        if self._unexplained is not None:
-            last = self.samples[-1].key if self.samples else self._unexplained.decided
-            self._settle_unexplained(last, final=True)
+        if self.unexplained is not None:
+            last = self._samples[-1].key if self._samples else self.unexplained.decided
+            self.settle(last, final=True)
 
-
-    def _settle_unexplained(self, key: int, final: bool = False) -> None:
-        """Leader: log an unexplained slowdown that lasted, count one that did not.
+    def settle(self, key: int, final: bool = False) -> None:
+        """Leader, an unexplained slowdown on probation: log it if it lasted, count it if it
+        did not (at ``persist`` samples after its decision, or ``final``: the run ended).
 
         Validation found no culprit; whether the job as a whole stays slower is what tells a
         real job-wide slowdown (load from elsewhere) from an OS hiccup of a few steps: the
@@ -220,16 +214,16 @@ class VerdictMixin:
         ``min_shift`` in the median and beyond chance in their ranks (a level ratio alone swung
         by 10-30% on a machine whose step time swings 17-48 ms from step to step).
         """
-        u = self._unexplained
+        u = self.unexplained
         assert u is not None
         if key - u.decided < self.persist and not final:
             return
-        self._unexplained = None
-        after = [x.seconds for x in self.samples if u.decided < x.key <= key]
+        self.unexplained = None
+        after = [x.seconds for x in self._samples if u.decided < x.key <= key]
         healthy = statistics.median(u.before) if u.before else math.inf
         ratio = statistics.median(after) / healthy if after else 0.0
         z = rank_sum_z(np.asarray(u.before), np.asarray(after))
-        lasting = ratio >= 1.0 + self.detector.min_shift and z >= LASTING_Z
+        lasting = ratio >= 1.0 + self.min_shift and z >= LASTING_Z
         fields = u.fields
         if lasting and key - u.decided >= self.persist:
             self.unexplained_logged += 1
