@@ -72,19 +72,36 @@ class Progress:
 PHASE_NAMES = ("reduce-scatter", "broadcast")
 
 
-def tail_account(ours: list[float], waits: list[list[list]]) -> dict:
+def how_ended(end: str, recovered: int) -> str:
+    """How a phase's last missing chunks came: ``data`` (every packet arrived), ``parity``
+    (complete, some chunks rebuilt from parity), ``markers`` (every sender's end marker in and
+    the grace over with chunks still missing: no parity could rebuild them), ``deadline``.
+    Nothing is ever retransmitted, so there is no fifth way."""
+    if end == "complete":
+        return "parity" if recovered > 0 else "data"
+    return "markers" if end == "ended" else end
+
+
+def tail_account(ours: list[float], waits: list[list[list]],
+                 starts: list[list[float]] | None = None) -> dict:
     """Where the slow all-reduces' time went (issue 37 item 3). For the iterations at or above
     the 90th percentile of ``ours`` (slowest rank), the slowest rank's phases split into its
     own send (its packets, parity and markers handed to the kernel), skew (then until every
     peer had started the round), transfer (until every peer had completed or sent its end
     marker) and the end wait (grace, decode or deadline after that); with how each phase
-    ended and which peer came last. ``waits``: per rank, per iteration, per phase [end,
-    t_started, t_ended, elapsed, last, lost, recovered, t_sent]. The times are the waiting
-    thread's wake-ups: on a loaded machine its own scheduling delay is in them."""
+    ended (``how_ended``), how long it waited after its own send (``after_send_s``) and which
+    peer came last. ``waits``: per rank, per iteration, per phase [end, t_started, t_ended,
+    elapsed, last, lost, recovered, t_sent(, parity)]; ``starts``: per rank, per iteration,
+    the start time on the machine's one monotonic clock (``start_skew_s``: the last rank's
+    start minus the first's). The times are the waiting thread's wake-ups: on a loaded
+    machine its own scheduling delay is in them. ``ends`` counts how every phase of every
+    rank and iteration ended, not only the slow ones."""
     if not ours or not waits or not all(waits):
         return {}
     cut = float(np.percentile(ours, 90))
     rows = []
+    skews = ([float(max(s[it] for s in starts) - min(s[it] for s in starts))
+              for it in range(len(ours))] if starts and all(starts) else [])
     for it, t in enumerate(ours):
         if t < cut:
             continue
@@ -93,17 +110,65 @@ def tail_account(ours: list[float], waits: list[list[list]]) -> dict:
             end, ts, te, el, last, lost, rec = ph[:7]
             sent = ph[7] if len(ph) > 7 else 0.0
             rows.append({"iter": it, "rank": r, "phase": PHASE_NAMES[k], "end": end,
+                         "how": how_ended(end, rec),
+                         "start_skew_s": skews[it] if skews else None,
                          "own_send_s": sent, "skew_s": max(ts - sent, 0.0),
                          "transfer_s": max(te - max(ts, sent), 0.0),
-                         "end_wait_s": max(el - te, 0.0), "elapsed_s": el, "last": last,
-                         "lost": lost, "recovered": rec, "total_s": t})
+                         "end_wait_s": max(el - te, 0.0), "after_send_s": max(el - sent, 0.0),
+                         "elapsed_s": el, "last": last, "lost": lost, "recovered": rec,
+                         "parity": ph[8] if len(ph) > 8 else None, "total_s": t})
     keys = ("own_send_s", "skew_s", "transfer_s", "end_wait_s")
     share = {k: float(sum(x[k] for x in rows) / max(sum(x["elapsed_s"] for x in rows), 1e-12))
              for k in keys}
     ends: dict[str, int] = {}
-    for x in rows:
-        ends[x["end"]] = ends.get(x["end"], 0) + 1
-    return {"cut_s": cut, "iterations": rows, "share": share, "ends": ends}
+    for w in waits:
+        for it in range(len(ours)):
+            for ph in w[it][:2]:
+                h = how_ended(ph[0], ph[6])
+                ends[h] = ends.get(h, 0) + 1
+    after = [max(ph[3] - (ph[7] if len(ph) > 7 else 0.0), 0.0)
+             for w in waits for it in range(len(ours)) for ph in w[it][:2]]
+    return {"cut_s": cut, "iterations": rows, "share": share, "ends": ends,
+            "after_send_median_s": _p(after, 50), "after_send_max_s": float(max(after)),
+            "start_skew_s": skews}
+
+
+def tail_markdown(ar: dict, mtu: int) -> str:
+    """One row per slow iteration's phase (``tail_account``) at each loss level of ``ar``
+    (``bench_allreduce``'s result), with the level's times and how its phases ended."""
+    lines = [f"MTU {mtu}: the iterations at or above each level's 90th percentile (slowest "
+             "rank's phases; ms)", "",
+             "| loss | iter | total | start skew | phase | own send | wait for start | "
+             "transfer | end wait | after send | last chunks | lost / rebuilt / parity |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ms = 1e3
+    for k, v in ar.items():
+        if k in ("rejected", "engine") or not v.get("tail"):
+            continue
+        for x in v["tail"]["iterations"]:
+            sk = "" if x["start_skew_s"] is None else f"{x['start_skew_s'] * ms:.1f}"
+            lines.append(
+                f"| {float(k):.1%} | {x['iter']} | {x['total_s'] * ms:.0f} | {sk} | "
+                f"{x['phase']} | {x['own_send_s'] * ms:.1f} | {x['skew_s'] * ms:.1f} | "
+                f"{x['transfer_s'] * ms:.1f} | {x['end_wait_s'] * ms:.1f} | "
+                f"{x['after_send_s'] * ms:.1f} | {x['how']} | {x['lost']} / {x['recovered']}"
+                f" / {x['parity']} |")
+    lines += ["", "| loss | ours median / p99 | gloo median / p99 | p99 ratio | phases ended by "
+              "| after own send, median / max | start skew, max |", "|---|---|---|---|---|---|---|"]
+    for k, v in ar.items():
+        if k in ("rejected", "engine") or not v.get("tail"):
+            continue
+        t = v["tail"]
+        g = (f"{_p(v['gloo'], 50) * ms:.0f} / {_p(v['gloo'], 99) * ms:.0f}" if v["gloo"]
+             else "")
+        ratio = f"{_p(v['ours'], 99) / _p(v['gloo'], 99):.2f}" if v["gloo"] else ""
+        ends = ", ".join(f"{a} {b}" for a, b in sorted(t["ends"].items()))
+        sk = f"{max(t['start_skew_s']) * ms:.1f}" if t["start_skew_s"] else ""
+        lines.append(f"| {float(k):.1%} | {_p(v['ours'], 50) * ms:.0f} / "
+                     f"{_p(v['ours'], 99) * ms:.0f} | {g} | {ratio} | {ends} | "
+                     f"{t['after_send_median_s'] * ms:.1f} / {t['after_send_max_s'] * ms:.1f} "
+                     f"| {sk} |")
+    return "\n".join(lines)
 
 
 def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
@@ -140,7 +205,11 @@ def bench_allreduce(mtu: int, iters: dict[float, int], workdir: Path,
                   "cpu": np.sum([v["cpu"] for v in lv], axis=0).tolist(),
                   "gloo_cpu": (np.sum([v["gloo_cpu"] for v in lv], axis=0).tolist()
                                if lv[0].get("gloo_cpu") else []),
-                  "tail": tail_account(ours, [v.get("waits", []) for v in lv])}
+                  "tail": tail_account(ours, [v.get("waits", []) for v in lv],
+                                       [v.get("starts", []) for v in lv]),
+                  "gloo_start_skew": ([float(max(g) - min(g)) for g in zip(
+                      *[v["gloo_starts"] for v in lv], strict=True)]
+                      if lv[0].get("gloo_starts") else [])}
     out["rejected"] = [r["rejected"] for r in recs]
     out["engine"] = recs[0].get("engine")
     return out
@@ -183,7 +252,8 @@ def profile_figures(tab: dict | None, sfx: str) -> dict[str, float | None]:
     return figs
 
 
-ONLY = ("profile",)
+ONLY = ("profile", "tail")
+TAIL_LEVELS = (0.001, 0.01, 0.05)  # the levels of the tail figures (p99 at 0.1 / 1%, median 5%)
 
 
 def bench_drift(steps: int, workdir: Path) -> dict:
@@ -277,6 +347,46 @@ TRAIN_FIGURES = ("val_loss_rel_change_loss1", "val_loss_rel_change_loss10",
                  "tokens_per_s_ratio_loss5", "tokens_per_s_kept_loss5")
 
 
+def allreduce_figures(ar: dict, sfx: str, figures: dict, details: dict) -> None:
+    """The all-reduce figures of ``bench_allreduce``'s result ``ar`` at the levels it has
+    (``figures``) and its summary per level (``details["allreduce" + sfx]``)."""
+    details[f"allreduce{sfx}"] = {
+        k: ({"ours_median": _p(v["ours"], 50), "ours_p99": _p(v["ours"], 99),
+             **({"gloo_median": _p(v["gloo"], 50), "gloo_p99": _p(v["gloo"], 99)}
+                if v["gloo"] else {}),
+             "ours_cpu_median": _p(v["cpu"], 50),
+             **({"gloo_cpu_median": _p(v["gloo_cpu"], 50)} if v["gloo_cpu"] else {}),
+             "chunks_lost": v["lost"], "chunks": v["chunks"], "lost_frac": v["lost_frac"],
+             "recovered": v["recovered"], "wire_bytes_ratio": v["wire"],
+             "deadline_hits": v["deadline_hits"], "n": len(v["ours"]),
+             "tail": v.get("tail", {}), "gloo_start_skew": v.get("gloo_start_skew", [])}
+            if k not in ("rejected", "engine") else v)
+        for k, v in ar.items()}
+    if "0.0" in ar:
+        figures[f"allreduce_median_ratio_loss0{sfx}"] = (
+            _p(ar["0.0"]["ours"], 50) / _p(ar["0.0"]["gloo"], 50))
+        figures[f"allreduce_cpu_ratio_loss0{sfx}"] = (
+            _p(ar["0.0"]["cpu"], 50) / _p(ar["0.0"]["gloo_cpu"], 50))
+    for k, name, q in (("0.001", "median_ratio_loss0.1", 50), ("0.001", "p99_ratio_loss0.1", 99),
+                       ("0.01", "p99_ratio_loss1", 99), ("0.05", "median_ratio_loss5", 50)):
+        if k in ar and ar[k]["gloo"]:
+            figures[f"allreduce_{name}{sfx}"] = _p(ar[k]["ours"], q) / _p(ar[k]["gloo"], q)
+
+
+def run_tail(quick: bool, workdir: Path, figures: dict, details: dict,
+             progress: Progress) -> None:
+    """The all-reduce at the tail's loss levels alone (``--only tail``), ours and gloo, MTU
+    9000 and 1500, with the same iterations as the whole suite: its figures, and the account
+    of the slow iterations (``tail_account``) as a table on stderr."""
+    n = {0.001: 10, 0.01: 8, 0.05: 3} if quick else {0.001: 40, 0.01: 40, 0.05: 12}
+    for mtu in (9000, 1500):
+        sfx = "" if mtu == 9000 else "_mtu1500"
+        ar = bench_allreduce(mtu, n, workdir, gloo_levels=list(TAIL_LEVELS), progress=progress)
+        allreduce_figures(ar, sfx, figures, details)
+        details[f"tail_markdown{sfx}"] = tail_markdown(ar, mtu)
+        print(details[f"tail_markdown{sfx}"], file=sys.stderr)
+
+
 def run_profile(quick: bool, workdir: Path, figures: dict, details: dict,
                 progress: Progress) -> None:
     for mtu in (9000, 1500):
@@ -287,6 +397,24 @@ def run_profile(quick: bool, workdir: Path, figures: dict, details: dict,
         figures.update(profile_figures(tab, sfx))
         if tab and "markdown" in tab:
             print(tab["markdown"], file=sys.stderr)
+
+
+def run_only(only: list[str], quick: bool, workdir: Path, details: dict, progress: Progress,
+             engine: str) -> BenchResult:
+    """``--only profile`` and/or ``--only tail``: those stages alone, with their figures."""
+    figures: dict[str, float | None] = {}
+    targets: dict[str, str] = {}
+    if "profile" in only:
+        run_profile(quick, workdir, figures, details, progress)
+    if "tail" in only:
+        run_tail(quick, workdir, figures, details, progress)
+        for k in figures:
+            base = k.removesuffix("_mtu1500")
+            if base in TARGETS and k.startswith("allreduce_"):
+                targets[k] = TARGETS_MTU1500.get(base, TARGETS[base]) if k != base else TARGETS[k]
+    return BenchResult(suite="lossy", figures=figures, targets=targets, details=details,
+                       command="stalwart bench lossy --only " + " ".join(only)
+                       + (" --quick" if quick else "") + f"  (engine: {engine})")
 
 
 def run(quick: bool, workdir: Path, only: list[str] | None = None) -> BenchResult:
@@ -302,11 +430,8 @@ def run(quick: bool, workdir: Path, only: list[str] | None = None) -> BenchResul
     details: dict = {"quick": quick, "engine": engine}
     progress = Progress()
     progress(f"engine: {engine}")
-    if only:  # "profile": the per-stage CPU account alone
-        run_profile(quick, workdir, figures, details, progress)
-        return BenchResult(suite="lossy", figures=figures, targets={}, details=details,
-                           command="stalwart bench lossy --only profile"
-                           + (" --quick" if quick else "") + f"  (engine: {engine})")
+    if only:  # "profile": the per-stage CPU account; "tail": the all-reduce under loss
+        return run_only(only, quick, workdir, details, progress, engine)
     if quick:
         ar_iters = {0.0: 6, 0.001: 10, 0.01: 8, 0.05: 3, 0.10: 4}
         steps, drift_steps, train_mtus = 30, 40, (9000,)
@@ -321,30 +446,7 @@ def run(quick: bool, workdir: Path, only: list[str] | None = None) -> BenchResul
         st.start(f"all-reduce at MTU {mtu}, ours and gloo, {len(ar_iters)} loss levels")
         ar = bench_allreduce(mtu, ar_iters, workdir, gloo_levels=[0.0, 0.001, 0.01, 0.05],
                              progress=progress)
-        details[f"allreduce{sfx}"] = {
-            k: ({"ours_median": _p(v["ours"], 50), "ours_p99": _p(v["ours"], 99),
-                 **({"gloo_median": _p(v["gloo"], 50), "gloo_p99": _p(v["gloo"], 99)}
-                    if v["gloo"] else {}),
-                 "ours_cpu_median": _p(v["cpu"], 50),
-                 **({"gloo_cpu_median": _p(v["gloo_cpu"], 50)} if v["gloo_cpu"] else {}),
-                 "chunks_lost": v["lost"], "chunks": v["chunks"], "lost_frac": v["lost_frac"],
-                 "recovered": v["recovered"], "wire_bytes_ratio": v["wire"],
-                 "deadline_hits": v["deadline_hits"], "n": len(v["ours"]),
-                 "tail": v.get("tail", {})}
-                if k not in ("rejected", "engine") else v)
-            for k, v in ar.items()}
-        figures[f"allreduce_median_ratio_loss0{sfx}"] = (
-            _p(ar["0.0"]["ours"], 50) / _p(ar["0.0"]["gloo"], 50))
-        figures[f"allreduce_cpu_ratio_loss0{sfx}"] = (
-            _p(ar["0.0"]["cpu"], 50) / _p(ar["0.0"]["gloo_cpu"], 50))
-        figures[f"allreduce_median_ratio_loss0.1{sfx}"] = (
-            _p(ar["0.001"]["ours"], 50) / _p(ar["0.001"]["gloo"], 50))
-        figures[f"allreduce_p99_ratio_loss0.1{sfx}"] = (
-            _p(ar["0.001"]["ours"], 99) / _p(ar["0.001"]["gloo"], 99))
-        figures[f"allreduce_p99_ratio_loss1{sfx}"] = (
-            _p(ar["0.01"]["ours"], 99) / _p(ar["0.01"]["gloo"], 99))
-        figures[f"allreduce_median_ratio_loss5{sfx}"] = (
-            _p(ar["0.05"]["ours"], 50) / _p(ar["0.05"]["gloo"], 50))
+        allreduce_figures(ar, sfx, figures, details)
         figures[f"wire_bytes_ratio_loss10{sfx}"] = ar["0.1"]["wire"]
         figures[f"residual_chunk_loss_loss10{sfx}"] = ar["0.1"]["lost_frac"]
     for mtu in (9000, 1500):

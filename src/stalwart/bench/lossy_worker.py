@@ -29,6 +29,35 @@ def _barrier() -> None:
     dist.barrier()
 
 
+class FileBarrier:
+    """A barrier through the shared file system, for the timed operations: the testbed's hosts
+    are network namespaces of one machine, so a file every rank can see is not a network
+    message and the loss under test cannot delay anyone's release. gloo's ``barrier`` can:
+    under loss one of its TCP segments waits out a retransmission timeout (>= 200 ms) and the
+    ranks it releases late start the next timed all-reduce that much after the others, whose
+    time then includes the wait (measured at 0.1-5% loss, MTU 9000: the slowest iteration of
+    every level was two ranks starting 0.17-0.2 s late). Guarantee: no rank leaves call ``n``
+    before every rank has entered it; the ranks leave within ``poll`` seconds of the last
+    arrival plus their scheduling delay. Cost: one file created and one ``stat`` per missing
+    rank and poll while waiting."""
+
+    def __init__(self, folder: Path, rank: int, world: int, poll: float = 2e-4) -> None:
+        self.dir, self.rank, self.world, self.poll = folder, rank, world, poll
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+        (self.dir / f"{self.n}.{self.rank}").touch()
+        missing = [r for r in range(self.world) if r != self.rank]
+        while missing:
+            missing = [r for r in missing if not (self.dir / f"{self.n}.{r}").exists()]
+            if missing:
+                time.sleep(self.poll)
+        if self.n > 2:  # everyone has left call n - 1, so nobody looks at n - 2 any more
+            (self.dir / f"{self.n - 2}.{self.rank}").unlink(missing_ok=True)
+
+
 def _settle(lay, world: int) -> int:
     """All-reduces of warm-up after which the parity a link gets is the one its loss level
     keeps getting: its loss window (~10,000 datagrams, ``copies.DECAY``) has turned over
@@ -50,7 +79,10 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
     ``gloo_levels`` (at 10% loss one of its all-reduces takes seconds). Records per iteration:
     times, chunks lost after decoding, chunks rebuilt, UDP bytes sent per payload byte, and per
     phase where its wait went (``waits``: end state, t_started, t_ended, elapsed, last peer,
-    lost, rebuilt, t_sent; ``rounds.PhaseStats``)."""
+    lost, rebuilt, t_sent, parity sent; ``rounds.PhaseStats``), and when each timed operation
+    started (``starts``, ``gloo_starts``: ``perf_counter``, one clock for every network
+    namespace of the machine, so the ranks' start skew can be read). The ranks are lined up
+    before each timed operation by a ``FileBarrier`` (the loss cannot delay it)."""
     from stalwart.comm.collective import LossyCollective
     from stalwart.testbed.loss import set_loss
 
@@ -64,6 +96,7 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
     # its own shard's values to every other rank
     payload_bytes = 4 * ((numel - mine) + (world - 1) * mine)
     res: dict = {"levels": {}, "fec": fec, "engine": coll.engine}
+    align = FileBarrier(out / "sync", rank, world)
     try:
         for i, (p, n) in enumerate(zip(levels, iters, strict=True)):
             with_gloo = gloo_levels is None or p in gloo_levels
@@ -74,19 +107,21 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
             set_loss(netns[rank], p)
             _barrier()
             ours, gloo, lost, chunks, rec, wire, hits, cpu = [], [], [], [], [], [], [], []
+            starts: list[float] = []
+            gstarts: list[float] = []
             waits: list[list[list]] = []  # per timed iteration, per phase: the wait's account
             gcpu: list[float] = []
             settle = max(warmup, _settle(lay, world))
             for it in range(settle + n):
                 t = torch.from_numpy(x.copy())
                 buf = x.copy()  # ours in place too, like gloo's all_reduce (lost chunks keep x)
-                _barrier()
+                align()
                 timed = it >= settle
                 if with_gloo and (timed or it < warmup):
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    tg0, c0 = time.perf_counter(), time.process_time()
                     dist.all_reduce(t)
-                    tg, cg = time.perf_counter() - t0, time.process_time() - c0
-                    _barrier()
+                    tg, cg = time.perf_counter() - tg0, time.process_time() - c0
+                    align()
                 b0 = coll.transport.bytes_sent
                 t0, c0 = time.perf_counter(), time.process_time()
                 _, ps = coll.allreduce(buf, out=buf)
@@ -96,7 +131,9 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
                     if with_gloo:
                         gloo.append(tg)
                         gcpu.append(cg)
+                        gstarts.append(tg0)
                     ours.append(to)
+                    starts.append(t0)
                     lost.append(sum(q.lost for q in ps))
                     chunks.append(sum(q.lost + q.recv for q in ps))
                     rec.append(sum(q.recovered for q in ps))
@@ -104,12 +141,13 @@ def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warm
                     hits.append(sum(int(q.deadline_hit) for q in ps))
                     waits.append([[q.end, round(q.t_started, 5), round(q.t_ended, 5),
                                    round(q.elapsed, 5), q.last, q.lost, q.recovered,
-                                   round(q.t_sent, 5)]
+                                   round(q.t_sent, 5), q.parity]
                                   for q in ps])
             res["levels"][str(p)] = {"ours": ours, "gloo": gloo, "lost": lost, "chunks": chunks,
                                      "recovered": rec, "wire": wire, "deadline_hits": hits,
                                      "cpu": cpu[settle:], "gloo_cpu": gcpu, "settle": settle,
-                                     "waits": waits,
+                                     "waits": waits, "starts": starts,
+                                     "gloo_starts": gstarts,
                                      "lost_frac": [a / max(b, 1) for a, b in zip(
                                          lost, chunks, strict=True)]}
         _barrier()
