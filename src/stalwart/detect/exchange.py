@@ -16,6 +16,10 @@ at ``max_every``, and 1 while a decision is under way, a change detector's poste
 fired, or another rank asked (its own compute jumped ``ALERT_JUMP`` above its recent median
 twice in a row); rank 0's row carries the period, so every rank switches at the same check.
 
+Row layout: ``RowHead`` and ``ExchangeRow`` below are the only code that knows it (``pack``,
+``unpack``; rank 0's read of every rank's row, ``ExchangeRow.by_step`` and
+``ExchangeRow.least_every``, reads the same layout column-wise).
+
 Cost: a few ~100-byte socket sends and receives per exchange on the calling thread; the
 process CPU of one exchange is measured once at construction (rowlink.exchange_cost).
 """
@@ -26,16 +30,96 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from stalwart.detect.alarms import Alarm
 from stalwart.detect.decision import DecisionCore
 from stalwart.rowlink import GlooRows, StarRows
 
-HEADER = 6  # row: action, onset, severity, suspect rank, entries, next exchange period
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
+
+
+@dataclass(frozen=True)
+class RowHead:
+    """A row's header: rank 0's alarm (QUIET in the other ranks' rows), the number of (step,
+    compute) entries the row carries, and an exchange period -- in rank 0's row the one in
+    force from the check that reads it, in another rank's the one it asks for.
+
+    Wire: ``SIZE`` floats, ``action, onset, severity, suspect, entries, every``; integers
+    travel as floats (exact below 2**53)."""
+
+    alarm: Alarm
+    entries: int
+    every: int
+
+    SIZE: ClassVar[int] = 6
+    ENTRIES: ClassVar[int] = 4  # (where ``entries`` and ``every`` sit: rank 0's column reads)
+    EVERY: ClassVar[int] = 5
+
+    def pack(self) -> list[float]:
+        """The header's floats (``SIZE`` of them)."""
+        a = self.alarm
+        return [float(a.action), float(a.onset), float(a.severity), float(a.suspect),
+                float(self.entries), float(self.every)]
+
+    @classmethod
+    def unpack(cls, row: Sequence[float]) -> RowHead:
+        """The header at the start of ``row`` (``pack``'s inverse)."""
+        return cls(Alarm(int(row[0]), int(row[1]), float(row[2]), int(row[3])), int(row[4]),
+                   int(row[5]))
+
+
+@dataclass(frozen=True)
+class ExchangeRow:
+    """One rank's row of one exchange: its header and its (step, compute) samples since the
+    last row, padded with zeros to the width every rank uses (``width``).
+
+    Wire: ``RowHead``'s floats, then ``step, compute`` per sample, then zeros."""
+
+    head: RowHead
+    samples: Sequence[tuple[float, float]]
+
+    @staticmethod
+    def width(max_every: int) -> int:
+        """The floats of a row that carries up to ``max_every`` samples."""
+        return RowHead.SIZE + 2 * max_every
+
+    def pack(self, width: int) -> list[float]:
+        """The row's ``width`` floats (at least ``width(len(samples))``)."""
+        vals = self.head.pack()
+        for key, comp in self.samples:
+            vals += (key, comp)
+        vals += [0.0] * (width - len(vals))
+        return vals
+
+    @classmethod
+    def unpack(cls, row: Sequence[float]) -> ExchangeRow:
+        """A row's header and samples (``pack``'s inverse, padding dropped)."""
+        head = RowHead.unpack(row)
+        base = RowHead.SIZE
+        return cls(head, [(row[j], row[j + 1]) for j in range(base, base + 2 * head.entries, 2)])
+
+    @staticmethod
+    def by_step(rows: Sequence[Sequence[float]]) -> list[tuple[int, list[float]]]:
+        """Rank 0: one exchange's rows (rank order) as (step, every rank's compute at it),
+        for the entries every rank sent, in step order -- the steps of rank 0's row. What
+        ``unpack`` of each row then a transpose gives, in one pass over the columns."""
+        at = RowHead.ENTRIES
+        n = int(min(r[at] for r in rows))
+        cols = list(zip(*rows, strict=False))  # (column j: every rank's value j, by rank)
+        base = RowHead.SIZE
+        return [(int(rows[0][j]), list(cols[j + 1])) for j in range(base, base + 2 * n, 2)]
+
+    @staticmethod
+    def least_every(rows: Sequence[Sequence[float]], default: int) -> int:
+        """The least period ``rows``' headers carry (``default`` for no rows); the headers'
+        ``every`` without unpacking each one (rank 0 reads it at every exchange)."""
+        at = RowHead.EVERY
+        return min((int(r[at]) for r in rows), default=default)
 
 
 class Exchange:
@@ -75,7 +159,8 @@ class Exchange:
 
     @staticmethod
     def width(max_every: int) -> int:
-        return HEADER + 2 * max_every
+        """The floats of one row (``ExchangeRow.width``)."""
+        return ExchangeRow.width(max_every)
 
     def add(self, key: int, compute: float) -> None:
         """A new sample of this rank's to send with the next row."""
@@ -111,10 +196,8 @@ class Exchange:
             head = self.read_own(c)
             return ([], None) if head is None else (self.read_rows(head[0]), head[1])
         self._count_step(c)
-        got = self._read(c)
-        if got is None:
-            return [], None
-        return [], Alarm(int(got[0][0]), int(got[0][1]), float(got[0][2]), int(got[0][3]))
+        head = self._read(c)
+        return [], None if head is None else head.alarm
 
     def read_own(self, c: int) -> tuple[int, Alarm] | None:
         """Rank 0: check ``c``'s read from its own row alone (kept when it was sent): the
@@ -125,10 +208,10 @@ class Exchange:
         if not self._inflight or self._inflight[0][1] > c:
             return None
         seq, _ = self._inflight.popleft()
-        own = self._own_rows.pop(seq)
+        own = RowHead.unpack(self._own_rows.pop(seq))
         if self.auto_every:
-            self._set_every(own)
-        return seq, Alarm(int(own[0]), int(own[1]), float(own[2]), int(own[3]))
+            self._set_every(own.every)
+        return seq, own.alarm
 
     def read_rows(self, seq: int) -> list[tuple[int, list[float]]]:
         """Rank 0: exchange ``seq``'s rows (``read_own`` took its header): every rank's
@@ -139,10 +222,8 @@ class Exchange:
             self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
             # the other ranks' requests (rank 0's own row holds its last choice, which must
             # not vote for itself: once 1, the period would stay 1)
-            self._requested = min((int(r[5]) for r in got[1:]), default=self.max_every)
-        n = int(min(r[4] for r in got))  # entries every rank sent
-        cols = list(zip(*got, strict=False))  # (column j: every rank's value j, by rank)
-        return [(int(got[0][j]), list(cols[j + 1])) for j in range(HEADER, HEADER + 2 * n, 2)]
+            self._requested = ExchangeRow.least_every(got[1:], self.max_every)
+        return ExchangeRow.by_step(got)
 
     def _count_step(self, c: int) -> None:
         """Rank 0, choosing a period: the process CPU per step since the last check."""
@@ -153,9 +234,10 @@ class Exchange:
                 self._step_cpu.append((cpu - self._cpu_at_check) / (c - self._check_at))
             self._cpu_at_check, self._check_at = cpu, c
 
-    def _set_every(self, row: list[float]) -> None:
-        """The period rank 0's ``row`` carries, in force from this check on every rank."""
-        self.check_every = max(1, min(int(row[5]), self.max_every))
+    def _set_every(self, every: int) -> None:
+        """The period rank 0's row carries (``every``), in force from this check on every
+        rank."""
+        self.check_every = max(1, min(every, self.max_every))
         self._next_issue = min(self._next_issue, self._last_issue + self.check_every)
 
     def issue(self, c: int, alarm: Alarm) -> None:
@@ -196,17 +278,18 @@ class Exchange:
         self._own_rows.clear()
         self.rows.close()
 
-    def _read(self, c: int) -> list[list[float]] | None:
-        """Ranks other than 0: rank 0's row due at check ``c`` (None: none due)."""
+    def _read(self, c: int) -> RowHead | None:
+        """Ranks other than 0: the header of rank 0's row due at check ``c`` (None: none
+        due)."""
         if not self._inflight or self._inflight[0][1] > c:
             return None
         seq, _ = self._inflight.popleft()
-        got = self.rows.read(seq)
+        head = RowHead.unpack(self.rows.read(seq)[0])
         if self.auto_every:
             # rank 0's choice (it folds in the other ranks' requests), read by every rank at
             # this same check
-            self._set_every(got[0])
-        return got
+            self._set_every(head.every)
+        return head
 
     def _issue(self, c: int, seq: int, alarm: Alarm) -> None:
         t0 = time.thread_time() if self._measure else 0.0
@@ -216,11 +299,7 @@ class Exchange:
         unsent = self._unsent[-self.max_every:]
         self._unsent.clear()
         every = self._choose_every(c) if self.rank == 0 else self._request_every(unsent)
-        vals = [float(alarm.action), float(alarm.onset), float(alarm.severity),
-                float(alarm.suspect), float(len(unsent)), float(every)]
-        for key, comp in unsent:
-            vals += (key, comp)
-        vals += [0.0] * (width - len(vals))
+        vals = ExchangeRow(RowHead(alarm, len(unsent), every), unsent).pack(width)
         if self.rank == 0:
             self._own_rows[seq] = vals
         self.rows.issue(seq, vals)
