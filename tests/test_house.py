@@ -201,8 +201,9 @@ def unowned(cls: type, node: ast.ClassDef) -> dict[str, int]:
 def test_the_check_covers_the_packages() -> None:
     names = {n for n, _, _ in _classes()}
     assert {"stalwart.detect.decision.DecisionCore", "stalwart.detect.recovery.Following",
-            "stalwart.detect.verdicts.VerdictLog",
-            "stalwart.mitigate.agreement.PlanChannel"} <= names
+            "stalwart.detect.verdicts.VerdictLog", "stalwart.detect.exchange.ExchangeRow",
+            "stalwart.mitigate.agreement.PlanMessage",
+            "stalwart.mitigate.rebalance.WindowRow"} <= names
     assert all(n.split(".")[1] in PACKAGES for n in names)
 
 

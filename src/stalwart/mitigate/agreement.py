@@ -11,6 +11,9 @@ rows in it, then every rank sends the next one. Every rank reads a given message
 of the same step, and the decision names the step it starts (the step after that read), so
 every rank switches at that step: never one step apart, whatever each rank's speed.
 
+Message layout: ``PlanMessage`` is the only code that knows it (``pack``, ``unpack``): rank
+0's decision (a header, then its counts in ``slots`` places), then the rank's measurements.
+
 Guarantees: identical ``Decision`` objects on every rank, installed for the same step; a peer
 that exits makes the next read raise (``RowLinkError``) instead of hanging; ``close()`` reads
 what is in flight, so no peer's last message is cut off.
@@ -21,7 +24,9 @@ thread; a gloo all-gather here cost ~0.85 ms of process CPU per rank per exchang
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
@@ -37,7 +42,61 @@ from stalwart.mitigate.decisions import (  # noqa: F401 (re-exported)
 )
 from stalwart.rowlink import GlooRows, StarRows, open_rows
 
-_HEAD = 5  # kind, version, start step, target, predicted gain (x1e6)
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """One rank's message on the plan channel: rank 0's decision (None: none, and always in
+    the other ranks' messages) and the rank's measurements (``PlanChannel.send``'s row).
+
+    Wire, for a channel of ``slots`` and ``row_len``: ``kind, version, start_step, target,
+    gain`` (``HEAD`` floats; the predicted gain travels as a whole number of millionths,
+    ``GAIN_UNIT``; kind ``NONE`` and zeros without a decision), then the counts in ``slots``
+    places (zero-padded), then ``row_len`` measurements (zero-padded, truncated beyond).
+    Integers travel as floats (exact below 2**53)."""
+
+    decision: Decision | None
+    values: Sequence[float]
+
+    HEAD: ClassVar[int] = 5
+    GAIN_UNIT: ClassVar[float] = 1e6  # the gain's resolution: 1e-6
+
+    @classmethod
+    def width(cls, slots: int, row_len: int) -> int:
+        """The floats of one message."""
+        return cls.HEAD + slots + row_len
+
+    def pack(self, slots: int, row_len: int) -> list[float]:
+        """The message's ``width(slots, row_len)`` floats. Raises ValueError for a decision
+        with more counts than ``slots``."""
+        head = self.HEAD
+        msg = [0.0] * self.width(slots, row_len)
+        d = self.decision
+        if d is not None:
+            counts = [float(c) for c in d.counts or ()]
+            if len(counts) > slots:
+                raise ValueError(f"{d.name} v{d.version}: {len(counts)} counts for {slots} "
+                                 "slots")
+            msg[:head] = [float(d.kind), float(d.version), float(d.start_step),
+                          float(d.target), float(round(d.predicted_gain * self.GAIN_UNIT))]
+            msg[head:head + len(counts)] = counts
+        vals = [float(x) for x in self.values[:row_len]]
+        msg[head + slots:head + slots + len(vals)] = vals
+        return msg
+
+    @classmethod
+    def unpack(cls, msg: Sequence[float], slots: int, groups: int) -> PlanMessage:
+        """``pack``'s inverse for a channel of ``slots`` and ``groups``: a decision's counts
+        are its first ``groups`` slots (a plan's, an exclusion's) or all ``slots`` (a remap's
+        or a restore's rank -> host map); the values are every float after the slots."""
+        head = cls.HEAD
+        dec = None
+        kind = int(msg[0])
+        if kind != NONE:
+            n = slots if kind in (REMAP, RESTORE) else groups
+            counts = [int(c) for c in msg[head:head + n]]
+            dec = Decision(kind, int(msg[1]), int(msg[2]), counts, int(msg[3]),
+                           float(msg[4]) / cls.GAIN_UNIT)
+        return cls(dec, list(msg[head + slots:]))
 
 
 class PlanChannel:
@@ -54,7 +113,7 @@ class PlanChannel:
         self.slots = max(slots or groups, groups)
         self.row_len = row_len
         self.every = every
-        self.width = _HEAD + self.slots + row_len
+        self.width = PlanMessage.width(self.slots, row_len)
         self.distributed = dist.is_available() and dist.is_initialized() and world > 1
         self._rows: StarRows | GlooRows | None = None
         if self.distributed:
@@ -80,26 +139,13 @@ class PlanChannel:
             return None, None
         seq = self._inflight.popleft()
         rows = self._rows.read(seq) if self._rows is not None else [self._local.pop(seq)]
-        got = rows[0]  # rank 0's row comes first, on every rank
-        dec = None
-        if int(got[0]) != NONE:
-            n = self.slots if int(got[0]) in (REMAP, RESTORE) else self.groups
-            counts = [int(c) for c in got[_HEAD:_HEAD + n]]
-            dec = Decision(int(got[0]), int(got[1]), int(got[2]), counts, int(got[3]),
-                           float(got[4]) / 1e6)
-        return [list(r[_HEAD + self.slots:]) for r in rows], dec
+        msgs = [PlanMessage.unpack(r, self.slots, self.groups) for r in rows]
+        # rank 0's message comes first, on every rank
+        return [list(m.values) for m in msgs], msgs[0].decision
 
     def send(self, row: list[float], decision: Decision | None) -> None:
         """Then: this rank's row (and rank 0's decision, made from what ``receive`` gave)."""
-        msg = [0.0] * self.width
-        if decision is not None:
-            msg[:_HEAD] = [float(decision.kind), float(decision.version),
-                           float(decision.start_step), float(decision.target),
-                           float(round(decision.predicted_gain * 1e6))]
-            counts = [float(c) for c in decision.counts or ()]
-            msg[_HEAD:_HEAD + len(counts)] = counts
-        vals = [float(x) for x in row[:self.row_len]]
-        msg[_HEAD + self.slots:_HEAD + self.slots + len(vals)] = vals
+        msg = PlanMessage(decision, row).pack(self.slots, self.row_len)
         seq, self._seq = self._seq, self._seq + 1
         if self._rows is not None:
             self._rows.issue(seq, msg)

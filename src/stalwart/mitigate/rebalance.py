@@ -41,7 +41,7 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
@@ -80,6 +80,29 @@ class Assignment:
     version: int  # plan version (0 = uniform)
 
 
+@dataclass(frozen=True)
+class WindowRow:
+    """One rank's measurements over the steps since the last exchange, which rank 0's policy
+    reads: compute seconds per micro-batch (``unit``), the mean step time (``step_s``) and the
+    number of steps (``steps``). Wire (``PlanChannel``'s row): ``SIZE`` floats in that order.
+    """
+
+    unit: float
+    step_s: float
+    steps: int
+
+    SIZE: ClassVar[int] = 3
+
+    def pack(self) -> list[float]:
+        """The row's ``SIZE`` floats."""
+        return [self.unit, self.step_s, float(self.steps)]
+
+    @classmethod
+    def unpack(cls, vals: list[float]) -> WindowRow:
+        """``pack``'s inverse."""
+        return cls(vals[0], vals[1], int(vals[2]))
+
+
 class Rebalancer:
     """See the module docstring. Create on every rank, after init_process_group."""
 
@@ -114,7 +137,7 @@ class Rebalancer:
         self.counts = planner.uniform(micro_batches, self.groups)
         self.version = 0
         # room for a rank -> host map (S3 in place) even when TP makes fewer groups than ranks
-        self.channel = PlanChannel(self.world, self.groups, row_len=3, every=every,
+        self.channel = PlanChannel(self.world, self.groups, row_len=WindowRow.SIZE, every=every,
                                    slots=self.world)
         self.policy = Policy(self.groups, micro_batches, tp=tp, mode=mode, every=every,
                              **(policy or {})) if self.rank == 0 else None
@@ -212,8 +235,8 @@ class Rebalancer:
             self._check_measure(step)
         if not self.channel.due(step):
             return
-        unit = self._win_compute / max(self._win_micro, 1)
-        row = [unit, self._win_step / max(self._win_steps, 1), float(self._win_steps)]
+        row = WindowRow(self._win_compute / max(self._win_micro, 1),
+                        self._win_step / max(self._win_steps, 1), self._win_steps)
         self._win_compute, self._win_micro, self._win_step, self._win_steps = 0.0, 0, 0.0, 0
         rows, dec = self.channel.receive()
         if dec is not None:
@@ -225,18 +248,21 @@ class Rebalancer:
                 self._log_decision(step, dec)
         out = None
         if self.rank == 0 and rows is not None and self._pending is None:
-            out = self._decide(step, rows)
+            out = self._decide(step, [WindowRow.unpack(r) for r in rows])
             if out is not None:
                 self._sent[out.version] = out
-        self.channel.send(row, out)
+        self.channel.send(row.pack(), out)
 
     # ---- rank 0 ------------------------------------------------------------------------------
-    def _decide(self, step: int, rows: list[list[float]]) -> Decision | None:
+    def _decide(self, step: int, rows: list[WindowRow]) -> Decision | None:
+        """Rank 0: the policy's decision (None: none) from every rank's ``rows`` (rank
+        order) of the exchange read at ``step``; the detector asked for a recovery test if
+        the policy wants one."""
         assert self.policy is not None
-        units = [max(rows[r][0] for r in range(g * self.tp, (g + 1) * self.tp))
+        units = [max(rows[r].unit for r in range(g * self.tp, (g + 1) * self.tp))
                  for g in range(self.groups)]
-        step_s = statistics.median(r[1] for r in rows)
-        steps = int(rows[0][2])
+        step_s = statistics.median(r.step_s for r in rows)
+        steps = rows[0].steps
         findings = list(getattr(self.monitor, "findings", []))
         self.policy.counts = list(self.counts)
         start = self.channel.start_for(step)
