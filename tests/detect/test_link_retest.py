@@ -1,6 +1,7 @@
 """A slow pair read once is read again before it is named (localize.retested, the Detector's
 validation): a pair that reads >= LINK_RATIO again stays, a noise spike does not; a host's
-link (several pairs alike) and a recording without the second reading are left as they are."""
+link (several pairs alike) stays when its pairs read past hostlink.retest_threshold again; a
+recording without the second reading is left as it is."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from stalwart.detect.alarms import DETECT, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.detector import Detector, StepInput, Validation
 from stalwart.detect.evidence import RankEvidence
-from stalwart.detect.localize import decide, lone_slow_pairs, retested
+from stalwart.detect import hostlink
+from stalwart.detect.localize import decide, lone_slow_pairs, pairs_to_retest, retested
 
 RING4 = {"0-1": 0.004, "2-3": 0.004, "1-2": 0.004, "0-3": 0.004}
 
@@ -32,6 +34,32 @@ def test_a_pair_slow_twice_stays_and_a_spike_does_not() -> None:
     spike = retested(first, ev, {"1-2": 0.005})
     assert spike.kind == "unknown" and spike.evidence["link_retest"] == {"1-2": 1.25}
     assert retested(first, ev, {}) is first  # no second reading: the first verdict stands
+
+
+def test_a_host_link_read_slow_twice_stays_and_a_burst_of_load_does_not() -> None:
+    """Host 0's two crossing pairs at 9.5x and 4.5x (a clean run under load named host 0
+    from one such reading): read again, the host stays only if both still pass."""
+    ev = _ev(dict(RING4, **{"0-1": 0.038, "0-3": 0.018}))
+    for e in ev:
+        e.host = f"h{e.rank}"  # one rank per host, as on the testbed
+    first = decide(ev, 40, 44, 1.4)
+    assert first.kind == "link" and first.evidence["host_link"]["host"] == "h0"
+    # the host's pairs, then the crossing pairs away from it (the second reading's level)
+    assert pairs_to_retest(first, ev) == ["0-1", "0-3", "1-2", "2-3"]
+    assert lone_slow_pairs(first, ev) == []
+    t2 = hostlink.retest_threshold(2, first.evidence["host_link"]["sigma"])
+    assert hostlink.MIN_RATIO <= t2 < first.evidence["host_link"]["threshold"]
+    slow = retested(first, ev, {"0-1": 0.03, "0-3": 0.02})
+    assert slow.kind == "link" and slow.ranks == first.ranks and slow.link == first.link
+    assert slow.evidence["link_retest"] == {"0-1": 7.5, "0-3": 5.0}
+    burst = retested(first, ev, {"0-1": 0.03, "0-3": 0.004})  # one pair back to healthy
+    assert burst.kind == "unknown" and burst.evidence["link_retest"]["0-3"] == 1.0
+    assert retested(first, ev, {}) is first
+    # load that slows every transfer in the second reading: the host's pairs are no slower
+    # than the re-read reference pairs
+    load = retested(first, ev, {"0-1": 0.03, "0-3": 0.02, "1-2": 0.02, "2-3": 0.02})
+    assert load.kind == "unknown" and load.evidence["link_retest"] == {"0-1": 1.5, "0-3": 1.0}
+    assert load.evidence["retest_reference_pairs"] == 2
 
 
 def test_of_two_slow_pairs_the_one_slow_again_is_named() -> None:

@@ -38,8 +38,8 @@ from stalwart.detect.decision import DecisionCore
 from stalwart.detect.evidence import Finding, RankEvidence
 from stalwart.detect.localize import (
     decide,
-    lone_slow_pairs,
     more_rounds,
+    pairs_to_retest,
     retested,
     slowest_counts,
 )
@@ -209,8 +209,8 @@ class Detector:
                 finding = decide(ev, alarm.onset, decided, alarm.severity, suspect, mode,
                                  first, prior)
         again: dict[str, float] = {}
-        pairs = lone_slow_pairs(finding, ev)
-        if pairs:  # a slow pair read once: read it again before naming it
+        pairs = pairs_to_retest(finding, ev)
+        if pairs:  # slow pairs read once: read them again before naming their link
             again = src.retest_links(pairs)
             finding = retested(finding, ev, again)
         self._pool_rounds(ev, finding)

@@ -102,6 +102,9 @@ STANDOUT = 1.3  # ...if it is also this much slower than the next rank
 # equal transfers: the testbed's shaped links measured 100-225x the healthy pairs, while load
 # from other jobs on a 2-core machine made healthy pairs up to 13x slower
 LINK_RATIO = 20.0
+# reference pairs read again beside a named host's crossing pairs (``pairs_to_retest``): the
+# second reading's level comes from them, not from the first reading's few
+RETEST_REFERENCE = 8
 # a link slower than its peers by more than this many times the suspect's own compute-test
 # slowdown is a slow link even when it touches a confirmed compute suspect -- unless the
 # training-time profile backs the test (the suspect's compute grew at least sqrt of what the
@@ -546,6 +549,67 @@ def lone_slow_pairs(finding: Finding, ev: list[RankEvidence]) -> list[str]:
                   key=lambda k: -links[k])
 
 
+def pairs_to_retest(finding: Finding, ev: list[RankEvidence]) -> list[str]:
+    """The pairs a link finding rests on, each read once by the link test and read again
+    before it is named (``retested``): a host link's crossing pairs, slowest first, then up
+    to ``RETEST_REFERENCE`` of the crossing pairs not touching that host (the second
+    reading's own reference level); or the lone slow pairs (``lone_slow_pairs``); [] for any
+    other finding."""
+    host = finding.evidence.get("host_link") if finding.kind == "link" else None
+    if host:
+        return list(host["pairs"]) + _reference_pairs(ev, host)
+    return lone_slow_pairs(finding, ev)
+
+
+def _reference_pairs(ev: list[RankEvidence], host: dict[str, Any]) -> list[str]:
+    """Up to ``RETEST_REFERENCE`` tested pairs that cross hosts without touching ``host``'s
+    ranks, in the order the ranks gathered them."""
+    host_of = {e.rank: e.host for e in ev}
+    mine = set(host["ranks"])
+    out = []
+    for e in ev:
+        for k in e.links:
+            a, b = (int(x) for x in k.split("-"))
+            if a not in mine and b not in mine and host_of.get(a) != host_of.get(b) \
+                    and a in host_of and b in host_of:
+                out.append(k)
+                if len(out) == RETEST_REFERENCE:
+                    return out
+    return out
+
+
+def _host_retested(finding: Finding, ev: list[RankEvidence],
+                   again: dict[str, float]) -> Finding:
+    """A host-link finding after its pairs were read again (``pairs_to_retest``): kept when
+    every one of its crossing pairs reads ``hostlink.retest_threshold`` x the median of the
+    re-read reference pairs (the first reading's reference level when none was re-read),
+    else "unknown". Why re-read the reference: with few of them (2 at 4 ranks), a reference
+    read low by chance makes the host's pairs look slow in both readings alike -- on the
+    testbed's measured pair noise, a second reading against the first reference kept 34 of
+    the 103 healthy hosts one reading named in 4,000 verdicts. Both readings go in the
+    evidence."""
+    host = finding.evidence["host_link"]
+    first: dict[str, float] = host["pairs"]
+    links = {k: t for e in ev for k, t in e.links.items()}
+    refs = [again[k] for k in _reference_pairs(ev, host) if k in again and again[k] > 0]
+    if refs:
+        ref = statistics.median(refs)
+    else:
+        k0 = next((k for k in first if k in links and first[k] > 0), None)
+        if k0 is None:
+            return finding
+        ref = links[k0] / first[k0]  # the first reading's reference level
+    ratios = {k: again[k] / ref for k in first if k in again}
+    t2 = hostlink.retest_threshold(len(first), float(host["sigma"]))
+    evidence = {**finding.evidence, "link_retest": {k: round(v, 3) for k, v in ratios.items()},
+                "retest_threshold": round(t2, 3), "retest_reference_pairs": len(refs)}
+    if len(ratios) == len(first) and min(ratios.values()) >= t2:
+        return Finding("link", finding.onset_step, finding.step, finding.severity,
+                       ranks=list(finding.ranks), link=finding.link, evidence=evidence)
+    return Finding("unknown", finding.onset_step, finding.step, finding.severity,
+                   evidence=evidence)
+
+
 def retested(finding: Finding, ev: list[RankEvidence], again: dict[str, float]) -> Finding:
     """A lone-pair link finding after its slow pairs (``lone_slow_pairs``) were measured once
     more (``again``: pair -> time, the unit of ``ev``'s links): a pair stays slow only if it
@@ -558,9 +622,13 @@ def retested(finding: Finding, ev: list[RankEvidence], again: dict[str, float]) 
     chance p^2 for a healthy pair whose single reading passes with chance p, while a slow
     link reads slow every time. The re-measured ratios go in the evidence (``link_retest``).
     Pure; a finding with no lone pairs, or ``again`` empty (a recording without the second
-    reading), is returned as it is."""
+    reading), is returned as it is. A host-link finding is judged by ``_host_retested``."""
+    if not again:
+        return finding
+    if finding.kind == "link" and finding.evidence.get("host_link"):
+        return _host_retested(finding, ev, again)
     pairs = lone_slow_pairs(finding, ev)
-    if not pairs or not again:
+    if not pairs:
         return finding
     ref = _link_level(ev)[1]
     ratios = {k: again[k] / ref for k in pairs if k in again}

@@ -200,7 +200,8 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
     ``draw``), every rank's evidence as the simulator builds it (compute test = 1 x
     ``TEST_NOISE``; the ring's pairs crossing that host ``factor`` x ``LINK_NOISE``, the
     others 1 x ``LINK_NOISE``; a flat training-time profile with the peers waiting longer),
-    ``verdicts`` validation pauses in a row through ``localize.decide``, counted as findings
+    ``verdicts`` validation pauses in a row through ``localize.decide`` (and the second
+    reading of the pairs a link finding rests on, ``localize.retested``), counted as findings
     the way ``verdicts.same_straggler`` dedups them. ``hostlink_localization`` = the share
     of trials whose first verdict names the host (evidence ``host``, its ranks);
     ``hostlink_findings_per_fault`` = distinct findings per trial that named anything.
@@ -210,7 +211,7 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
     fault slows exactly the pairs that cross its host by a constant factor (real congestion
     varies)."""
     from stalwart.detect.evidence import RankEvidence
-    from stalwart.detect.localize import decide
+    from stalwart.detect.localize import decide, pairs_to_retest, retested
     from stalwart.detect.verdicts import same_straggler
     from stalwart.simulate.decide import default_test_noise
     from stalwart.simulate.faults import LINK_FACTOR, _loguniform
@@ -238,6 +239,11 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
                   for r in range(n)]
             ev[0].links = dict(zip(keys, rtt.tolist(), strict=True))
             f = decide(ev, 100, 110 + 10 * v, 1.5)
+            again = pairs_to_retest(f, ev)
+            if again:  # the Detector reads them once more before naming them
+                idx = [keys.index(k) for k in again]
+                f = retested(f, ev, dict(zip(again, noise.rtts(
+                    rng, np.where(touch[idx], factors[i], 1.0)).tolist(), strict=True)))
             if v == 0:
                 named += f.kind == "link" and f.evidence.get("host") == str(h)
             if f.kind != "unknown" and not any(same_straggler(f, g) for g in found[-1:]):
