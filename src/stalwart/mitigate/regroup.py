@@ -86,13 +86,21 @@ POLL_S = 0.05
 # one wait request on the store per this long while the membership stays (each wait that
 # times out costs a request and a c10d warning line in the rank's log)
 WATCH_WAIT_S = 60.0
-WATCHER_THREAD = "stw-members"  # the watcher's thread name (train/worker.py ``leave``)
+WATCHER_THREAD = "stw-members"  # the watcher's thread name (``watching``)
 WAIT_S = 60.0  # longest wait for the launcher's word after a failed collective
 # a regroup that failed on a connection waits this long for the launcher's word that a member
 # died (its poll, 0.1 s, plus this thread's, 0.05 s, on a loaded machine) before it is
 # counted a failure of its own (then: checkpoint-and-relaunch, fallback.py)
 CHANGE_WAIT_S = 5.0
 _TCP_LISTEN = "0A"
+
+
+def watching() -> bool:
+    """Whether a membership watcher of this process is alive: a thread blocked in a c10d
+    store wait, in C++, that interpreter finalization would end inside C++ frames (the
+    process then aborts). Such a process leaves with ``os._exit`` (train/worker.py
+    ``leave``). Cost: one walk over the process's threads."""
+    return any(t.name == WATCHER_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 class NotAMember(RuntimeError):

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -121,9 +120,9 @@ def leave(code: int) -> None:
     four ranks exited -6 at the last step of a clean-clone CI run). Such a process leaves
     with ``os._exit`` after flushing what the interpreter would have flushed; any other
     with ``sys.exit``."""
-    from stalwart.mitigate.regroup import WATCHER_THREAD
+    from stalwart.mitigate.regroup import watching
 
-    if any(t.name == WATCHER_THREAD and t.is_alive() for t in threading.enumerate()):
+    if watching():
         logging.shutdown()
         for f in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
