@@ -18,6 +18,9 @@ What it measures (all with real random loss from nftables on the hosts' input pa
   parameter broadcast and with the naive gradient broadcast, both unprotected; constant
   learning rate so a decaying schedule cannot make drift look bounded.
 Figure names are those of issues 4, 12 and 23; ``_mtu1500`` variants are the same at MTU 1500.
+``--only profile``: the per-stage CPU account alone; ``--only tail``: the all-reduce at 0.1, 1
+and 5% alone, with where its slow iterations waited (``tail_account``). The timed operations
+are lined up by a barrier the loss cannot delay (``lossy_worker.FileBarrier``).
 Progress (stage, MTU, loss level, elapsed) goes to stderr while it runs.
 """
 
