@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from stalwart.detect import hostlink
 from stalwart.detect.alarms import DETECT, Alarm, IterSample
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.detector import Detector, StepInput, Validation
 from stalwart.detect.evidence import RankEvidence
-from stalwart.detect import hostlink
 from stalwart.detect.localize import decide, lone_slow_pairs, pairs_to_retest, retested
 
 RING4 = {"0-1": 0.004, "2-3": 0.004, "1-2": 0.004, "0-3": 0.004}
