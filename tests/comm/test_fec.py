@@ -11,7 +11,7 @@ from inproc import Dropping, make_group, run_threads
 
 from stalwart.comm import fec
 from stalwart.comm.layout import Layout
-from stalwart.comm.wire import FLAG_PARITY, PHASE_GRAD, R, Wire
+from stalwart.comm.wire import FLAG_PARITY, PHASE_GRAD, R, Wire, max_floats_for_mtu
 
 
 def _blocks(values: np.ndarray, chunk: int, geo: fec.Stripes) -> np.ndarray:
@@ -158,3 +158,104 @@ def test_bursty_loss_is_rebuilt_by_parity_and_lost_without(mode: str, inplace: b
     finally:
         for c in group:
             c.close()
+
+
+def test_floor_interleaves_a_run_and_stays_small() -> None:
+    for n, run in [(2960, 32), (1480, 23), (300, 8), (128, 8), (60_000, 32)]:
+        geo = fec.floor(n, run)
+        assert geo is not None and geo.m == 1 and geo.valid()
+        assert geo.S >= run  # a run's consecutive packets fall in different stripes
+        assert geo.k >= fec.FLOOR_MIN_K - 1 and geo.parity * fec.FLOOR_MIN_K <= n + geo.S
+        # one run dropped whole, anywhere: at most one packet per stripe
+        for start in (0, 1, n // 2, n - run):
+            hit = np.bincount(np.arange(start, start + run) % geo.S, minlength=geo.S)
+            assert hit.max() <= 1
+    assert fec.floor(100, 8) is None  # 8 parity per 100: past 1/16 of the phase
+    assert fec.floor(0, 8) is None
+
+
+def _rounds(group: list, numel: int, rounds: int) -> tuple[int, int]:
+    """``rounds`` all-reduces of distinct vectors; asserts exact results; (lost, recovered)."""
+    world = len(group)
+    lost = recovered = 0
+    for it in range(rounds):
+        xs = [np.arange(numel, dtype=np.float32) * 1e-3 + 2.0 ** r + it for r in range(world)]
+        outs = run_threads([lambda c=c, x=x: c.allreduce(x)
+                            for c, x in zip(group, xs, strict=True)])
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        for out, phases in outs:
+            lost += sum(p.lost for p in phases)
+            recovered += sum(p.recovered for p in phases)
+            if not sum(p.lost for p in phases):
+                np.testing.assert_allclose(out, sum(xs) / world, rtol=1e-6)
+    return lost, recovered
+
+
+@pytest.mark.parametrize("floor", [True, False])
+def test_a_run_dropped_on_a_clean_link_is_rebuilt(floor: bool, engine: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # every link reads clean (``_link_loss`` 0: what a sender sees after 16 reports of 0), and
+    # one run of consecutive data packets -- the sender's run length -- is dropped whole from
+    # every sender in both phases of every round: the first loss event after a clean period.
+    # With the clean-link floor each stripe loses one packet and is rebuilt; without it
+    # (the rule before: no parity on a clean link) the run is lost for good.
+    if not floor:
+        monkeypatch.setattr(fec, "floor", lambda n, run=1: None)
+    world, numel = 3, 300_000
+    group = make_group(world, numel, cls=Dropping, fec_mode="rs", cap=2.0)
+    try:
+        n = min(group[0].layout.n_chunks(s) for s in range(world))
+        run = group[0]._run(n)
+        assert fec.floor(n, run) is not None or not floor
+        for c in group:
+            c._link_loss = lambda dest: 0.0
+            c.set_drop(rules=[(-1, 0xFF, 0, run, 2 * run, -1)])
+        lost, recovered = _rounds(group, numel, 2)
+        assert all(c.dropped >= 2 * run for c in group)
+        if floor:
+            assert lost == 0 and recovered > 0
+            assert all(c.bad_packets() == 0 for c in group)
+        else:
+            assert lost > 0 and recovered == 0
+    finally:
+        for c in group:
+            c.close()
+
+
+@pytest.mark.parametrize("mtu", [1500, 9000])
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_parity_filled_while_sealing_equals_the_encoder(loss: float, mtu: int, engine: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the native send accumulates the parity while it seals each packet (MTU 1500: rows
+    # filled, then tagged; 9000: tagged and sent from the values); every parity block it made
+    # must be the coder's (fec.encode) bit for bit, for the clean floor (m = 1) and a lossy
+    # link's plan (m > 1), the shards' short last packets included
+    from stalwart.comm.sending import Sending
+
+    made: list[tuple[bool, bool]] = []
+    orig = Sending._parity_rows
+
+    def check(self, phase, shard, values, geo, hint_us, par=None):  # noqa: ANN001, ANN202
+        if par is not None:
+            ref = fec.encode(values, self.chunk, geo)
+            made.append((geo.m > 1, bool(np.array_equal(par.view(np.uint32),
+                                                        ref.view(np.uint32)))))
+        return orig(self, phase, shard, values, geo, hint_us, par)
+
+    monkeypatch.setattr(Sending, "_parity_rows", check)
+    world = 3
+    numel = 3 * max_floats_for_mtu(mtu) * (300 if mtu == 1500 else 140) + 17
+    group = make_group(world, numel, mtu=mtu, fec_mode="rs", cap=2.0)
+    try:
+        for c in group:
+            c._link_loss = lambda dest, p=loss: p
+        lost, _ = _rounds(group, numel, 2)
+        assert lost == 0
+    finally:
+        for c in group:
+            c.close()
+    if engine == "native":
+        assert made and all(ok for _, ok in made)
+        assert all(big == (loss > 0) for big, _ in made)
+    else:
+        assert not made  # the Python engine encodes in a pass of its own

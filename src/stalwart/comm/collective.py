@@ -234,13 +234,15 @@ class LossyCollective(Receiving, Sending, Phases):
                 fill[id(rows)] = flat[b[d]: b[d + 1]]
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
-        sent, want = self._send_copies(plan, self._gpol, fill)
+        acc = self._accumulators([(r, d, d) for r, _, d in plan]) if lazy else {}
+        sent, want = self._send_copies(plan, self._gpol, fill, acc)
         # parity after all the data: a receiver decodes a stripe once k of its packets are in
         par_plan: list[tuple[np.ndarray, np.ndarray, int]] = []
         npar: dict[int, int] = {}
         for k in range(1, self.world):
             d = (self.rank + k) % self.world
-            pp, cnt = self._parity(PHASE_GRAD, d, flat[b[d]: b[d + 1]], [d], hint)
+            pp, cnt = self._parity(PHASE_GRAD, d, flat[b[d]: b[d + 1]], [d], hint,
+                                   acc.get(id(self._rows_cache[(PHASE_GRAD, d)][0])))
             par_plan += pp
             npar.update(cnt)
         sent += self._send(par_plan)
@@ -287,9 +289,11 @@ class LossyCollective(Receiving, Sending, Phases):
             rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint,
                                        seal=not lazy)
             peers = [(self.rank + k) % self.world for k in range(1, self.world)]
+            acc = self._accumulators([(rows, self.rank, peers[0])]) if lazy and peers else {}
             sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol,
-                                           {id(rows): shard_values} if lazy else None)
-            par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint)
+                                           {id(rows): shard_values} if lazy else None, acc)
+            par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint,
+                                          acc.get(id(rows)))
             sent += self._send(par_plan)
             sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint,
                                        want, npar)

@@ -96,32 +96,62 @@ class Sending:
         p = self._gpol.recent_max(dest)
         return self.fec_initial_loss if p is None else p
 
+    def _geometry(self, shard: int, dest: int) -> fec.Stripes | None:
+        """The stripes of the parity that ``dest`` gets for shard ``shard`` (None: none, or
+        not erasure coding): sized from that link's loss (``fec.plan``), and never less than
+        ``fec.floor`` -- one parity packet per stripe, stripes interleaved at least as many
+        ways as a sent run is long -- on a link that reads clean."""
+        if self.fec_mode != "rs":
+            return None
+        n = self.layout.n_chunks(shard)
+        run = self._run(n)
+        geo = fec.plan(n, self._link_loss(dest), self.fec_target, run)
+        return geo if geo is not None else fec.floor(n, run)
+
+    def _accumulators(self, entries: list[tuple[np.ndarray, int, int]]) -> dict[int, list]:
+        """Parity accumulators for the native send (``Engine.send`` fills them while it seals
+        each packet, with the payload in cache: no pass of its own over the values), one per
+        (rows, shard, first destination) in ``entries``: {id(rows): [acc, geometry, used]};
+        ``used`` turns True when a send filled it. Empty without the native engine."""
+        out: dict[int, list] = {}
+        if self._eng is None or self.transport.pace:
+            return out
+        for rows, shard, d in entries:
+            geo = self._geometry(shard, d)
+            if geo is not None and id(rows) not in out:
+                out[id(rows)] = [np.zeros((geo.parity, self.chunk), np.float32), geo, False]
+        return out
+
     def _parity(self, phase: int, shard: int, values: np.ndarray, dests: list[int],
-                hint_us: int) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], dict[int, int]]:
-        """Parity packets of ``values`` (shard ``shard``'s elements) for each destination, sized
-        from that link's loss; destinations with the same geometry share the packets (their
-        headers do not name the receiver). Returns (send plan, parity packets per dest)."""
+                hint_us: int, fused: list | None = None
+                ) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], dict[int, int]]:
+        """Parity packets of ``values`` (shard ``shard``'s elements) for each destination
+        (``_geometry``); destinations with the same geometry share the packets (their headers
+        do not name the receiver). ``fused``: an accumulator of ``_accumulators``, used when the
+        send filled it and its geometry is the destination's. Returns (send plan, parity
+        packets per dest)."""
         plan: list[tuple[np.ndarray, np.ndarray, int]] = []
         counts = {d: 0 for d in dests}
         if self.fec_mode != "rs":
             return plan, counts
-        n = self.layout.n_chunks(shard)
-        run = self._run(n)
         made: dict[fec.Stripes, tuple[np.ndarray, np.ndarray]] = {}
         for d in dests:
-            geo = fec.plan(n, self._link_loss(d), self.fec_target, run)
+            geo = self._geometry(shard, d)
             if geo is None:
                 continue
             if geo not in made:
-                made[geo] = self._parity_rows(phase, shard, values, geo, hint_us)
+                par = fused[0] if fused is not None and fused[2] and fused[1] == geo else None
+                made[geo] = self._parity_rows(phase, shard, values, geo, hint_us, par)
             rows, lengths = made[geo]
             plan.append((rows, lengths, d))
             counts[d] = len(lengths)
         return plan, counts
 
     def _parity_rows(self, phase: int, shard: int, values: np.ndarray, geo: fec.Stripes,
-                     hint_us: int) -> tuple[np.ndarray, np.ndarray]:
-        par = fec.encode(values, self.chunk, geo)
+                     hint_us: int, par: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        if par is None:
+            par = fec.encode(values, self.chunk, geo)
         q = par.shape[0]
         rows = np.zeros((q, self.slot), np.uint8)
         lengths = np.full(q, self.chunk, np.int64)
@@ -144,7 +174,8 @@ class Sending:
         return max(self.transport.gso_segments, min(self.transport.gso_long, n // 64))
 
     def _send(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
-              fill: dict[int, np.ndarray] | None = None, direct: bool = False) -> int:
+              fill: dict[int, np.ndarray] | None = None, direct: bool = False,
+              acc: dict[int, list] | None = None) -> int:
         """Send each (rows, lengths, dest), destinations interleaved so that no receiver gets a
         long burst; the rows are sent in place (no copy). With segmentation offload, runs of
         ``gso_segments`` consecutive rows to one destination go as one message (every row but
@@ -155,6 +186,8 @@ class Sending:
         ``direct`` (native engine, rows that are not sent again): payloads of 4 KB or more go
         from those values straight to the kernel (iovecs), never copied into the rows
         (smaller ones are copied: ``DIRECT_MIN_PAYLOAD`` in the engine says why).
+        ``acc`` (native engine, with ``fill``): parity accumulators (``_accumulators``) that the
+        entry sealing those rows fills; each one filled is marked used.
         """
         plan = [p for p in plan if len(p[1])]
         if not plan:
@@ -165,11 +198,17 @@ class Sending:
             entries = []
             for rows, lengths, d in plan:
                 lens = np.ascontiguousarray(lengths, np.int64)
+                a = (acc or {}).get(id(rows))
+                seals = id(rows) in fill and (
+                    len(entries) == 0 or all(e[0] is not rows for e in entries))
+                par = None
+                if a is not None and seals and not a[2]:
+                    par = (a[0], a[1].S, a[1].m)
+                    a[2] = True
                 if direct and id(rows) in fill:  # every entry sends from the values,
-                    first = len(entries) == 0 or all(e[0] is not rows for e in entries)
-                    entries.append((rows, lens, fill[id(rows)], d, first))  # the first seals
+                    entries.append((rows, lens, fill[id(rows)], d, seals, par))  # first seals
                 else:
-                    entries.append((rows, lens, fill.pop(id(rows), None), d))
+                    entries.append((rows, lens, fill.pop(id(rows), None), d, True, par))
             sent, nbytes, errors = self._eng.send(entries, g, direct)
             self.transport.bytes_sent += nbytes
             self.transport.send_errors += errors
@@ -197,8 +236,8 @@ class Sending:
                                         counts=np.concatenate(counts)[order])
 
     def _send_copies(self, plan: list[tuple[np.ndarray, np.ndarray, int]],
-                     policy: CopyPolicy, fill: dict[int, np.ndarray] | None = None
-                     ) -> tuple[int, dict[int, int]]:
+                     policy: CopyPolicy, fill: dict[int, np.ndarray] | None = None,
+                     acc: dict[int, list] | None = None) -> tuple[int, dict[int, int]]:
         """Send the plan, each destination's packets as many times as its policy says (all
         first copies, then all second copies, ...: copies of one packet are spread in time,
         so a burst of loss rarely takes all of them). Returns (sent, copies per destination)."""
@@ -207,7 +246,7 @@ class Sending:
         rounds = max(want.values(), default=1)
         for k in range(rounds):  # rows sent again are filled, not sent from the values
             sent += self._send([p for p in plan if want[p[2]] > k], fill if k == 0 else None,
-                               direct=rounds == 1)
+                               direct=rounds == 1, acc=acc if k == 0 else None)
         return sent, want
 
     def _send_markers(self, phase: int, counts: dict[int, int], hint_us: int,

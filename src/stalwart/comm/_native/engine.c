@@ -125,6 +125,9 @@ typedef void (*ec_encode_data_t)(int, int, int, unsigned char *, unsigned char *
                                  unsigned char **);
 static ec_init_tables_t isal_init = NULL;
 static ec_encode_data_t isal_encode = NULL;
+typedef void (*ec_encode_data_update_t)(int, int, int, int, unsigned char *, unsigned char *,
+                                        unsigned char **);
+static ec_encode_data_update_t isal_update = NULL;
 
 /* dst[r] = sum_t coef[r][t] * src[t] over GF(2^8), nbytes per block */
 static void gf_apply(const uint8_t *coef, int rows, int k, uint8_t **src, uint8_t **dst,
@@ -145,6 +148,48 @@ static void gf_apply(const uint8_t *coef, int rows, int k, uint8_t **src, uint8_
             if (!c) continue;
             for (int b = 0; b < nbytes; b++) dst[r][b] ^= gf_mul(c, src[t][b]);
         }
+    }
+}
+
+/* parity accumulated while a phase is sealed (``Engine.send``'s sixth entry field): the m
+ * parity rows of S interleaved stripes of k members (fec.py's geometry and Cauchy code, parity
+ * row t of stripe i at acc + (t*S + i) * blk), updated with each data packet as it is sealed,
+ * while its payload is in cache: parity += A[t][r / S] * payload (``len`` bytes; the rest of a
+ * short last packet counts as zeros). The same bytes as fec.encode, without a pass of its own
+ * over the values. */
+typedef struct {
+    uint8_t *acc, *coef, *tbls;
+    int S, m, k;
+    size_t blk;
+} ParAcc;
+
+static int paracc_init(ParAcc *a, uint8_t *acc, int64_t n, int S, int m, size_t blk) {
+    memset(a, 0, sizeof *a);
+    if (S < 1 || m < 1 || n < 1) return -1;
+    int k = (int)((n + S - 1) / S);
+    if (k + m > MAX_BLOCKS) return -1;
+    a->acc = acc; a->S = S; a->m = m; a->k = k; a->blk = blk;
+    a->coef = malloc((size_t)m * k);
+    a->tbls = malloc((size_t)32 * k * m);
+    if (!a->coef || !a->tbls) { free(a->coef); free(a->tbls); a->coef = a->tbls = NULL; return -1; }
+    for (int t = 0; t < m; t++)
+        for (int j = 0; j < k; j++) a->coef[t * k + j] = GF_INV[(k + t) ^ j];
+    if (isal_init) isal_init(k, m, a->coef, a->tbls);
+    return 0;
+}
+
+static void paracc_add(const ParAcc *a, int64_t r, const uint8_t *pay, int len) {
+    if (!a->acc || len <= 0) return;
+    int i = (int)(r % a->S), j = (int)(r / a->S);
+    uint8_t *dst[MAX_BLOCKS];
+    for (int t = 0; t < a->m; t++) dst[t] = a->acc + (size_t)(t * a->S + i) * a->blk;
+    if (isal_init && isal_update) {
+        isal_update(len, a->k, a->m, j, a->tbls, (unsigned char *)pay, dst);
+        return;
+    }
+    for (int t = 0; t < a->m; t++) {
+        uint8_t c = a->coef[t * a->k + j];
+        for (int b = 0; b < len; b++) dst[t][b] ^= gf_mul(c, pay[b]);
     }
 }
 
@@ -1630,13 +1675,15 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
     Py_buffer *vals = calloc(n ? n : 1, sizeof(Py_buffer));
     int *dest = calloc(n ? n : 1, sizeof(int));
     int *sealit = calloc(n ? n : 1, sizeof(int));
+    Py_buffer *accb = calloc(n ? n : 1, sizeof(Py_buffer));
+    ParAcc *pa = calloc(n ? n : 1, sizeof(ParAcc));
     int64_t *voff = NULL;
     Py_ssize_t got = 0, maxruns = 0, total_rows = 0;
-    int bad = !rows || !lens || !vals || !dest || !sealit;
+    int bad = !rows || !lens || !vals || !dest || !sealit || !accb || !pa;
     for (; got < n && !bad; got++) {
-        PyObject *it = PySequence_Fast_GET_ITEM(seq, got), *r, *l, *v;
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, got), *r, *l, *v, *par = Py_None;
         int d, sl = 1;
-        if (!PyArg_ParseTuple(it, "OOOi|p", &r, &l, &v, &d, &sl)) { bad = 1; break; }
+        if (!PyArg_ParseTuple(it, "OOOi|pO", &r, &l, &v, &d, &sl, &par)) { bad = 1; break; }
         sealit[got] = sl;
         if (PyObject_GetBuffer(r, &rows[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) { bad = 1; break; }
         if (PyObject_GetBuffer(l, &lens[got], PyBUF_C_CONTIGUOUS) < 0) {
@@ -1654,6 +1701,19 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
             tot += L[i];
         }
         if (ok && vals[got].buf && vals[got].len != 4 * tot) ok = 0;
+        if (ok && par != Py_None) { /* (acc, S, m): parity accumulated as the rows are sealed */
+            PyObject *ab; int S_, m_;
+            ok = vals[got].buf && sl && PyArg_ParseTuple(par, "Oii", &ab, &S_, &m_)
+                 && PyObject_GetBuffer(ab, &accb[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0;
+            if (ok) {
+                size_t blk = 4 * (size_t)e->chunk;
+                ok = paracc_init(&pa[got], accb[got].buf, nr, S_, m_, blk) == 0
+                     && (size_t)accb[got].len == (size_t)m_ * S_ * blk;
+                for (Py_ssize_t i = 0; i < nr && ok; i++) ok = L[i] <= e->chunk;
+                if (!ok) { free(pa[got].coef); free(pa[got].tbls); PyBuffer_Release(&accb[got]); }
+            }
+            if (!ok) memset(&pa[got], 0, sizeof(ParAcc));
+        }
         if (!ok) {
             PyBuffer_Release(&rows[got]); PyBuffer_Release(&lens[got]);
             if (vals[got].buf) PyBuffer_Release(&vals[got]);
@@ -1720,6 +1780,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                             memcpy(row + 32, &q, 8);
                             fail = gmac2(e->tx_ctx, row, pay, 4 * (int)L[i],
                                          row + HEADER_BYTES) != 0;
+                            paracc_add(&pa[p], i, pay, 4 * (int)L[i]);
                         }
                         v[nv].iov_base = row; v[nv++].iov_len = HEADER_BYTES;
                         if (L[i]) { v[nv].iov_base = pay; v[nv++].iov_len = 4 * (size_t)L[i]; }
@@ -1736,6 +1797,7 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                                    4 * (size_t)L[i]);
                             int m = HEADER_BYTES + 4 * (int)L[i];
                             fail = gmac(e->tx_ctx, row, m, row + m) != 0;
+                            paracc_add(&pa[p], i, row + HEADER_BYTES, 4 * (int)L[i]);
                         }
                     }
                     v[0].iov_base = base + first * e->slot;
@@ -1789,8 +1851,10 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
     for (Py_ssize_t p = 0; p < got; p++) {
         PyBuffer_Release(&rows[p]); PyBuffer_Release(&lens[p]);
         if (vals[p].buf) PyBuffer_Release(&vals[p]);
+        if (pa[p].acc) { free(pa[p].coef); free(pa[p].tbls); PyBuffer_Release(&accb[p]); }
     }
     free(rows); free(lens); free(vals); free(dest); free(sealit); free(voff);
+    free(accb); free(pa);
     Py_DECREF(seq);
     if (bad) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
@@ -1926,6 +1990,7 @@ static PyObject *mod_load_isal(PyObject *self, PyObject *args) {
     if (!a || !b) Py_RETURN_FALSE;
     isal_init = a;
     isal_encode = b;
+    isal_update = (ec_encode_data_update_t)dlsym(h, "ec_encode_data_update");
     Py_RETURN_TRUE;
 }
 
