@@ -64,3 +64,14 @@ def test_the_policy_can_ask_for_a_test_but_not_during_a_backoff() -> None:
     assert not core.request_recovery_test(44)  # the rejected recovery's wait runs
     healthy = DecisionCore(True)
     assert not healthy.request_recovery_test(44)  # nothing to recover from
+
+
+def test_an_added_sink_gets_each_event_before_the_constructors() -> None:
+    order: list[str] = []
+    core = DecisionCore(True, emit=lambda ev: order.append(f"emit {ev.name}"))
+    core.add_sink(lambda ev: order.append(f"added {ev.name}"))
+    core.apply_verdict(Finding("compute", 30, 34, 1.8, ranks=[2],
+                               evidence={"compute_test_ratio": {"2": 2.0, "0": 1.0}}), 2)
+    assert order and len(order) % 2 == 0
+    assert [o.split()[0] for o in order] == ["added", "emit"] * (len(order) // 2)
+    assert order[0].split()[1] == order[1].split()[1]

@@ -129,7 +129,8 @@ class DecisionCore:
                  history: int = 1000, audit: bool = True,
                  emit: Callable[[Event], None] | None = None) -> None:
         self.leader = leader
-        self.emit = emit  # (rebound by Detector: the parts call it through ``_emit``)
+        # where events go, in order (``add_sink``); the parts call them through ``_emit``
+        self._sinks: list[Callable[[Event], None]] = [emit] if emit is not None else []
         self.detector = ChangeDetector(warmup=warmup)
         self.rel_detectors: dict[int, ChangeDetector] = {}
         self._rel_group: DetectorGroup | None = None  # the same, in rank order
@@ -594,10 +595,16 @@ class DecisionCore:
                             med(before, "comm"), med(after, "comm"), recent=recent,
                             steps=[(s.key, s.seconds) for s in window])
 
+    def add_sink(self, sink: Callable[[Event], None]) -> None:
+        """``sink`` receives every event emitted from now on, before the sinks given
+        earlier (the constructor's ``emit``, then those added before it, last). Cost: one
+        call per event and sink."""
+        self._sinks.insert(0, sink)
+
     def _emit(self, ev: Event) -> None:
-        """An event to the sink ``emit`` is bound to now (none: dropped)."""
-        if self.emit is not None:
-            self.emit(ev)
+        """``ev`` to every sink (``add_sink``), in order; none: dropped."""
+        for sink in self._sinks:
+            sink(ev)
 
     # ---- verdicts and recovery: the parts, with what they need ------------------------------
     def apply_verdict(self, finding: Finding, suspect: int | None, pause: float = 0.0,

@@ -142,13 +142,11 @@ class Detector:
         # named (localize.decide's ``prior``); reset when the job size changes
         self._pool: dict[int, tuple[int, int]] = {}
         self._pool_n = 0
-        emit = core.emit
+        core.add_sink(self._record)
 
-        def tee(ev: Any) -> None:
-            self._events.append(ev)
-            if emit is not None:
-                emit(ev)
-        core.emit = tee
+    def _record(self, ev: Any) -> None:
+        """An event of the step in progress, for its ``StepOutput.events``."""
+        self._events.append(ev)
 
     def step(self, inp: StepInput) -> StepOutput:
         core = self.core
