@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench.mitigate import false_recoveries
+from stalwart.bench.mitigate import failstop_figures, false_recoveries
 from stalwart.rundir import RunData
 
 SPEC = "compute:rank=2,factor=2,start=20,end=60"
@@ -52,3 +52,19 @@ def test_rejoin_seconds_run_from_the_decision_to_the_first_step_of_the_whole_wor
         {"event": "regroup", "joined": [1], "world": 4, "time": 100.3}])
     assert abs(rejoin_s(d) - 0.9) < 1e-9
     assert rejoin_s(RunData(Path("."), {}, metrics, [])) is None
+
+
+def test_failstop_resume_runs_to_the_first_step_of_the_survivors_membership() -> None:
+    """Rank 3 of 4 killed at t=10.0 just after step 2's all-reduce: ranks 0-2 write step 2
+    at 10.001 (the dead rank's line came before the kill), then the three regroup and finish
+    step 3 at world 3 at 10.6. The step in flight is trained, not a resume."""
+    def line(step: int, rank: int, t: float, world: int) -> dict[str, Any]:
+        return {"step": step, "rank": rank, "time": t, "world": world, "samples": 32 // world,
+                "step_time": 0.3}
+
+    m = [line(s, r, 1.0 + 3 * s, 4) for s in (0, 1) for r in range(4)]
+    m += [line(2, 3, 9.99, 4)] + [line(2, r, 10.001, 4) for r in range(3)]
+    m += [line(3, r, 10.6, 3) for r in range(3)]
+    ev = [{"event": "fault_applied", "kind": "kill", "rank": 3, "time": 10.0, "step": 2}]
+    got = failstop_figures(RunData(Path("."), {"global_batch": 30, "steps": 4}, m, ev))
+    assert abs(got["failstop_resume_s"] - 0.6) < 1e-9
