@@ -327,6 +327,12 @@ class Monitor:
     def findings(self) -> list[Any]:
         return self.core.findings
 
+    def request_recovery_test(self, step: int) -> bool:
+        """Rank 0: a compute test of the followed straggler at ``step``, for the work plan
+        (``DecisionCore.request_recovery_test``: False when not taken). Waits for the
+        analysis in flight, if any."""
+        return self.core.request_recovery_test(step)
+
     @property
     def samples(self) -> Any:
         self._flush()

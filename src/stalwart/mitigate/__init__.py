@@ -17,13 +17,13 @@ from stalwart.mitigate import remap
 from stalwart.presets import PRESETS
 
 if TYPE_CHECKING:
-    from stalwart.mitigate.rebalance import Rebalancer, StaticPlan
+    from stalwart.mitigate.rebalance import Detection, Rebalancer, StaticPlan
 
 __all__ = ["Assignment", "Rebalancer",
            "StaticPlan", "work_plan"]
 
 
-def work_plan(cfg: Any, monitor: Any, rank: int, world: int, run_dir: Any,
+def work_plan(cfg: Any, monitor: Detection | None, rank: int, world: int, run_dir: Any,
               n_params: int = 0, regroup_s: float | None = None,
               link: Any = None) -> Rebalancer | StaticPlan:
     """The worker's seam: which micro-batches each rank computes, per the run's --mitigate.

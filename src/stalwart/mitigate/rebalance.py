@@ -41,7 +41,7 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch.distributed as dist
 
@@ -103,11 +103,27 @@ class WindowRow:
         return cls(vals[0], vals[1], int(vals[2]))
 
 
+class Detection(Protocol):
+    """What the work plan asks of the straggler detector (``stalwart.detect.Monitor``), on
+    rank 0 at each exchange: its findings, and a compute test of the straggler it follows."""
+
+    @property
+    def findings(self) -> list[Any]:
+        """The detector's findings so far (``localize.Finding``), oldest first."""
+        ...
+
+    def request_recovery_test(self, step: int) -> bool:
+        """Ask for a compute test of the followed straggler at ``step`` (its result decides
+        a revert); False: not taken (none followed, or a decision under way)."""
+        ...
+
+
 class Rebalancer:
     """See the module docstring. Create on every rank, after init_process_group."""
 
-    def __init__(self, monitor: Any = None, micro_batches: int = 0, *, rank: int | None = None,
-                 world: int | None = None, tp: int = 1, mode: str = "auto", every: int = 2,
+    def __init__(self, monitor: Detection | None = None, micro_batches: int = 0, *,
+                 rank: int | None = None, world: int | None = None, tp: int = 1,
+                 mode: str = "auto", every: int = 2,
                  run_dir: Path | str | None = None, hosts: list[int] | None = None,
                  restart_s: float | None = None,
                  traffic: dict[tuple[int, int], float] | None = None,
@@ -263,13 +279,13 @@ class Rebalancer:
                  for g in range(self.groups)]
         step_s = statistics.median(r.step_s for r in rows)
         steps = rows[0].steps
-        findings = list(getattr(self.monitor, "findings", []))
+        findings = list(self.monitor.findings) if self.monitor is not None else []
         self.policy.counts = list(self.counts)
         start = self.channel.start_for(step)
         dec = self.policy.observe(step, units, step_s, steps, findings, start)
-        core = getattr(self.monitor, "core", None)
-        if self.policy.wants_recovery_test and core is not None:
-            core.request_recovery_test(step)  # the detector's compute test decides the revert
+        if self.policy.wants_recovery_test and self.monitor is not None:
+            # the detector's compute test decides the revert
+            self.monitor.request_recovery_test(step)
         if dec is None and self.policy.mode == "auto":
             dec = self._control(start)
         if dec is not None and dec.kind == EXCLUDE:
