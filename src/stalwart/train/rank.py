@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,50 @@ from stalwart.train.steps import (
     make_groups,
 )
 from stalwart.train.torchrun import prepare_run_dir_for_torchrun
+
+
+class Stepper(Protocol):
+    """The step the rank plugs in (train/steps.py: ``DataParallelStep``,
+    ``TensorParallelStep``, ``DetachedStep``)."""
+
+    model: nn.Module
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         micro_weight: float) -> tuple[float, dict[str, float]]:
+        """One step's forward and backward over ``batches``, each micro-batch's loss weighted
+        by ``micro_weight``: (the mean loss, the step's times: "compute_time", "comm_time",
+        ...)."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """The gradients clipped to ``max_norm`` by their norm over the whole model."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what is bound to the current process groups; the model stays."""
+        ...
+
+    def interruptible(self) -> None:
+        """In a job that regroups in place: from now on its collectives' waits give up when
+        the membership watcher interrupts them (a step without such waits: nothing)."""
+        ...
+
+
+@runtime_checkable
+class UndoableOptimizer(Protocol):
+    """An optimizer that can take back its last update (``stalwart.comm``'s loss-tolerant
+    one): in a job that regroups in place, a rank one step ahead of its peers undoes it
+    (train/inplace.py). Others (AdamW) apply each update for good."""
+
+    keep_undo: bool  # keep each update's undo record (a copy of the rank's shard)
+
+    def can_undo(self) -> bool:
+        """Whether the last update can be undone (``keep_undo``, not undone yet)."""
+        ...
+
+    def undo_last(self) -> None:
+        """Take the last update back."""
+        ...
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -96,7 +140,7 @@ class Rank:
     metrics: JsonlWriter
     corpus: Corpus
     monitor: Any = None
-    stepper: Any = None
+    stepper: Stepper | None = None
     opt: Any = None
     work: Any = None
     val: list = field(default_factory=list)
@@ -244,10 +288,9 @@ class Rank:
             # alone: a regroup never needs it, and shutting its connections would add errors
             self.inplace = InPlace(self, Regrouper(RankLink.from_env(link), self.rank,
                                                    {int(os.environ.get("MASTER_PORT", "0"))}))
-            if hasattr(self.opt, "keep_undo"):  # the step in flight can be taken back
+            if isinstance(self.opt, UndoableOptimizer):  # the step in flight can be taken back
                 self.opt.keep_undo = True
-            if hasattr(self.stepper, "interruptible"):  # TP waits give up on a lost member
-                self.stepper.interruptible()
+            self.stepper.interruptible()  # TP waits give up on a lost member
         self.work = work_plan(cfg, self.monitor, self.rank, self.world, self.run_dir,
                               self.n_params,
                               REGROUP_PRICE_S if self.inplace is not None else None,
@@ -367,7 +410,7 @@ class Rank:
         if tp_index is not None:
             self.tp_index = tp_index
 
-    def plug(self, stepper: Any = None, opt: Any = None, monitor: Any = None,
+    def plug(self, stepper: Stepper | None = None, opt: Any = None, monitor: Any = None,
              work: Any = None) -> None:
         """The new world's step, optimizer, monitor or work plan (each given one replaces
         the rank's)."""

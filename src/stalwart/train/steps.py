@@ -3,9 +3,10 @@ rank plugs in -- ``DataParallelStep`` (DDP, reliable or lossy comm), ``TensorPar
 (stalwart.overlap), ``DetachedStep`` (a rank started to rejoin, before it has groups) -- with
 the TP/DP group layout (``make_groups``) and the validation loss (``evaluate``).
 
-Seam: ``stepper.model``, ``stepper.forward_backward(batches, micro_weight) -> (loss, timing)``,
-``stepper.clip_grad_norm_(max_norm)``, ``stepper.close()`` (a regroup lets go of the old
-groups' wrapper; TP: ``stepper.rebind(tp_group, dp_group)``).
+Seam (``rank.Stepper``): ``stepper.model``, ``stepper.forward_backward(batches,
+micro_weight) -> (loss, timing)``, ``stepper.clip_grad_norm_(max_norm)``, ``stepper.close()``
+(a regroup lets go of the old groups' wrapper; TP: ``stepper.rebind(tp_group, dp_group)``),
+``stepper.interruptible()`` (a job that regroups in place).
 
 Guarantees:
 - ``timing`` splits the step into "compute_time" and "comm_time" (TP adds what the overlap
@@ -102,6 +103,9 @@ class DataParallelStep:
     def clip_grad_norm_(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def interruptible(self) -> None:
+        """Nothing: DDP's waits are not interrupted (a lost member fails its collective)."""
+
     def close(self) -> None:
         """Let go of the DDP wrapper and the clock's hooks; the model stays as it is (a
         second call does nothing: a regroup that failed half-way is retried)."""
@@ -148,6 +152,18 @@ class DetachedStep:
 
     def __init__(self, model: GPT) -> None:
         self.model = model
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         micro_weight: float) -> tuple[float, dict[str, float]]:
+        """Never: RuntimeError (no process group to step in until it joins)."""
+        raise RuntimeError("a rank waiting to rejoin has no step to take")
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Never: RuntimeError, as ``forward_backward``."""
+        raise RuntimeError("a rank waiting to rejoin has no gradients to clip")
+
+    def interruptible(self) -> None:
+        """Nothing: it has no collectives."""
 
     def close(self) -> None:
         pass
