@@ -1,23 +1,32 @@
 """The rank's pluggable parts meet their Protocols (train/rank.py): every step class has the
-``Stepper`` methods the rank calls without asking, and only the loss-tolerant optimizer is an
-``UndoableOptimizer`` (the rank turns its undo record on in a job that regroups in place)."""
+``Stepper`` methods the rank calls without asking, only the loss-tolerant optimizer is an
+``UndoableOptimizer`` (the rank turns its undo record on in a job that regroups in place), and
+both work plans have every ``WorkPlan`` member the rank and its membership use."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import stalwart.train
 from stalwart.comm import attach
+from stalwart.mitigate.decisions import EXCLUDE, Decision
+from stalwart.mitigate.rebalance import Rebalancer, StaticPlan
 from stalwart.train.model import GPT, PRESETS
-from stalwart.train.rank import Stepper, UndoableOptimizer
+from stalwart.train.rank import Stepper, UndoableOptimizer, WorkPlan
 from stalwart.train.steps import DataParallelStep, DetachedStep, TensorParallelStep
 
 STEPPER_METHODS = sorted(n for n, v in vars(Stepper).items()
                          if not n.startswith("_") and callable(v))
+PLAN_MEMBERS = sorted({*(n for n, v in vars(WorkPlan).items()
+                         if not n.startswith("_") and callable(v)),
+                       *WorkPlan.__annotations__})
 
 
 def test_the_protocol_names_the_calls_the_rank_makes() -> None:
@@ -58,3 +67,44 @@ def test_only_the_loss_tolerant_optimizer_is_undoable() -> None:
         assert opt.keep_undo is False and not opt.can_undo()
     finally:
         opt.close()
+
+
+def test_the_work_plan_protocol_names_every_member_train_uses() -> None:
+    """Every ``work.NAME`` the train package reads (the rank, its loop and its in-place
+    membership) is a ``WorkPlan`` member, and the Protocol names nothing they do not use."""
+    used = {"close"}  # Rank.release and Rank.finish close it with the rank's other parts
+    for path in Path(stalwart.train.__file__).parent.glob("*.py"):
+        used |= set(re.findall(r"\bwork\.([A-Za-z_]\w*)", path.read_text()))
+    assert sorted(used) == PLAN_MEMBERS
+    assert PLAN_MEMBERS == ["assign", "basis", "close", "end_step", "measure_from",
+                            "normalised", "planned_hosts", "restart_due", "restart_request"]
+
+
+def _plans() -> list[WorkPlan]:
+    return [StaticPlan(8, 4, 0), Rebalancer(None, micro_batches=8, rank=0, world=4,
+                                            mode="rebalance")]
+
+
+@pytest.mark.parametrize("i", [0, 1])
+def test_both_work_plans_have_every_member(i: int) -> None:
+    plan = _plans()[i]
+    try:
+        missing = [n for n in PLAN_MEMBERS if not hasattr(plan, n)]
+        assert missing == []
+        assert plan.restart_request is None  # nothing decided yet
+        assert plan.restart_due(0) is None
+    finally:
+        plan.close()
+
+
+def test_the_static_plan_measures_nothing_and_plans_no_change() -> None:
+    plan = StaticPlan(8, 4, 1)
+    before = plan.assign(3)
+    plan.measure_from({"strategy": "exclude", "predicted_gain": 0.2, "step_time_before": 1.0},
+                      5)
+    assert plan.assign(7) == before and plan.restart_due(7) is None
+    dec = Decision(EXCLUDE, 1, 8, [], 2, 0.2, "")
+    with pytest.raises(RuntimeError):
+        plan.planned_hosts(dec)
+    with pytest.raises(RuntimeError):
+        plan.basis(dec)

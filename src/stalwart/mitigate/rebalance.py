@@ -406,11 +406,13 @@ def _process_age() -> float:
 
 
 class StaticPlan:
-    """The uniform plan, never changed: what the loop uses without ``--mitigate`` (no
-    exchanges, no cost). Same interface as ``Rebalancer``."""
+    """The uniform plan, never changed: what the loop uses without ``--mitigate`` or with one
+    data-parallel group (no exchanges, no cost). The same members as ``Rebalancer`` (the
+    rank's ``WorkPlan``, train/rank.py); it never decides a change."""
 
     def __init__(self, micro_batches: int, groups: int, group: int) -> None:
         self.micro, self.groups, self.group = micro_batches, groups, group
+        self.restart_request: dict[str, Any] | None = None  # never one: it decides nothing
         block = planner.assignment(planner.uniform(micro_batches, groups))[group]
         w = groups / micro_batches
         self._a = Assignment(block, w, len(block) * w, 0)
@@ -420,6 +422,18 @@ class StaticPlan:
 
     def restart_due(self, step: int) -> Decision | None:
         return None
+
+    def planned_hosts(self, dec: Decision) -> list[int] | None:
+        """Never: RuntimeError (``restart_due`` gives no decision to plan)."""
+        raise RuntimeError("the static plan decides no change")
+
+    def basis(self, dec: Decision) -> dict[str, Any]:
+        """Never: RuntimeError, as ``planned_hosts``."""
+        raise RuntimeError("the static plan decides no change")
+
+    def measure_from(self, basis: dict[str, Any] | None, start: int) -> None:
+        """Nothing: a planned regroup into a world this plan serves is not measured (one
+        data-parallel group: no policy to tell)."""
 
     def normalised(self, compute_s: float) -> float:
         return compute_s * (self.micro / self.groups) / max(len(self._a.indices), 1)

@@ -170,7 +170,7 @@ class InPlace:
         regroup_s = time.monotonic() - t0
         work = work_plan(cfg, r.monitor, rank, world, r.run_dir, r.n_params,
                          max(regroup_s, 0.1), self.regrouper.link)
-        if g.planned and hasattr(work, "measure_from"):
+        if g.planned:
             work.measure_from(g.basis, done + 2)  # its first steps warm up
         r.plug(work=work)
         if rank == 0:
@@ -319,7 +319,7 @@ class InPlace:
         finished (``Rank.finish``); the launcher relaunches from the checkpoint."""
         from stalwart.elastic.runlink import RESTART, ExitRecord
 
-        req = getattr(self.r.work, "restart_request", None) or {}
+        req = self.r.work.restart_request or {}
         self.regrouper.link.exiting(ExitRecord(
             self.regrouper.slot, RESTART, step, str(req.get("reason", "")),
             tuple(int(h) for h in req.get("hosts") or ()), str(req.get("strategy", "")),

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,10 @@ from stalwart.train.steps import (
     make_groups,
 )
 from stalwart.train.torchrun import prepare_run_dir_for_torchrun
+
+if TYPE_CHECKING:
+    from stalwart.mitigate.decisions import Decision
+    from stalwart.mitigate.rebalance import Assignment
 
 
 class Stepper(Protocol):
@@ -101,6 +105,56 @@ class UndoableOptimizer(Protocol):
         ...
 
 
+class WorkPlan(Protocol):
+    """The work plan the rank plugs in (``stalwart.mitigate.work_plan``: ``Rebalancer``, or
+    ``StaticPlan`` without ``--mitigate`` or with one data-parallel group): which of the
+    step's micro-batches this rank computes, and the S3/S4 changes the plan decides (made in
+    place by train/inplace.py, or by a restart). Every implementation has every member."""
+
+    # rank 0, once an S3/S4 decision is agreed: the host map, strategy, reason and basis a
+    # restart's exit record gives the launcher (train/inplace.py ``leave_for_restart``); None
+    # before any and on other ranks
+    restart_request: dict[str, Any] | None
+
+    def assign(self, step: int) -> Assignment:
+        """This rank's share of ``step``: its global micro-batch indices and their loss
+        weight (the same for the same step on every call)."""
+        ...
+
+    def normalised(self, compute_s: float) -> float:
+        """``compute_s`` (this rank's forward/backward seconds) as if the plan were uniform:
+        what the detector is told."""
+        ...
+
+    def end_step(self, step: int, compute_s: float, step_s: float) -> None:
+        """The step's measurements; at the plan's exchange steps a collective every rank
+        makes (a plan that never changes: nothing)."""
+        ...
+
+    def restart_due(self, step: int) -> Decision | None:
+        """The S3/S4 decision whose start step has come (asked after ``assign``); None: the
+        step runs as planned."""
+        ...
+
+    def planned_hosts(self, dec: Decision) -> list[int] | None:
+        """The rank -> host map ``dec`` (from ``restart_due``) asks for, on every rank; None:
+        it takes a restart."""
+        ...
+
+    def basis(self, dec: Decision) -> dict[str, Any]:
+        """Rank 0: what the gain of ``dec`` made in place is measured against."""
+        ...
+
+    def measure_from(self, basis: dict[str, Any] | None, start: int) -> None:
+        """After a planned regroup (the plan made again for the new world): measure its gain
+        against ``basis`` from step ``start`` (rank 0; elsewhere nothing)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the plan's exchange and event log (a regroup makes a new plan)."""
+        ...
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
     peak = cfg.resolved_lr()
@@ -142,7 +196,7 @@ class Rank:
     monitor: Any = None
     stepper: Stepper | None = None
     opt: Any = None
-    work: Any = None
+    work: WorkPlan | None = None
     val: list = field(default_factory=list)
     data_rank: int = 0
     data_parts: int = 1
@@ -411,7 +465,7 @@ class Rank:
             self.tp_index = tp_index
 
     def plug(self, stepper: Stepper | None = None, opt: Any = None, monitor: Any = None,
-             work: Any = None) -> None:
+             work: WorkPlan | None = None) -> None:
         """The new world's step, optimizer, monitor or work plan (each given one replaces
         the rank's)."""
         if stepper is not None:
