@@ -1,13 +1,16 @@
-"""The rank's pluggable parts meet their Protocols (train/rank.py): every step class has the
-``Stepper`` methods the rank calls without asking, only the loss-tolerant optimizer is an
-``UndoableOptimizer`` (the rank turns its undo record on in a job that regroups in place), and
-both work plans have every ``WorkPlan`` member the rank and its membership use."""
+"""The rank's pluggable parts meet their Protocols (train/rank.py, train/inplace.py): every
+step class has the ``Stepper`` methods the rank calls without asking; only the loss-tolerant
+optimizer is an ``UndoableOptimizer``, ``ReportingOptimizer``, ``InterruptibleOptimizer`` and
+``ShardedOptimizer`` (what the rank and its in-place membership ask of it, AdamW having none
+of it); both work plans have every ``WorkPlan`` member the rank and its membership use."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +21,9 @@ import stalwart.train
 from stalwart.comm import attach
 from stalwart.mitigate.decisions import EXCLUDE, Decision
 from stalwart.mitigate.rebalance import Rebalancer, StaticPlan
+from stalwart.train.inplace import InPlace, InterruptibleOptimizer, ShardedOptimizer
 from stalwart.train.model import GPT, PRESETS
-from stalwart.train.rank import Stepper, UndoableOptimizer, WorkPlan
+from stalwart.train.rank import ReportingOptimizer, Stepper, UndoableOptimizer, WorkPlan
 from stalwart.train.steps import DataParallelStep, DetachedStep, TensorParallelStep
 
 STEPPER_METHODS = sorted(n for n, v in vars(Stepper).items()
@@ -30,7 +34,8 @@ PLAN_MEMBERS = sorted({*(n for n, v in vars(WorkPlan).items()
 
 
 def test_the_protocol_names_the_calls_the_rank_makes() -> None:
-    assert STEPPER_METHODS == ["clip_grad_norm_", "close", "forward_backward", "interruptible"]
+    assert STEPPER_METHODS == ["clip_grad_norm_", "close", "forward_backward", "interrupt",
+                               "interruptible"]
 
 
 @pytest.mark.parametrize("cls", [DataParallelStep, TensorParallelStep, DetachedStep])
@@ -42,6 +47,7 @@ def test_every_step_class_has_the_stepper_methods(cls: type) -> None:
 def test_a_detached_step_is_interruptible_but_never_steps() -> None:
     step = DetachedStep(GPT(PRESETS["tiny"]["model"]))
     step.interruptible()
+    step.interrupt("a member was lost")
     with pytest.raises(RuntimeError):
         step.forward_backward([], 1.0)
     with pytest.raises(RuntimeError):
@@ -60,13 +66,67 @@ def one_rank() -> Iterator[None]:
 @pytest.mark.usefixtures("one_rank")
 def test_only_the_loss_tolerant_optimizer_is_undoable() -> None:
     model = torch.nn.Linear(4, 4)
-    assert not isinstance(torch.optim.AdamW(model.parameters()), UndoableOptimizer)
+    plain = torch.optim.AdamW(model.parameters())
+    for proto in (UndoableOptimizer, InterruptibleOptimizer, ShardedOptimizer,
+                  ReportingOptimizer):
+        assert not isinstance(plain, proto)
+    assert not issubclass(type(plain), ReportingOptimizer)  # how Rank.train_step asks
     opt = attach(DDP(model), torch.optim.AdamW, lr=1e-2)
     try:
         assert isinstance(opt, UndoableOptimizer)
         assert opt.keep_undo is False and not opt.can_undo()
+        for proto in (InterruptibleOptimizer, ShardedOptimizer, ReportingOptimizer):
+            assert isinstance(opt, proto)
+        assert issubclass(type(opt), ReportingOptimizer)
     finally:
         opt.close()
+
+
+class _Step:
+    """A step that records what it was told to interrupt with (only ``interrupt`` used)."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def interrupt(self, why: str) -> None:
+        self.told.append(why)
+
+
+class _Opt:
+    """An ``InterruptibleOptimizer`` that records what it was told."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def interrupt(self, why: str) -> None:
+        self.told.append(why)
+
+
+def _inplace(opt: Any) -> tuple[InPlace, _Step]:
+    """An ``InPlace`` over a rank holding ``opt`` and a recording step; its regrouper has
+    nothing but the watcher's abort hooks (any other use fails the test)."""
+    step = _Step()
+    rank = SimpleNamespace(opt=opt, stepper=step)
+    return InPlace(rank, SimpleNamespace(on_abort=[])), step  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("interruptible", [False, True])
+def test_a_lost_member_interrupts_the_step_and_an_interruptible_optimizer(
+        interruptible: bool) -> None:
+    opt = _Opt() if interruptible else torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    members, step = _inplace(opt)
+    assert members.regrouper.on_abort == [members.interrupt_comm]
+    members.interrupt_comm()
+    assert len(step.told) == 1 and "member was lost" in step.told[0]
+    if interruptible:
+        assert opt.told == step.told
+
+
+def test_an_unsharded_optimizer_hands_nothing_over() -> None:
+    members, _ = _inplace(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    members.planned_change = [0, 1]
+    members._hand_over()  # returns before it reads the old generation (the regrouper has none)
+    assert members.planned_change is None and members.lossy_extra == []
 
 
 def test_the_work_plan_protocol_names_every_member_train_uses() -> None:

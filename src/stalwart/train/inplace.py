@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,30 @@ REGROUP_PRICE_S = 1.0
 
 MAX_REGROUPS = 8  # membership changes in a row a regroup follows before the rank gives up
 JOIN_WAIT_S = 120.0  # a rank started to rejoin gives up (and leaves) after this long
+
+
+@runtime_checkable
+class InterruptibleOptimizer(Protocol):
+    """An optimizer whose step waits for its peers' packets (``stalwart.comm``'s loss-tolerant
+    one): a lost member's word makes it give up (``InPlace.interrupt_comm``). Others (AdamW)
+    have no wait of their own: DDP's collective fails instead."""
+
+    def interrupt(self, why: str) -> None:
+        """From any thread: the step in progress, or the next one, raises at its next wait,
+        with ``why``."""
+        ...
+
+
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """An optimizer each rank holds a shard of (``stalwart.comm``'s loss-tolerant one): a
+    member a planned change leaves out hands its shard over before it goes
+    (``InPlace._hand_over``). Others (AdamW) are whole on every rank."""
+
+    def piece(self) -> dict[str, Any]:
+        """This rank's shard as a self-contained piece of the whole optimizer (a copy: the
+        optimizer may go on)."""
+        ...
 
 
 def first_line(err: BaseException) -> str:
@@ -100,9 +124,10 @@ class InPlace:
         having trained on without the dead rank's share of the batch; a tensor-parallel step's
         collectives stop waiting on pairs a peer may have shut first (overlap/comm.py)."""
         why = "the job's membership changed (a member was lost)"
-        for part in (self.r.opt, self.r.stepper):  # the lossy transport; tensor-parallel steps
-            if hasattr(part, "interrupt"):
-                part.interrupt(why)
+        opt = self.r.opt
+        if isinstance(opt, InterruptibleOptimizer):  # the lossy transport
+            opt.interrupt(why)
+        self.r.stepper.interrupt(why)  # tensor-parallel steps' waits (others: nothing)
 
     def stepped(self) -> None:
         """A step completed on the current optimizer: every rank has made it, so the one
@@ -195,7 +220,7 @@ class InPlace:
         Nothing moves when nobody leaves (a host taken back)."""
         hosts, self.planned_change = self.planned_change, None
         opt = self.r.opt
-        if hosts is None or not hasattr(opt, "piece"):
+        if hosts is None or not isinstance(opt, ShardedOptimizer):
             return
         g = self.regrouper.current  # the old generation: rank r on host g.hosts[r]
         leaving = [r for r, h in enumerate(g.hosts) if h not in hosts]

@@ -6,7 +6,7 @@ the TP/DP group layout (``make_groups``) and the validation loss (``evaluate``).
 Seam (``rank.Stepper``): ``stepper.model``, ``stepper.forward_backward(batches,
 micro_weight) -> (loss, timing)``, ``stepper.clip_grad_norm_(max_norm)``, ``stepper.close()``
 (a regroup lets go of the old groups' wrapper; TP: ``stepper.rebind(tp_group, dp_group)``),
-``stepper.interruptible()`` (a job that regroups in place).
+``stepper.interruptible()`` and ``stepper.interrupt(why)`` (a job that regroups in place).
 
 Guarantees:
 - ``timing`` splits the step into "compute_time" and "comm_time" (TP adds what the overlap
@@ -106,6 +106,9 @@ class DataParallelStep:
     def interruptible(self) -> None:
         """Nothing: DDP's waits are not interrupted (a lost member fails its collective)."""
 
+    def interrupt(self, why: str) -> None:
+        """Nothing, as ``interruptible``."""
+
     def close(self) -> None:
         """Let go of the DDP wrapper and the clock's hooks; the model stays as it is (a
         second call does nothing: a regroup that failed half-way is retried)."""
@@ -165,6 +168,9 @@ class DetachedStep:
     def interruptible(self) -> None:
         """Nothing: it has no collectives."""
 
+    def interrupt(self, why: str) -> None:
+        """Nothing: it has no collectives."""
+
     def close(self) -> None:
         pass
 
@@ -203,6 +209,9 @@ class TensorParallelStep:
         self.trainer.comm.interruptible = True
 
     def interrupt(self, why: str) -> None:
+        """From any thread: its collectives in flight, and any issued before the next
+        ``rebind``, raise RuntimeError with ``why`` instead of waiting (once
+        ``interruptible``)."""
         self.trainer.comm.interrupt(why)
 
 
