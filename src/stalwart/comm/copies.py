@@ -59,10 +59,11 @@ DECAY_DATAGRAMS = 300.0
 MIN_OWED = 64.0  # datagrams owed before an estimate is trusted
 PHASES_PENDING = 16  # phases per peer whose arrivals wait for their marker (2 x 4 open rounds x 2)
 REPORTS_KEPT = 16  # feedback reports (markers) per peer whose maximum sizes erasure parity
-# lost datagrams in a link's window below which the link reports itself clean (fb = 0: no
-# parity). With the window's decay a single lost datagram keeps the link reporting loss for
-# the next ~6,800 datagrams owed (0.5 = 0.97 ** (6800 / 300)), then REPORTS_KEPT more reports
-# keep its parity on at the sender: a loss rate >= ~1/6,800 never reads clean
+# lost datagrams in a link's window below which the link reports itself clean (fb = 0: the
+# clean-link parity of ``fec.floor`` only). With the window's decay a single lost datagram
+# keeps the link reporting loss for the next ~6,800 datagrams owed (0.5 = 0.97 ** (6800 / 300)),
+# then REPORTS_KEPT more reports keep its sized parity on at the sender: independent loss at a
+# rate >= ~1/6,800 never reads clean
 CLEAN_LOST = 0.5
 # datagrams a window must hold before "none lost" reads as clean: at a true loss rate q a
 # window of n datagrams shows none with probability (1-q)^n -- 0.7% at q = 1e-3, e^-50 at 1%
@@ -138,11 +139,11 @@ class LossEstimator:
     def report(self, sender: int) -> float | None:
         """What this rank feeds back to ``sender`` in its markers: 0.0 while a window of at
         least ``CLEAN_MIN_OWED`` datagrams holds no lost one (under ``CLEAN_LOST``: the link
-        is clean, the sender sends it no parity), else the upper estimate ``loss()`` (None
-        until enough was owed). Reporting
-        the upper estimate on a clean link, as before, made every sender protect it with ~1
-        parity packet per 247 data packets: 0.22-0.24 ns of CPU per payload byte, 11% of a
-        loss-free all-reduce (docs/comm.md, "Where the CPU goes")."""
+        is clean, the sender sends it only ``fec.floor``'s parity, one packet per stripe of a
+        run's width), else the upper estimate ``loss()`` (None until enough was owed).
+        Reporting the upper estimate on a clean link, as before, made every sender protect it
+        with a plan for ~1e-4 and encode it in a pass of its own: 0.22-0.24 ns of CPU per
+        payload byte, 11% of a loss-free all-reduce (docs/comm.md, "Where the CPU goes")."""
         owed = self.owed[sender]
         if owed < MIN_OWED:
             return None

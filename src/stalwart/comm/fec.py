@@ -16,6 +16,10 @@ whole and S < run, a run carries ceil(run/S) packets of one stripe and the tail 
 runs instead. Among the geometries that meet the residual target the planner takes the one with
 the fewest parity *bytes times k* (encoding and decoding cost k multiply-adds per parity byte:
 past k ~ 64 the CPU, not the wire, is what a larger stripe costs), within a wire budget.
+A link that reads clean (``plan`` gives None) gets ``floor``: one parity packet per stripe,
+stripes interleaved at least as many ways as a sent run is long, so that the first run dropped
+whole after a clean period is rebuilt (the native engine makes parity while it seals each
+packet, so the floor costs no pass of its own over the data).
 
 Library, chosen by measurement on this project's machines (x86-64, AVX2, 2 shared cores;
 4 MiB of data per call, MTU 1500 packets): ISA-L's ``ec_encode_data`` (Intel's erasure code

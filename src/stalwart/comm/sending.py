@@ -14,8 +14,16 @@ per destination: payloads of 4 KB or more (MTU 9000) straight from the values to
 (iovecs), smaller ones (MTU 1500: 3 iovecs per datagram cost the kernel more than a copy) copied
 into the rows and tagged there while in cache, GIL released; with repetition, or the Python
 engine, the values are first copied into the rows -- the parity's
-multiply-adds (k per parity byte, none to a link that reports no loss), and one ``sendmmsg``
-per 32 messages.
+multiply-adds (m per data byte; native engine: done while each packet is sealed, on its payload
+in cache, no pass of its own), and one ``sendmmsg`` per 32 messages.
+
+Parity rule: every link gets ``fec.plan``'s parity for the loss it reports, and a link that
+reports none (clean) gets ``fec.floor``'s: one parity packet per stripe, stripes interleaved at
+least as many ways as a sent run is long, so the first loss event after a clean period -- one
+run dropped whole, or scattered datagrams in distinct stripes -- is rebuilt, not lost; two
+events on one link within one phase (at 0.1% loss in runs of 32: ~0.4% of 2,960-datagram
+phases) lose the packets of the stripes they share. Protection sized from the loss comes back
+at the sender's next phase to that link after the receiver's first report of loss.
 """
 
 from __future__ import annotations
