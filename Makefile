@@ -12,7 +12,8 @@ setup: $(STAMP)
 
 # (setup.py and the C sources: the native parts are built by the editable install)
 $(STAMP): pyproject.toml setup.py src/stalwart/comm/_native/engine.c src/stalwart/detect/_native/bocpd.c \
-		src/stalwart/detect/_native/channels.c src/stalwart/detect/_native/bocpd_step.h
+		src/stalwart/detect/_native/channels.c src/stalwart/detect/_native/bocpd_step.h \
+		src/stalwart/_native/beat.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
