@@ -192,6 +192,31 @@ def _ring(n: int) -> list[tuple[int, int]]:
     return [(r, r + 1) for r in range(n - 1)] + ([(0, n - 1)] if n > 2 else [])
 
 
+def _drawn_verdict(rng: np.random.Generator, noise: Any, keys: list[str], hosts: list[str],
+                   slow: np.ndarray, step: int) -> tuple[Any, Any]:
+    """One validation drawn from ``noise``: the ring pairs ``keys`` each ``slow`` x (the
+    order of ``keys``) x pair noise, every rank's compute rounds x test noise, through the
+    product's ``localize.decide`` and -- for the pairs a link finding rests on -- a second
+    reading and ``retested``, as the Detector does. Returns (first verdict, final verdict)."""
+    from stalwart.detect.evidence import RankEvidence
+    from stalwart.detect.localize import decide, pairs_to_retest, retested
+
+    n = len(hosts)
+    rtt = noise.rtts(rng, slow)
+    rounds = noise.rounds(rng, np.ones(n), 3)
+    tests, rows = np.median(rounds, axis=1).tolist(), rounds.tolist()
+    ev = [RankEvidence(r, 1.0, 1.0, 1.0, 2.0, tests[r], {}, rows[r], host=hosts[r])
+          for r in range(n)]
+    ev[0].links = dict(zip(keys, rtt.tolist(), strict=True))
+    first = decide(ev, 100, step, 1.5)
+    again = pairs_to_retest(first, ev)
+    if not again:
+        return first, first
+    at = {k: i for i, k in enumerate(keys)}
+    second = noise.rtts(rng, slow[[at[k] for k in again]])
+    return first, retested(first, ev, dict(zip(again, second.tolist(), strict=True)))
+
+
 def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
                      verdicts: int = HOSTLINK_VERDICTS, scale: float = 1.0) -> dict[str, Any]:
     """How the product's verdict names host-link faults at this scale (suffix = the scale).
@@ -210,8 +235,6 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
     testbed's pools, not its correlations: a loaded host slows all its pairs at once) and the
     fault slows exactly the pairs that cross its host by a constant factor (real congestion
     varies)."""
-    from stalwart.detect.evidence import RankEvidence
-    from stalwart.detect.localize import decide, pairs_to_retest, retested
     from stalwart.detect.verdicts import same_straggler
     from stalwart.simulate.decide import default_test_noise
     from stalwart.simulate.faults import LINK_FACTOR, _loguniform
@@ -232,18 +255,8 @@ def hostlink_figures(job: Job, seed: int, trials: int = HOSTLINK_TRIALS,
         touch = crossing & ((host_of[a] == h) | (host_of[b] == h))
         found: list[Any] = []
         for v in range(verdicts):
-            rtt = noise.rtts(rng, np.where(touch, factors[i], 1.0))
-            rounds = noise.rounds(rng, np.ones(n), 3)
-            tests, rows = np.median(rounds, axis=1).tolist(), rounds.tolist()
-            ev = [RankEvidence(r, 1.0, 1.0, 1.0, 2.0, tests[r], {}, rows[r], host=hosts[r])
-                  for r in range(n)]
-            ev[0].links = dict(zip(keys, rtt.tolist(), strict=True))
-            f = decide(ev, 100, 110 + 10 * v, 1.5)
-            again = pairs_to_retest(f, ev)
-            if again:  # the Detector reads them once more before naming them
-                idx = [keys.index(k) for k in again]
-                f = retested(f, ev, dict(zip(again, noise.rtts(
-                    rng, np.where(touch[idx], factors[i], 1.0)).tolist(), strict=True)))
+            f = _drawn_verdict(rng, noise, keys, hosts, np.where(touch, factors[i], 1.0),
+                               110 + 10 * v)[1]
             if v == 0:
                 named += f.kind == "link" and f.evidence.get("host") == str(h)
             if f.kind != "unknown" and not any(same_straggler(f, g) for g in found[-1:]):
@@ -269,8 +282,6 @@ def hostlink_healthy(ranks: int, per_host: int, seed: int = 0, trials: int = 400
 
     What it does not show: the two readings are drawn independently, while on the testbed
     load that outlasts both slows both."""
-    from stalwart.detect.evidence import RankEvidence
-    from stalwart.detect.localize import decide, pairs_to_retest, retested
     from stalwart.simulate.decide import default_test_noise
 
     rng = np.random.default_rng(seed)
@@ -279,19 +290,9 @@ def hostlink_healthy(ranks: int, per_host: int, seed: int = 0, trials: int = 400
     hosts = [f"h{r // per_host}" for r in range(ranks)]
     one = kept = 0
     for _ in range(trials):
-        rtt = noise.rtts(rng, np.ones(len(keys)))
-        rounds = noise.rounds(rng, np.ones(ranks), 3)
-        tests = np.median(rounds, axis=1).tolist()
-        ev = [RankEvidence(r, 1.0, 1.0, 1.0, 2.0, tests[r], {}, rounds[r].tolist(),
-                           host=hosts[r]) for r in range(ranks)]
-        ev[0].links = dict(zip(keys, rtt.tolist(), strict=True))
-        f = decide(ev, 100, 110, 1.5)
-        if f.kind != "link" or not f.evidence.get("host_link"):
-            continue
-        one += 1
-        again = pairs_to_retest(f, ev)
-        f = retested(f, ev, dict(zip(again, noise.rtts(rng, np.ones(len(again))).tolist(),
-                                     strict=True)))
-        kept += f.kind == "link"
+        first, f = _drawn_verdict(rng, noise, keys, hosts, np.ones(len(keys)), 110)
+        if first.kind == "link" and first.evidence.get("host_link"):
+            one += 1
+            kept += f.kind == "link"
     return {"hostlink_healthy_one_reading": one / trials, "hostlink_healthy_named": kept / trials,
             "hostlink_healthy_trials": trials}
