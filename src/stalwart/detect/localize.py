@@ -590,11 +590,11 @@ def _host_retested(finding: Finding, ev: list[RankEvidence],
     evidence."""
     host = finding.evidence["host_link"]
     first: dict[str, float] = host["pairs"]
-    links = {k: t for e in ev for k, t in e.links.items()}
     refs = [again[k] for k in _reference_pairs(ev, host) if k in again and again[k] > 0]
     if refs:
         ref = statistics.median(refs)
     else:
+        links = {k: t for e in ev for k, t in e.links.items()}
         k0 = next((k for k in first if k in links and first[k] > 0), None)
         if k0 is None:
             return finding
