@@ -194,7 +194,7 @@ def _rounds(group: list, numel: int, rounds: int) -> tuple[int, int]:
 @pytest.mark.parametrize("floor", [True, False])
 def test_a_run_dropped_on_a_clean_link_is_rebuilt(floor: bool, engine: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # every link reads clean (``_link_loss`` 0: what a sender sees after 16 reports of 0), and
+    # every link reads clean (``Sender.link_loss`` 0: what a sender sees after 16 reports of 0), and
     # one run of consecutive data packets -- the sender's run length -- is dropped whole from
     # every sender in both phases of every round: the first loss event after a clean period.
     # With the clean-link floor each stripe loses one packet and is rebuilt; without it
@@ -205,10 +205,10 @@ def test_a_run_dropped_on_a_clean_link_is_rebuilt(floor: bool, engine: str,
     group = make_group(world, numel, cls=Dropping, fec_mode="rs", cap=2.0)
     try:
         n = min(group[0].layout.n_chunks(s) for s in range(world))
-        run = group[0]._run(n)
+        run = group[0].sender._run(n)
         assert fec.floor(n, run) is not None or not floor
         for c in group:
-            c._link_loss = lambda dest: 0.0
+            c.sender.link_loss = lambda dest: 0.0
             c.set_drop(rules=[(-1, 0xFF, 0, run, 2 * run, -1)])
         lost, recovered = _rounds(group, numel, 2)
         assert all(c.dropped >= 2 * run for c in group)
@@ -230,10 +230,10 @@ def test_parity_filled_while_sealing_equals_the_encoder(loss: float, mtu: int, e
     # filled, then tagged; 9000: tagged and sent from the values); every parity block it made
     # must be the coder's (fec.encode) bit for bit, for the clean floor (m = 1) and a lossy
     # link's plan (m > 1), the shards' short last packets included
-    from stalwart.comm.sending import Sending
+    from stalwart.comm.sending import Sender
 
     made: list[tuple[bool, bool]] = []
-    orig = Sending._parity_rows
+    orig = Sender._parity_rows
 
     def check(self, phase, shard, values, geo, hint_us, par=None):  # noqa: ANN001, ANN202
         if par is not None:
@@ -242,13 +242,13 @@ def test_parity_filled_while_sealing_equals_the_encoder(loss: float, mtu: int, e
                                                         ref.view(np.uint32)))))
         return orig(self, phase, shard, values, geo, hint_us, par)
 
-    monkeypatch.setattr(Sending, "_parity_rows", check)
+    monkeypatch.setattr(Sender, "_parity_rows", check)
     world = 3
     numel = 3 * max_floats_for_mtu(mtu) * (300 if mtu == 1500 else 140) + 17
     group = make_group(world, numel, mtu=mtu, fec_mode="rs", cap=2.0)
     try:
         for c in group:
-            c._link_loss = lambda dest, p=loss: p
+            c.sender.link_loss = lambda dest, p=loss: p
         lost, _ = _rounds(group, numel, 2)
         assert lost == 0
     finally:

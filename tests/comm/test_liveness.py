@@ -29,11 +29,17 @@ class BuggyCollective(LossyCollective):
 
     fail = 0
 
-    def _place(self, row: np.ndarray, rnd: int, ph: int, *rest: object) -> int:
-        if ph == PHASE_VALUE and self.fail != 0:
-            self.fail -= 1
-            raise ValueError("injected handler bug")
-        return super()._place(row, rnd, ph, *rest)  # type: ignore[arg-type]
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        place = self.receiver._place
+
+        def buggy(row: np.ndarray, rnd: int, ph: int, *rest: object) -> int:
+            if ph == PHASE_VALUE and self.fail != 0:
+                self.fail -= 1
+                raise ValueError("injected handler bug")
+            return place(row, rnd, ph, *rest)  # type: ignore[arg-type]
+
+        self.receiver._place = buggy  # type: ignore[method-assign]
 
 
 def _optimizers(fail: int) -> list[ShardedLossyOptimizer]:

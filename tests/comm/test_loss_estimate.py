@@ -85,14 +85,14 @@ def test_authenticated_data_of_an_ended_round_marks_its_sender_alive() -> None:
         w = Wire(victim.wire.key, victim.wire.job, victim.world, 0, victim.layout.shard_lens,
                  victim.chunk)
         n1 = min(victim.chunk, victim.layout.shard_lens[1])
-        victim._heard[0] = 0.0
+        victim.live.heard[0] = 0.0
         pkt = np.frombuffer(w.packet(PHASE_GRAD, 0, 1, 0, np.zeros(n1, np.float32)), np.uint8)
         row = np.zeros((1, group[0].transport.slot), np.uint8)
         row[0, :pkt.size] = pkt
         # from rank 0's own socket: the source address is checked before the tag
         group[0].transport.send(row, np.array([pkt.size]), np.array([1]))
         _wait_rejected(victim, "old_round", old + 1)
-        assert victim._heard[0] > 0.0
+        assert victim.live.heard[0] > 0.0
     finally:
         for c in group:
             c.close()

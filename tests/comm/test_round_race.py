@@ -33,7 +33,7 @@ def test_a_packet_whose_round_ended_after_its_check_is_late_not_rejected() -> No
         ended = me.begin_round() - 1  # the round the packet below belongs to has just ended
         row, hdr = _data_row(ended, sender=0, n=8)
         before = me.rejected.copy()
-        me._on_rest(row, hdr, np.zeros(1, np.uint8))  # tagged in time by wire.check
+        me.receiver._on_rest(row, hdr, np.zeros(1, np.uint8))  # tagged in time by wire.check
         assert me.rejected[R["old_round"]] == before[R["old_round"]]
         assert me.rejected[R["late"]] == before[R["late"]] + 1
         assert me.bad_packets() == 0

@@ -1,8 +1,11 @@
 """Loss-tolerant reduce-scatter and owner broadcast over the UDP transport.
 
-The collective is thin: ``sending`` makes and sends a phase's packets, ``receiving`` checks and
-places what arrives (the Python engine, or the native data plane: ``native``), ``rounds`` holds
-a round's buffers, ``phase`` decides when a phase ends and which peers are silent or lost.
+The collective wires parts that own their state: ``rounds.RoundRing`` (the open rounds'
+buffers and the round number), ``receiving.Receiver`` (checks and places what arrives: the
+Python engine, or the native data plane, ``native``), ``sending.Sender`` (a phase's packets,
+parity and markers), ``phase.PhaseWait`` (when a phase ends: ``PhaseClock``'s explicit states),
+``liveness.Liveness`` (which peers are silent or lost) and ``exchange`` (setup). It owns only
+the public calls: each phase is "send, wait, read the round's buffers".
 
 Mechanism: the two phases of "Distributed Training under Packet Loss" (Weintraub et al., 2025):
   1. reduce-scatter -- every rank sends chunk k of shard s of its vector to shard s's owner;
@@ -42,7 +45,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import numpy as np
@@ -50,19 +52,19 @@ import numpy as np
 from stalwart.comm import native
 from stalwart.comm.copies import CopyPolicy, LossEstimator
 from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.exchange import DistExchange, check_addresses  # noqa: F401 (re-exported)
 from stalwart.comm.layout import Layout
-
-# re-exported: the collective's public names (tests, ddp.py and users import them from here)
-from stalwart.comm.phase import GIVE_UP_S, Interrupted, PeerLost, Phases  # noqa: F401
-from stalwart.comm.receiving import (  # noqa: F401
+from stalwart.comm.liveness import GIVE_UP_S, Liveness, PeerLost  # noqa: F401 (re-exported)
+from stalwart.comm.phase import Interrupted, PhaseWait  # noqa: F401 (re-exported)
+from stalwart.comm.receiving import (  # noqa: F401 (re-exported)
     MAX_HANDLER_ERRORS,
     ReceiveFailed,
-    Receiving,
-    _NativeCond,
+    Receiver,
+    start_native,
 )
-from stalwart.comm.rounds import ROUNDS_OPEN, PhaseStats, RoundState
-from stalwart.comm.sending import FEC_MIN_REPORTS, MARKER_COPIES, Sending  # noqa: F401
-from stalwart.comm.transport import UdpTransport, default_host, default_mtu, is_loopback
+from stalwart.comm.rounds import ROUNDS_OPEN, PhaseStats, RoundRing
+from stalwart.comm.sending import FEC_MIN_REPORTS, MARKER_COPIES, NORM_COPIES, Sender  # noqa: F401
+from stalwart.comm.transport import UdpTransport, default_host, default_mtu
 from stalwart.comm.wire import (
     OVERHEAD,
     PHASE_GRAD,
@@ -74,9 +76,6 @@ from stalwart.comm.wire import (
     max_floats_for_mtu,
 )
 
-# a norm is the whole phase (one float per owner), and a lost one holds its receiver a full
-# deadline while the others go on to the broadcast without it: 1e-8 at 10% loss
-NORM_COPIES = 8
 # protection of a link not measured yet (the first step): parity sized for this loss rate.
 # Early training is the most sensitive to lost chunks (docs/comm.md), and the benchmark's
 # worst case is 20% loss
@@ -84,21 +83,17 @@ FEC_INITIAL_LOSS = 0.2
 FEC_MODES = ("copies", "rs", "none")
 
 
-def check_addresses(addrs: list[tuple[str, int]], hosts: list[str]) -> None:
-    """Raise (one line) when the job spans hosts and a rank bound a loopback address: its
-    peers' packets to it would land on their own loopback and never reach it."""
-    if len(set(hosts)) < 2:
-        return
-    for r, ((a, port), h) in enumerate(zip(addrs, hosts, strict=True)):
-        if is_loopback(a):
-            raise RuntimeError(
-                f"stalwart.comm: rank {r} on host {h!r} bound loopback {a}:{port} but the job "
-                f"spans hosts {sorted(set(hosts))}; set STALWART_HOST_ADDR (or MASTER_ADDR) to "
-                f"an address the other hosts can reach")
+class LossyCollective:
+    """Reduce-scatter + broadcast of a flat float32 vector of ``numel`` elements over UDP.
 
-
-class LossyCollective(Receiving, Sending, Phases):
-    """Reduce-scatter + broadcast of a flat float32 vector of ``numel`` elements over UDP."""
+    Protection: ``fec_mode`` "rs" (Reed-Solomon parity per link, sized for ``fec_target``
+    from the loss the link reports, ``fec_initial_loss`` until then), "copies" (every chunk
+    sent ``value_copies`` / ``grad_copies`` times; with ``copies_target`` those are where
+    each link starts and it then gets the fewest copies, ``min_copies`` .. ``max_copies``,
+    that bring its measured loss to the target: ``copies.CopyPolicy``) or "none". A missed
+    parameter chunk makes a replica compute its next gradient at a stale point, while copies
+    and parity cost only bandwidth.
+    """
 
     def __init__(self, numel: int, *, group=None, host: str | None = None,
                  mtu: int | None = None, deadline: AdaptiveDeadline | None = None,
@@ -109,105 +104,77 @@ class LossyCollective(Receiving, Sending, Phases):
                  min_copies: int = 1, give_up_s: float = GIVE_UP_S, fec_mode: str = "copies",
                  fec_target: float = 2e-5,
                  fec_initial_loss: float = FEC_INITIAL_LOSS, engine: str | None = None) -> None:
-        import torch.distributed as dist
-
-
         if fec_mode not in FEC_MODES:
             raise ValueError(f"unknown fec mode {fec_mode!r} ({', '.join(FEC_MODES)})")
-        # "rs": systematic Reed-Solomon parity per stripe of each phase (fec.py), sized per
-        # link from its measured loss for ``fec_target``; "copies": repetition (below);
-        # "none": neither (the bare algorithm)
-        self.fec_mode = fec_mode
-        self.fec_target = float(fec_target)
-        self.fec_initial_loss = float(fec_initial_loss)
         if fec_mode != "copies":
             value_copies, grad_copies, copies_target = 1, 1, None
-        self.group = group
-        # Forward error protection of the broadcast (no retransmission: every chunk is simply
-        # sent value_copies times): a missed parameter chunk makes a replica compute its next
-        # gradient at a stale point -- a delayed-gradient effect that costs accuracy at high
-        # learning rates -- while the copies cost only bandwidth. Loss p -> p**value_copies.
-        self.value_copies = max(1, int(value_copies))
-        self.grad_copies = max(1, int(grad_copies))  # same for contributions to the owners
-        # copies_target set: the counts above are only where each link starts; then every
-        # link gets the fewest copies that bring its measured loss to the target (copies.py)
-        self._may_copy = (copies_target is not None or self.value_copies > 1
-                          or self.grad_copies > 1)
+        vc, gc = max(1, int(value_copies)), max(1, int(grad_copies))
+        may_copy = copies_target is not None or vc > 1 or gc > 1
+        ex = exchange or DistExchange(group)
         if world is None:
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            world, rank = DistExchange(group).world_rank()
         self.world, self.rank = int(world), int(rank)
         # (without the extension rank 0 says so in one line; the others stay quiet)
         self.engine = native.engine_name(engine, warn=self.rank == 0)
-        self._vpol = CopyPolicy(self.world, self.value_copies, copies_target, max_copies,
-                                min_copies)
-        self._gpol = CopyPolicy(self.world, self.grad_copies, copies_target, max_copies,
-                                min_copies)
+        policies = (CopyPolicy(self.world, vc, copies_target, max_copies, min_copies),
+                    CopyPolicy(self.world, gc, copies_target, max_copies, min_copies))
         self.loss_in = LossEstimator(self.world)
-        mtu = mtu or default_mtu()
-        self.chunk = max_floats_for_mtu(mtu)
-        self.layout = Layout(int(numel), self.world, self.chunk)
+        self.chunk = max_floats_for_mtu(mtu or default_mtu())
+        self.layout = lay = Layout(int(numel), self.world, self.chunk)
         self.slot = OVERHEAD + 4 * self.chunk
         # secret + job id from rank 0; addresses from everyone
-        ex = exchange or _DistExchange(group)
-        secret = key if key is not None else os.urandom(32)
-        job = int.from_bytes(os.urandom(4), "little")
-        secret, job = ex.broadcast_from_0((secret, job))
-        self.transport = UdpTransport(host or default_host(), self.slot,
-                                      pace_bytes_per_s=pace_bytes_per_s)
-        peers = ex.all_gather((self.transport.addr, socket.gethostname()))
+        secret, job = ex.broadcast_from_0((key if key is not None else os.urandom(32),
+                                           int.from_bytes(os.urandom(4), "little")))
+        self.transport = t = UdpTransport(host or default_host(), self.slot,
+                                          pace_bytes_per_s=pace_bytes_per_s)
+        peers = ex.all_gather((t.addr, socket.gethostname()))
         addrs = [(str(a[0]), int(a[1])) for a, _ in peers]
         try:
             check_addresses(addrs, [str(h) for _, h in peers])
         except RuntimeError:
-            self.transport.close()
+            t.close()
             raise
-        self.transport.set_peers(addrs)
-        self.give_up_s = float(give_up_s)
-        self.wire = Wire(secret, job, self.world, self.rank, self.layout.shard_lens, self.chunk,
+        t.set_peers(addrs)
+        self.wire = Wire(secret, job, self.world, self.rank, lay.shard_lens, self.chunk,
                          rounds_open=ROUNDS_OPEN)
         self.deadline = deadline or AdaptiveDeadline()
-        b = self.layout.bounds
-        self._lo, self._hi = b[self.rank], b[self.rank + 1]
-        # global index of each shard's first chunk (where its tags start in _Round.vtag)
-        self._chunk_base = np.concatenate(
-            [[0], np.cumsum([self.layout.n_chunks(s) for s in range(self.world)])]).astype(int)
-        self._rounds = [self._new_round(i) for i in range(ROUNDS_OPEN)]
-        self.round = -1
-        self.silent: set[int] = set()
-        self.interrupted: str | None = None  # why: every wait for packets raises Interrupted
-        # perf_counter of each peer's latest packet (start: now, so a peer that never speaks
-        # is given up on after one cap like any other)
-        self._heard = np.full(self.world, time.perf_counter())
-        self._ever = np.zeros(self.world, bool)  # any authenticated packet from it, ever
-        self._t_first: float | None = None  # when the first phase started
-        self._booked = np.full((3, self.world), -1, np.int64)  # last marker round booked
-        self.rejected = np.zeros(len(REASONS), np.int64)
-        self._lock = threading.Lock()
-        self._cond: threading.Condition | _NativeCond = threading.Condition(self._lock)
-        self._rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._eng = None
-        self._silenced_at = np.zeros(self.world)
-        if self.engine == "native":
-            self._start_native()
-        else:
-            self.transport.on_error = self._wake
-            self.transport.start(self._on_batch)
+        self.ring = RoundRing(lay, self.rank, keep=fec_mode == "rs")
+        self.live = Liveness(self.world, self.rank, t, give_up_s)
+        self.receiver = Receiver(self.wire, lay, self.ring, self.live, self.loss_in, policies,
+                                 self.deadline, t, may_copy,
+                                 np.zeros(len(REASONS), np.int64))
+        self._eng = start_native(self.receiver, self.ring, self.live) \
+            if self.engine == "native" else None
+        self.sender = Sender(self.wire, lay, self.ring, t, policies, self.loss_in,
+                             self.deadline, fec_mode, fec_target, fec_initial_loss, self._eng)
+        self.waiter = PhaseWait(lay, self.rank, self.ring, self.receiver, self.live,
+                                self.deadline, self.receiver.cond, self._eng)
+        self._lo, self._hi = lay.bounds[self.rank], lay.bounds[self.rank + 1]
+        if self._eng is None:
+            t.on_error = self.waiter.wake
+            t.start(self._on_batch)
         ex.barrier()  # every socket is bound and draining before anyone sends
 
+    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
+        """The Python engine's receive hook (the transport's thread): the receiver's."""
+        self.receiver.on_batch(rows, sizes, src_ok)
+
+    @property
+    def round(self) -> int:
+        return self.ring.round
+
+    @property
+    def silent(self) -> set[int]:
+        return self.live.silent
+
+    @property
+    def rejected(self) -> np.ndarray:
+        return self.receiver.rejected
 
     def begin_round(self) -> int:
-        with self._cond:
-            self.round += 1
-            r = self.round
-            for k in range(ROUNDS_OPEN):  # round r-1 is over: its state becomes r+OPEN-1's
-                st = self._rounds[(r + k) % ROUNDS_OPEN]
-                if st.rnd != r + k:
-                    st.reset(r + k)
-                    if self._eng is not None:
-                        self._eng.reset_round((r + k) % ROUNDS_OPEN, r + k)
-            if self._eng is not None:
-                self._eng.set_round(r)
-            self._sync()
+        with self.receiver.cond:
+            r = self.ring.begin()
+            self.receiver.sync()
         return r
 
     def reduce_scatter(self, flat: np.ndarray, avg_out: np.ndarray | None = None
@@ -217,47 +184,27 @@ class LossyCollective(Receiving, Sending, Phases):
         (it may be ``flat``'s own shard: everything of ``flat`` is sent by then)."""
         flat = np.ascontiguousarray(flat, dtype=np.float32)
         t0 = time.perf_counter()
-        st = self._rounds[self.round % ROUNDS_OPEN]
+        st = self.ring.current
         own = flat[self._lo: self._hi]
         st.acc.add_own(own)  # (a reference: averaged in at the end, not summed now)
-        hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
-        b = self.layout.bounds
-        plan = []
-        counts = {}
-        # native: the rows are filled and sealed as they are sent (receivers start earlier)
-        lazy = self._eng is not None
-        fill: dict[int, np.ndarray] = {}
-        for k in range(1, self.world):  # start at the next rank: owners see spread-out load
-            d = (self.rank + k) % self.world
-            rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint, seal=not lazy)
-            if lazy:
-                fill[id(rows)] = flat[b[d]: b[d + 1]]
-            plan.append((rows, lengths, d))
-            counts[d] = len(lengths)
-        acc = self._accumulators([(r, d, d) for r, _, d in plan]) if lazy else {}
-        sent, want = self._send_copies(plan, self._gpol, fill, acc)
-        # parity after all the data: a receiver decodes a stripe once k of its packets are in
-        par_plan: list[tuple[np.ndarray, np.ndarray, int]] = []
-        npar: dict[int, int] = {}
-        for k in range(1, self.world):
-            d = (self.rank + k) % self.world
-            pp, cnt = self._parity(PHASE_GRAD, d, flat[b[d]: b[d + 1]], [d], hint,
-                                   acc.get(id(self._rows_cache[(PHASE_GRAD, d)][0])))
-            par_plan += pp
-            npar.update(cnt)
-        sent += self._send(par_plan)
-        sent += self._send_markers(PHASE_GRAD, counts, hint, want, npar)
-        out = self._wait(PHASE_GRAD, t0)
-        out.sent, out.copies = sent, max(want.values(), default=1)
-        out.parity, out.recovered = sum(npar.values()), int(st.recovered[PHASE_GRAD])
+        sent, want, npar = self.sender.send_grad(flat)
+        out = self._closed(PHASE_GRAD, t0, sent, want, npar)
         if self._eng is None:
             return st.acc.average(out=avg_out), out
         # native: the same average in one pass in C (the phase is closed: nothing writes the
         # sum now), without the GIL
         if avg_out is None:
             avg_out = np.empty(own.size, np.float32)
-        self._eng.average(self.round % ROUNDS_OPEN, self.round, own, avg_out)
+        self._eng.average(self.ring.slot, self.ring.round, own, avg_out)
         return avg_out, out
+
+    def _closed(self, phase: int, t0: float, sent: int, want: dict[int, int],
+                npar: dict[int, int]) -> PhaseStats:
+        """Wait for ``phase`` to end; its statistics with what this rank sent."""
+        ps = self.waiter.wait(phase, t0)
+        ps.sent, ps.copies = sent, max(want.values(), default=1)
+        ps.parity, ps.recovered = sum(npar.values()), int(self.ring.current.recovered[phase])
+        return ps
 
     def broadcast(self, shard_values: np.ndarray, out: np.ndarray,
                   stale: np.ndarray | None = None, want_mask: bool = True,
@@ -277,87 +224,31 @@ class LossyCollective(Receiving, Sending, Phases):
         bound ``out`` already (``_bind_values``) and unbinds it."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
-        slot = self.round % ROUNDS_OPEN
         # native, no stale values to put first: the owners' chunks land in ``out`` itself as
         # they arrive (no copy-out after the phase); this rank's reduce-scatter is sent by
         # now, so nothing reads the other shards of ``out`` until the call returns
         mine = not bound and direct and stale is None and self._bind_values(out)
-        direct = bound or mine
         try:
-            hint = int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
-            lazy = self._eng is not None  # (as in reduce_scatter)
-            rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint,
-                                       seal=not lazy)
-            peers = [(self.rank + k) % self.world for k in range(1, self.world)]
-            acc = self._accumulators([(rows, self.rank, peers[0])]) if lazy and peers else {}
-            sent, want = self._send_copies([(rows, lengths, d) for d in peers], self._vpol,
-                                           {id(rows): shard_values} if lazy else None, acc)
-            par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint,
-                                          acc.get(id(rows)))
-            sent += self._send(par_plan)
-            sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint,
-                                       want, npar)
-            ps = self._wait(PHASE_VALUE, t0)
+            sent, want, npar = self.sender.send_values(shard_values)
+            ps = self._closed(PHASE_VALUE, t0, sent, want, npar)
         finally:
             if mine:  # the phase is closed (or failed): nothing more lands in out
                 self._unbind_values()
-        ps.sent, ps.copies = sent, max(want.values(), default=1)
-        st = self._rounds[slot]
-        ps.parity, ps.recovered = sum(npar.values()), int(st.recovered[PHASE_VALUE])
-        return self._landed(st, shard_values, out, stale, want_mask, direct), ps
-
-    def _landed(self, st: RoundState, shard_values: np.ndarray, out: np.ndarray,
-                stale: np.ndarray | None, want_mask: bool = True, direct: bool = False
-                ) -> np.ndarray | None:
-        """Write the owners' chunks that arrived into ``out`` (``stale``'s values elsewhere, when
-        given) and this rank's shard (unless it is already there: ``reduce_scatter`` averaged
-        into it); returns the per-element mask of what arrived (None unless ``want_mask``). A
-        shard that arrived whole -- the common case -- is one copy, not a masked one; with
-        ``direct`` (the engine placed them in ``out`` itself) the owners' chunks are not
-        copied at all."""
-        mask = np.empty(self.layout.numel, bool) if want_mask else None
-        b = self.layout.bounds
-        for s in range(self.world):
-            lo, hi = b[s], b[s + 1]
-            if s == self.rank:
-                if hi > lo and out[lo:hi].ctypes.data != shard_values.ctypes.data:
-                    out[lo:hi] = shard_values
-                if mask is not None:
-                    mask[lo:hi] = True
-            elif st.vseen[s].all():
-                if not direct:
-                    out[lo:hi] = st.vals[lo:hi]
-                if mask is not None:
-                    mask[lo:hi] = True
-            else:
-                m = self.layout.expand(s, st.vseen[s])
-                if mask is not None:
-                    mask[lo:hi] = m
-                if direct:
-                    continue
-                if stale is not None:
-                    out[lo:hi] = stale[lo:hi]
-                np.copyto(out[lo:hi], st.vals[lo:hi], where=m)
-        return mask
+        return self.ring.landed(self.ring.current, shard_values, out, stale, want_mask,
+                                bound or mine), ps
 
     def global_norm_sq(self, own_sq: float) -> tuple[float, PhaseStats]:
         """Sum over owners of their averaged shards' squared norms (for global clipping).
 
-        Every owner sends its value to every rank (``NORM_COPIES`` copies: a one-float packet
-        is cheap to repeat). A value still missing at the deadline is estimated from the
-        others' mean per element times that shard's size.
+        Every owner sends its value to every rank (``NORM_COPIES`` copies). A value still
+        missing at the deadline is estimated from the others' mean per element times that
+        shard's size.
         """
         t0 = time.perf_counter()
-        pkt = self.wire.packet(PHASE_NORM, self.round, self.rank, 0,
-                               np.array([own_sq], np.float32))
-        peers = [d for d in range(self.world) if d != self.rank]
-        rows = np.zeros((len(peers) * NORM_COPIES, len(pkt)), np.uint8)
-        rows[:] = np.frombuffer(pkt, np.uint8)
-        sent = self.transport.send(rows, np.full(len(rows), len(pkt)),
-                                   np.array(peers * NORM_COPIES))
-        ps = self._wait(PHASE_NORM, t0, adapt=False)
+        sent = self.sender.send_norm(own_sq)
+        ps = self.waiter.wait(PHASE_NORM, t0, adapt=False)
         ps.sent = sent
-        st = self._rounds[self.round % ROUNDS_OPEN]
+        st = self.ring.current
         lens = np.array(self.layout.shard_lens, np.float64)
         have = st.got[PHASE_NORM] > 0
         have[self.rank] = True
@@ -401,20 +292,19 @@ class LossyCollective(Receiving, Sending, Phases):
         reduce-scatter phase -- with all of this rank's packets for it in (or rebuilt from its
         parity), which are handed to the kernel before anything that follows them, or once it
         stopped waiting for this rank (deadline, silence), when whatever this rank still sends
-        it is rejected as late -- so no value
-        lands in a shard this rank still reads for a packet that counts; its own shard is never
-        written."""
+        it is rejected as late -- so no value lands in a shard this rank still reads for a
+        packet that counts; its own shard is never written."""
         if (self._eng is None or out.dtype != np.float32 or not out.flags.c_contiguous
                 or not out.flags.writeable or out.size != self.layout.numel):
             return False
-        with self._cond:
-            self._eng.values_into(self.round % ROUNDS_OPEN, self.round, out)
+        with self.receiver.cond:
+            self._eng.values_into(self.ring.slot, self.ring.round, out)
         return True
 
     def _unbind_values(self) -> None:
         """End ``_bind_values``'s binding: nothing more lands in ``out``."""
-        with self._cond:
-            self._eng.values_into(self.round % ROUNDS_OPEN, self.round, None)
+        with self.receiver.cond:
+            self._eng.values_into(self.ring.slot, self.ring.round, None)
 
     def worst_loss_in(self) -> float:
         """The highest loss rate measured on this rank's incoming links (0 if none yet)."""
@@ -424,49 +314,20 @@ class LossyCollective(Receiving, Sending, Phases):
     def bad_packets(self) -> int:
         """Rejected packets except late ones (authentic, merely after their phase ended --
         already counted as lost by the phase, or spare copies)."""
-        return int(self.rejected.sum() - self.rejected[R["late"]] - self.rejected[R["spare"]])
+        rej = self.receiver.rejected
+        return int(rej.sum() - rej[R["late"]] - rej[R["spare"]])
 
     def rejected_counts(self) -> dict[str, int]:
-        return {REASONS[i]: int(v) for i, v in enumerate(self.rejected) if i and v}
+        return {REASONS[i]: int(v) for i, v in enumerate(self.receiver.rejected) if i and v}
 
     def interrupt(self, why: str) -> None:
         """From any thread: the phase this rank waits in (or its next one) raises
         ``Interrupted`` -- the job knows a peer is gone (its membership changed), so waiting
         for the peer's packets up to a deadline cap would only delay the regroup. Sticky:
         the collective is not used again."""
-        self.interrupted = why
-        self._wake()
+        self.waiter.interrupt(why)
 
     def close(self) -> None:
         if self._eng is not None:
             self._eng.stop()  # before the socket closes: the engine reads its descriptor
         self.transport.close()
-
-
-
-class _DistExchange:
-    """Setup-time exchange over torch.distributed (reliable; used once, before training)."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def broadcast_from_0(self, obj):
-        import torch.distributed as dist
-
-        box = [obj]
-        # src is a GLOBAL rank: the group's rank 0 (global rank 0 may not be in the group)
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
-    def all_gather(self, obj) -> list:
-        import torch.distributed as dist
-
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier(group=self.group)

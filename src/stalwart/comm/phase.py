@@ -8,12 +8,12 @@ while a live peer has not started the round at all, the deadline cap (DEADLINE),
 from the end of this rank's own send. Nothing is ever retransmitted, so a phase lasts at most
 its own send plus one cap whatever the network does.
 
-``PhaseClock`` is the pure part -- states WAITING, LATE, GRACE and the three final ones, fed
-observations (all done, all ended, someone late) and the time, answering when to look again --
-so its rules can be read and tested without sockets. ``Phases._wait`` observes the round's
-counters under the receive lock, feeds the clock, sleeps until the clock's wake time or until
-the receiver signals a change, and afterwards marks silent peers and raises ``PeerLost`` for
-one silent for ``give_up_s``.
+``PhaseClock`` is the pure part -- an explicit ``PhaseState``: WAITING, LATE, GRACE and the
+three final ones, fed observations (all done, all ended, someone late) and the time, answering
+when to look again -- so its rules can be read and tested without sockets. ``PhaseWait.wait``
+observes the round's counters under the receive lock, feeds the clock, sleeps until the clock's
+wake time or until the receiver signals a change, and afterwards marks silent peers and raises
+``PeerLost`` for one silent for ``give_up_s`` (``liveness``).
 
 Guarantees: the clock's wake time never exceeds ``start + cap`` while a peer is late, nor
 ``base + deadline`` otherwise (``base`` starts at ``start`` and moves to the moment a late peer
@@ -29,21 +29,18 @@ at 11 deadlines, 9,894 of their packets arriving authentic but late).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
-from stalwart.comm.rounds import ROUNDS_OPEN, PhaseStats
+from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.layout import Layout
+from stalwart.comm.liveness import GIVE_UP_S, Liveness, PeerLost  # noqa: F401 (re-exported)
+from stalwart.comm.receiving import Receiver
+from stalwart.comm.rounds import PhaseStats, RoundRing
 from stalwart.comm.wire import PHASE_GRAD, PHASE_NORM
-
-# a peer silent this long (seconds from the first phase, or from its last packet) stops the job:
-# long enough for a restart of a neighbour's eval or checkpoint under loss (seconds), short
-# enough that a dead rank or a blocked path is reported within the first minute
-GIVE_UP_S = 60.0
-
-
-class PeerLost(RuntimeError):
-    """A peer sent nothing for ``give_up_s``: dead, or its packets cannot reach this rank."""
 
 
 class Interrupted(RuntimeError):
@@ -51,8 +48,19 @@ class Interrupted(RuntimeError):
     changed, a peer is known to be gone): the phase in progress stops waiting."""
 
 
-WAITING, LATE, GRACE = "waiting", "late", "grace"  # running states
-COMPLETE, ENDED, DEADLINE = "complete", "ended", "deadline"  # final states
+class PhaseState(StrEnum):
+    """Where one phase's wait stands (a string: ``PhaseStats.end`` and the bench's rows)."""
+
+    WAITING = "waiting"  # running: peers still sending, no marker from every live one yet
+    LATE = "late"  # running: a live peer has not started the round (wait up to the cap)
+    GRACE = "grace"  # running: every live sender's marker is in, a short grace left
+    COMPLETE = "complete"  # final: every expected packet arrived
+    ENDED = "ended"  # final: the grace after the markers ran out
+    DEADLINE = "deadline"  # final: the deadline (or, for a late peer, the cap) ran out
+
+
+WAITING, LATE, GRACE = PhaseState.WAITING, PhaseState.LATE, PhaseState.GRACE
+COMPLETE, ENDED, DEADLINE = PhaseState.COMPLETE, PhaseState.ENDED, PhaseState.DEADLINE
 
 
 @dataclass
@@ -64,7 +72,7 @@ class PhaseClock:
     cap: float
     grace: Callable[[float], float]  # grace after the last marker, from the time elapsed
     sent: float | None = None  # when this rank's own sending was done (None: at t0)
-    state: str = WAITING
+    state: PhaseState = WAITING
     base: float = 0.0  # when the phase's deadline started to run (a late peer moves it)
     start: float = 0.0  # when the waiting started: max(t0, sent)
     grace_from: float | None = None  # when every live sender had ended
@@ -109,7 +117,7 @@ class PhaseClock:
 
 
 class WaitAccount:
-    """Where one phase's wait went, from the observations of ``Phases._wait``: when each peer
+    """Where one phase's wait went, from the observations of ``PhaseWait.wait``: when each peer
     was first seen to have started the round and to have completed or ended the phase. The
     times are those of this rank's wake-ups (the native engine wakes it when a peer starts,
     completes or sends a marker), so they include its own scheduling delay."""
@@ -136,36 +144,68 @@ class WaitAccount:
         out.last = max(self.ended, key=self.ended.__getitem__) if self.ended else -1
 
 
-class Phases:
-    """The phase half of ``LossyCollective`` (a mixin: it works on the collective's state)."""
 
-    def _expected(self, phase: int) -> dict[int, int]:
+
+class PhaseWait:
+    """The wait that ends each phase of this rank (the end rule: ``PhaseClock``).
+
+    Guarantees: ``wait`` returns when the phase's clock reaches a final state, with the round's
+    phase closed (later packets of it are late) and, after a deadline, the peers that sent
+    nothing for a cap marked silent; it raises ``Interrupted`` once ``interrupt`` was called,
+    ``receiving.ReceiveFailed`` past the handler's error bound, ``PeerLost`` for a peer silent
+    for ``give_up_s``. A phase lasts at most this rank's own send plus one deadline cap.
+    Cost: one look at the round's counters (O(world)) per wake-up; the native engine wakes
+    this thread only when something it looks at changes.
+    """
+
+    def __init__(self, layout: Layout, rank: int, ring: RoundRing, receiver: Receiver,
+                 live: Liveness, deadline: AdaptiveDeadline,
+                 cond: threading.Condition, eng=None) -> None:
+        self.layout, self.rank, self.ring, self.receiver = layout, rank, ring, receiver
+        self.live, self.deadline, self.cond, self.eng = live, deadline, cond, eng
+        self.interrupted: str | None = None  # why: every wait for packets raises Interrupted
+
+    def interrupt(self, why: str) -> None:
+        """From any thread: the wait in progress (or the next one) raises ``Interrupted``.
+        Sticky."""
+        self.interrupted = why
+        self.wake()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()  # a waiting phase re-checks the handler's failures
+
+    def expected(self, phase: int) -> dict[int, int]:
+        """Packets expected from each peer in ``phase`` of a round."""
+        world, lay = self.layout.world, self.layout
         if phase == PHASE_NORM:
-            return {s: 1 for s in range(self.world) if s != self.rank}
+            return {s: 1 for s in range(world) if s != self.rank}
         if phase == PHASE_GRAD:
-            n = self.layout.n_chunks(self.rank)
-            return {s: n for s in range(self.world) if s != self.rank}
-        return {s: self.layout.n_chunks(s) for s in range(self.world) if s != self.rank}
+            n = lay.n_chunks(self.rank)
+            return {s: n for s in range(world) if s != self.rank}
+        return {s: lay.n_chunks(s) for s in range(world) if s != self.rank}
 
-    def _wait(self, phase: int, t0: float, adapt: bool = True) -> PhaseStats:
-        st = self._rounds[self.round % ROUNDS_OPEN]
-        exp = self._expected(phase)
+    def wait(self, phase: int, t0: float, adapt: bool = True) -> PhaseStats:
+        """Wait for the current round's ``phase`` (started at ``t0``; this rank's packets are
+        sent by now) to end; returns its statistics (``sent`` and the protection counts are
+        the caller's to fill). ``adapt``: the phase is a sample for the adaptive deadline."""
+        st, rnd, eng, silent = self.ring.current, self.ring.round, self.eng, self.live.silent
+        exp = self.expected(phase)
         total = sum(exp.values())
         sent = time.perf_counter()  # this rank's packets, parity and markers are sent
         clock = PhaseClock(t0, self.deadline.current(), self.deadline.cap, self.deadline.grace,
                            sent=sent)
         out = PhaseStats()
-        if self._t_first is None:
-            self._t_first = t0
+        self.live.phase_started(t0)
         account = WaitAccount(t0, sent)
-        with self._cond:
+        with self.cond:
             while True:
-                self._check_handler()
+                self.receiver.check_handler()
                 if self.interrupted is not None:
                     raise Interrupted(f"stalwart.comm: rank {self.rank}: {self.interrupted}")
-                self._sync()
+                self.receiver.sync()
                 now = time.perf_counter()
-                live = [s for s in exp if s not in self.silent]
+                live = [s for s in exp if s not in silent]
                 if not live:
                     # every peer silent: it is THIS rank that is out of step (ahead after the
                     # others lost a deadline to it, or cut off); finishing at once would let it
@@ -187,17 +227,16 @@ class Phases:
                 wake = clock.step(now, all_done, all_ended, late)
                 if wake is None:
                     break
-                if self._eng is not None:  # wake only when something read above changes
-                    self._eng.watch(self.round, phase,
-                                    [exp.get(s, -1) for s in range(self.world)],
-                                    [s in self.silent for s in range(self.world)])
-                self._cond.wait(timeout=wake - now)
+                if eng is not None:  # wake only when something read above changes
+                    eng.watch(rnd, phase, [exp.get(s, -1) for s in range(self.layout.world)],
+                              [s in silent for s in range(self.layout.world)])
+                self.cond.wait(timeout=wake - now)
             st.closed[phase] = True
-            if self._eng is not None:
-                self._eng.close_phase(self.round % ROUNDS_OPEN, phase)
+            if eng is not None:
+                eng.close_phase(self.ring.slot, phase)
             out.deadline_hit = clock.deadline_hit
             out.elapsed = time.perf_counter() - t0
-            out.end = clock.state
+            out.end = clock.state.value
             account.fill(out)
             recv = int(st.got[phase].sum())
             out.recv = recv
@@ -205,47 +244,18 @@ class Phases:
             if out.deadline_hit:
                 for s in exp:
                     # silent = nothing authenticated from it, of ANY round, for a whole
-                    # deadline cap. A peer that is merely stalled (a TCP retransmission in
-                    # the job's eval or checkpoint traffic holds a rank 0.2-1 s under loss)
-                    # or a round out of step is not dead: giving up on it after one short
-                    # deadline let the others run rounds ahead, beyond the rounds it buffers,
-                    # and the two groups never met again (seen at 10% loss: two pairs of
-                    # ranks, 13% of chunks lost for the rest of the run). A dead peer costs
-                    # at most one cap of deadlines, then is not waited for.
-                    quiet = time.perf_counter() - self._heard[s]
-                    if (st.got[phase, s] == 0 and st.marker[phase, s] < 0
-                            and quiet >= self.deadline.cap):
-                        self.silent.add(s)
-                        self._silenced_at[s] = time.perf_counter()
-                out.silent = sorted(self.silent)
+                    # deadline cap (``Liveness.silence``). A peer that is merely stalled (a TCP
+                    # retransmission in the job's eval or checkpoint traffic holds a rank
+                    # 0.2-1 s under loss) or a round out of step is not dead: two pairs of
+                    # ranks that gave up on each other after one short deadline never met
+                    # again. A dead peer costs at most one cap of deadlines, then is not
+                    # waited for.
+                    if st.got[phase, s] == 0 and st.marker[phase, s] < 0:
+                        self.live.silence(s, self.deadline.cap)
+                out.silent = sorted(silent)
         completion = recv / total if total else 1.0
         # (a wait for a late peer measures its lateness, not the network: not a sample)
         if adapt and not clock.waited_late and (not out.deadline_hit or completion > 0):
             self.deadline.observe(self.rank, out.elapsed, completion)
-        self._check_silence()
+        self.live.check()
         return out
-
-    def _check_silence(self) -> None:
-        """Raise ``PeerLost`` for a peer silent for ``give_up_s``. A silent peer costs no wait
-        once marked, so without this bound a dead owner's shard would freeze for the rest of the
-        run (or, with every peer silent, each phase would wait a deadline forever) and a rank
-        that never hears anyone -- a bind address its peers cannot reach -- would train on its
-        own gradient."""
-        assert self._t_first is not None
-        now = time.perf_counter()
-        for s in sorted(self.silent):
-            quiet = now - max(self._heard[s], self._t_first)
-            if quiet < self.give_up_s:
-                continue
-            me = f"{self.transport.addr[0]}:{self.transport.addr[1]}"
-            if not self._ever[s]:
-                peer = self.transport.peers[s]
-                raise PeerLost(
-                    f"stalwart.comm: rank {self.rank} (bound to {me}) never received a packet "
-                    f"from rank {s} (at {peer[0]}:{peer[1]}) in {quiet:.0f} s: UDP between them "
-                    f"is blocked or an address is wrong (set STALWART_HOST_ADDR to an address "
-                    f"the other hosts can reach)")
-            raise PeerLost(
-                f"stalwart.comm: rank {s} sent nothing to rank {self.rank} for {quiet:.0f} s "
-                f"(give_up_s={self.give_up_s:g}): it died or its path is cut; stopping instead "
-                f"of training without it")

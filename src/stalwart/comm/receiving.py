@@ -8,11 +8,11 @@ parity packet kept for the stripe's decoder (``fec``), an end marker's announced
 for the phase's end rule and for the loss estimate (``copies.LossEstimator``), which counts
 authenticated arrivals per (round, phase).
 
-Two engines, one set of rules. The Python engine (``Receiving._on_batch`` and the methods after
+Two engines, one set of rules. The Python engine (``Receiver.on_batch`` and the methods after
 it) is the reference: the transport's thread hands it each batch, the common case is placed per
 batch with numpy, everything else per datagram. The native engine (``native``,
 ``_native/engine.c``) runs the same rules in C on its own thread without the GIL, into the same
-numpy arrays; ``_sync`` applies, once per phase step, what it gathered that lives in Python
+numpy arrays; ``Receiver.sync`` applies, once per phase step, what it gathered that lives in Python
 objects (deadline proposals, loss feedback, silent peers that spoke). The comm test suite runs
 with each engine.
 
@@ -24,13 +24,18 @@ counted; past ``MAX_HANDLER_ERRORS`` the next phase raises ``ReceiveFailed``.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
 from stalwart.comm import fec, native
-from stalwart.comm.rounds import ROUNDS_OPEN, FecRx, RoundState
-from stalwart.comm.transport import _ip_u32
+from stalwart.comm.copies import CopyPolicy, LossEstimator
+from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.layout import Layout
+from stalwart.comm.liveness import Liveness
+from stalwart.comm.rounds import ROUNDS_OPEN, FecRx, RoundRing, RoundState
+from stalwart.comm.transport import UdpTransport, _ip_u32
 from stalwart.comm.wire import (
     FB_SCALE,
     FB_UNKNOWN,
@@ -43,6 +48,7 @@ from stalwart.comm.wire import (
     PHASE_VALUE,
     TAG_BYTES,
     R,
+    Wire,
 )
 
 _UNAUTHENTICATED = (R["malformed"], R["bad_tag"], R["unknown_sender"], R["spare"])
@@ -66,72 +72,69 @@ class ReceiveFailed(RuntimeError):
     """The receiving thread's handler failed more than ``MAX_HANDLER_ERRORS`` times."""
 
 
-class Receiving:
-    """The receive half of ``LossyCollective`` (a mixin: it works on the collective's state)."""
+class Receiver:
+    """The receive side of one rank: places what arrives into the round ring's buffers.
 
-    def _start_native(self) -> None:
-        """The native engine receives instead of the transport's thread, into this
-        collective's own round buffers and counters, and seals every packet (it owns the nonce
-        counter)."""
-        mod = native.module()
-        t = self.transport
-        eng = mod.Engine(fd=t.sock.fileno(), key=self.wire.job_key, job=self.wire.job,
-                         world=self.world, me=self.rank, shard_lens=self.layout.shard_lens,
-                         chunk=self.chunk, slot=self.slot, rounds_open=ROUNDS_OPEN,
-                         may_copy=self._may_copy, batch=t.batch, rx_segments=t.rx_segments)
-        eng.set_peers([_ip_u32(h) for h, _ in t.peers], [p for _, p in t.peers])
-        for i, st in enumerate(self._rounds):
-            eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib, st.vals,
-                           st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag,
-                           st.recovered)
-            eng.reset_round(i, st.rnd)
-        eng.bind_shared(self._heard, self._ever, self.rejected, self.loss_in.got,
-                        self.loss_in.owed)
-        self.wire.sealer = eng.seal
-        self._eng = eng
-        self._cond = _NativeCond(eng)
-        eng.start()
+    Owns the rejection counters (by reason), the booking of end markers, and the Python
+    engine's handler (``on_batch``, run on the transport's thread); with the native engine
+    ``sync`` applies what the engine gathered. Guarantees: the module's. Cost: per batch, one
+    check (``wire.check``) and numpy placement per (round, phase, sender); per unusual
+    datagram, Python work under the lock.
+    """
 
-    def _sync(self) -> None:
+    def __init__(self, wire: Wire, layout: Layout, ring: RoundRing, live: Liveness,
+                 loss_in: LossEstimator, policies: tuple[CopyPolicy, CopyPolicy],
+                 deadline: AdaptiveDeadline, transport: UdpTransport, may_copy: bool,
+                 rejected: np.ndarray) -> None:
+        self.wire, self.layout, self.ring, self.live = wire, layout, ring, live
+        self.loss_in, self.policies, self.deadline = loss_in, policies, deadline
+        self.transport, self.may_copy = transport, may_copy
+        self.rank, self.world, self.chunk = wire.me, layout.world, layout.chunk
+        self.rejected = rejected  # per reason (``wire.REASONS``); the native engine adds too
+        self.booked = np.full((3, self.world), -1, np.int64)  # last marker round booked
+        self.cond: threading.Condition | NativeCond = threading.Condition()
+        self.eng = None
+
+    def attach(self, eng) -> None:
+        """The native engine receives from now on; the lock is its lock."""
+        self.eng = eng
+        self.cond = NativeCond(eng)
+
+    def _feedback(self, s: int, rate: float) -> None:
+        for pol in self.policies:
+            pol.feedback(s, rate)
+
+    def sync(self) -> None:
         """Apply what the native engine gathered since the last call (under the lock): deadline
         proposals and loss feedback from markers, and peers marked silent that spoke since.
         (The Python engine does all of this as each packet is handled.)"""
-        if self._eng is None:
+        if self.eng is None:
             return
-        hints, fb = self._eng.drain()
+        hints, fb = self.eng.drain()
         for s, secs in hints:
             self.deadline.hear(s, secs)
         for s, rate in fb:
-            self._vpol.feedback(s, rate)
-            self._gpol.feedback(s, rate)
-        for s in [s for s in self.silent if self._heard[s] > self._silenced_at[s]]:
-            self.silent.discard(s)
-
-    def _new_round(self, rnd: int) -> RoundState:
-        return RoundState.new(self.layout, self.rank, rnd, keep=self.fec_mode == "rs")
+            self._feedback(s, rate)
+        self.live.unsilence_spoken()
 
     # ---- receiving thread -----------------------------------------------------------------
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()  # a waiting phase re-checks the handler's failures
-
-    def _check_handler(self) -> None:
+    def check_handler(self) -> None:
         n = self.transport.handler_errors
         if n > MAX_HANDLER_ERRORS:
             raise ReceiveFailed(
                 f"stalwart.comm: rank {self.rank}'s receive handler failed {n} times (bound "
                 f"{MAX_HANDLER_ERRORS}); last: {self.transport.last_error!r}")
 
-    def _on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
-        hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.round, 0), self._placed)
-        with self._cond:
+    def on_batch(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray) -> None:
+        hdr, reasons = self.wire.check(rows, sizes, src_ok, max(self.ring.round, 0), self._placed)
+        with self.cond:
             done = self._place_batch(rows, hdr, reasons)
         if done.any():
             keep = ~done
             rows, hdr, reasons = rows[keep], hdr[keep], reasons[keep]
             if not len(reasons):
-                with self._cond:
-                    self._cond.notify_all()
+                with self.cond:
+                    self.cond.notify_all()
                 return
         self._on_rest(rows, hdr, reasons)
 
@@ -165,7 +168,7 @@ class Receiving:
         lay = self.layout
         for grp in np.split(order, bounds_k):
             r, p, s = int(rnd[grp[0]]), int(ph[grp[0]]), int(snd[grp[0]])
-            st = self._rounds[r % ROUNDS_OPEN]
+            st = self.ring.at(r)
             if st.rnd != r or st.closed[p]:
                 continue  # the slow path decides (late, old round, ...)
             seen = st.acc.seen[s] if p == PHASE_GRAD else st.vseen[s]
@@ -190,7 +193,7 @@ class Receiving:
                     lo = lay.bounds[s]
                     nfull = lay.shard_len(s) // C
                     st.vals[lo: lo + nfull * C].reshape(nfull, C)[c_new] = pay
-                    st.vtag[self._chunk_base[s] + c_new] = tags
+                    st.vtag[self.ring.chunk_base[s] + c_new] = tags
                 st.got[p, s] += c_new.size
                 rx = st.fec.get((p, s))
                 if rx is not None:
@@ -198,12 +201,10 @@ class Receiving:
                     np.add.at(rx.have, stripes, 1)
                     for i in np.unique(stripes).tolist():
                         self._maybe_decode(st, p, s, rx, i)
-            if dup and not self._may_copy:
+            if dup and not self.may_copy:
                 self.rejected[R["duplicate"]] += dup
             # all of them authenticated data datagrams from s: alive, and arrived
-            self._heard[s] = now
-            self._ever[s] = True
-            self.silent.discard(s)
+            self.live.spoke(s, now)
             self.loss_in.arrived(s, (r, p), len(grp))
             handled[rows_i] = True
         return handled
@@ -223,16 +224,13 @@ class Receiving:
         C = self.chunk
         bounds = self.layout.bounds
         now = time.perf_counter()
-        with self._cond:
+        with self.cond:
             for i, why in enumerate(why_l):
                 s = snd_l[i]
                 # authenticated: its tag was checked (wire.check tag-checks an ended round's
                 # data packets too), so the sender is alive, whatever the round
                 if why not in _UNAUTHENTICATED and s < self.world:
-                    self._heard[s] = now  # of any round: it is alive
-                    self._ever[s] = True
-                    if s in self.silent:
-                        self.silent.discard(s)  # it speaks again: wait for it again
+                    self.live.spoke(s, now)  # of any round: alive, waited for again
                 if s < self.world and ph_l[i] != PHASE_NORM:
                     if not fl_l[i] & FLAG_END:
                         # an authenticated data datagram from s reached us
@@ -243,8 +241,8 @@ class Receiving:
                         # an authenticated marker (the tag is checked before the round), in
                         # time or not: book its datagrams once (a sender's markers arrive in
                         # round order, so the first copy of a newer round is the one to book)
-                        if rnd_l[i] > self._booked[ph_l[i], s]:
-                            self._booked[ph_l[i], s] = rnd_l[i]
+                        if rnd_l[i] > self.booked[ph_l[i], s]:
+                            self.booked[ph_l[i], s] = rnd_l[i]
                             self.loss_in.owe(
                                 s, off_l[i] * min(max(cp_l[i], 1), MAX_ANNOUNCED_COPIES)
                                 + len_l[i], (rnd_l[i], ph_l[i]))
@@ -252,25 +250,24 @@ class Receiving:
                             # reports' maximum sizes the parity)
                             if fb_l[i] != FB_UNKNOWN:
                                 rate = fb_l[i] / FB_SCALE
-                                self._vpol.feedback(s, rate)
-                                self._gpol.feedback(s, rate)
+                                self._feedback(s, rate)
                 if why == 0:
                     why = self._place(rows[i], rnd_l[i], ph_l[i], s, fl_l[i], off_l[i],
                                       len_l[i], hint_l[i], C, bounds)
                 # (also after _place: wire.check ran outside the lock, and the round may have
                 # ended between it and here -- the packet is then as late as one it tagged old)
-                if why == _OLD and rnd_l[i] == self.round - 1:
+                if why == _OLD and rnd_l[i] == self.ring.round - 1:
                     # the round that just ended: a late packet or a spare copy -- except its
                     # end markers, deliberate copies counted in no loss (as in a closed phase)
                     why = 0 if fl_l[i] & FLAG_END else _LATE
                 if why:
                     self.rejected[why] += 1
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def _same_tag(self, row: np.ndarray, rnd: int, ph: int, s: int, off: int, n: int) -> bool:
         """Whether a spare copy carries the tag of the copy placed for its chunk this round
         (so it is a copy of an authenticated packet). Called under the lock."""
-        st = self._rounds[rnd % ROUNDS_OPEN]
+        st = self.ring.at(rnd)
         if st.rnd != rnd or s == self.rank:
             return False  # the round moved on since wire.check: not booked (a harmless miss)
         c = off // self.chunk
@@ -281,7 +278,7 @@ class Receiving:
         else:
             if c >= st.vseen[s].size or not st.vseen[s][c]:
                 return False
-            ref = st.vtag[self._chunk_base[s] + c]
+            ref = st.vtag[self.ring.chunk_base[s] + c]
         at = HEADER_BYTES + 4 * n
         return bool(np.array_equal(row[at: at + TAG_BYTES], ref))
 
@@ -290,14 +287,14 @@ class Receiving:
         lock: "seen" only goes from False to True within a round, and a packet misjudged
         during a round change is of an old round, rejected anyway)."""
         out = np.zeros(idx.size, bool)
-        if not self._may_copy:
+        if not self.may_copy:
             return out  # no deliberate copies: keep counting replays as duplicates
         h = hdr[idx]
         C, me, world = self.chunk, self.rank, self.world
         for j, (rnd, ph, fl, s, off) in enumerate(zip(
                 h["round"].tolist(), h["phase"].tolist(), h["flags"].tolist(),
                 h["sender"].tolist(), h["offset"].tolist(), strict=True)):
-            st = self._rounds[rnd % ROUNDS_OPEN]
+            st = self.ring.at(rnd)
             if fl or st.rnd != rnd or s >= world or s == me:
                 continue
             c = off // C
@@ -313,9 +310,9 @@ class Receiving:
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
                hint: int, C: int, bounds: list[int]) -> int:
-        st = self._rounds[rnd % ROUNDS_OPEN]
+        st = self.ring.at(rnd)
         if st.rnd != rnd:
-            return R["old_round"] if rnd < self.round else R["future_round"]
+            return R["old_round"] if rnd < self.ring.round else R["future_round"]
         is_end = flags & FLAG_END
         if st.closed[ph]:
             # a spare copy (end marker, norm, a data chunk already placed) after the phase is
@@ -340,18 +337,18 @@ class Receiving:
             st.norm[s] = float(pay[0])
         elif ph == PHASE_GRAD:
             if not st.acc.add(s, off, pay):  # never counted twice
-                return 0 if self._may_copy else R["duplicate"]
+                return 0 if self.may_copy else R["duplicate"]
             st.gtag[s, off // C] = row[HEADER_BYTES + 4 * n: HEADER_BYTES + 4 * n + TAG_BYTES]
             self._fec_data_arrived(st, ph, s, off // C)
         else:
             seen = st.vseen[s]
             c = off // C
             if seen[c]:  # an identical copy of values already written: ignore, never harmful
-                return 0 if self._may_copy else R["duplicate"]
+                return 0 if self.may_copy else R["duplicate"]
             seen[c] = True
             lo = bounds[s] + off
             st.vals[lo: lo + n] = pay
-            st.vtag[self._chunk_base[s] + c] = row[HEADER_BYTES + 4 * n:
+            st.vtag[self.ring.chunk_base[s] + c] = row[HEADER_BYTES + 4 * n:
                                                    HEADER_BYTES + 4 * n + TAG_BYTES]
             self._fec_data_arrived(st, ph, s, c)
         st.got[ph, s] += 1
@@ -456,13 +453,13 @@ class Receiving:
 
 
 
-class _NativeCond:
+class NativeCond:
     """The native engine's mutex and condition variable, used like ``threading.Condition``."""
 
     def __init__(self, eng) -> None:
         self._eng = eng
 
-    def __enter__(self) -> _NativeCond:
+    def __enter__(self) -> NativeCond:
         self._eng.lock()
         return self
 
@@ -475,3 +472,27 @@ class _NativeCond:
     def notify_all(self) -> None:
         self._eng.notify()
 
+
+
+def start_native(rx: Receiver, ring: RoundRing, live: Liveness) -> object:
+    """Start the native engine: it receives instead of the transport's thread, into ``ring``'s
+    round buffers and the receiver's, liveness's and loss estimator's counters (it holds
+    pointers to those arrays), and seals every packet (it owns the nonce counter). The ring
+    and the receiver are attached to it; returns the engine."""
+    mod = native.module()
+    t, wire, lay = rx.transport, rx.wire, rx.layout
+    eng = mod.Engine(fd=t.sock.fileno(), key=wire.job_key, job=wire.job, world=lay.world,
+                     me=rx.rank, shard_lens=lay.shard_lens, chunk=lay.chunk, slot=t.slot,
+                     rounds_open=ROUNDS_OPEN, may_copy=rx.may_copy, batch=t.batch,
+                     rx_segments=t.rx_segments)
+    eng.set_peers([_ip_u32(h) for h, _ in t.peers], [p for _, p in t.peers])
+    for i, st in enumerate(ring.states):
+        eng.bind_round(i, st.acc.sum, st.acc.count, st.acc.seen, st.acc.contrib, st.vals,
+                       st.vseen, st.norm, st.got, st.marker, st.gtag, st.vtag, st.recovered)
+        eng.reset_round(i, st.rnd)
+    eng.bind_shared(live.heard, live.ever, rx.rejected, rx.loss_in.got, rx.loss_in.owed)
+    wire.sealer = eng.seal
+    ring.attach(eng)
+    rx.attach(eng)
+    eng.start()
+    return eng

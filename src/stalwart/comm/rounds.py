@@ -7,7 +7,11 @@ the end-of-phase markers, and the erasure decoder's state per (phase, sender). `
 of these exist at once (the current round and the next three), reused round after round: a
 faster peer's packets of a later round wait in their own buffers.
 
-Both engines write the same numpy arrays: the Python engine from ``receiving.Receiving``, the
+``RoundRing`` owns the ``ROUNDS_OPEN`` states and the current round number: ``begin`` moves
+the ring to the next round (the state of the round that just ended becomes the newest open
+one's), ``state(rnd)`` is round ``rnd``'s buffers while it is open.
+
+Both engines write the same numpy arrays: the Python engine from ``receiving.Receiver``, the
 native one from C (it holds pointers to these arrays; ``reset`` clears them in place for that
 reason, never replaces them -- all but the owner's sum, which a chunk's count makes valid:
 ``aggregate.ShardAccumulator``). Cost: per open round a full-size value buffer and tags
@@ -91,6 +95,93 @@ class RoundState:
         self.closed = [False, False, False]
 
 
+class RoundRing:
+    """The open rounds of one rank: ``ROUNDS_OPEN`` ``RoundState`` reused in turn, and the
+    current round number (-1 before the first ``begin``).
+
+    Guarantees: after ``begin()`` returns r, the states of rounds r .. r + ROUNDS_OPEN - 1
+    are open (each cleared when it was taken over, its arrays kept in place), and the native
+    engine, when attached, has been told the same. Callers hold the collective's lock around
+    ``begin``. Cost: ``ROUNDS_OPEN`` states (module docstring); ``begin`` clears one state's
+    arrays per round.
+    """
+
+    def __init__(self, lay: Layout, rank: int, keep: bool) -> None:
+        self.layout, self.rank = lay, rank
+        self.states = [RoundState.new(lay, rank, i, keep) for i in range(ROUNDS_OPEN)]
+        self.round = -1
+        # global index of each shard's first chunk (where its tags start in RoundState.vtag)
+        self.chunk_base = np.concatenate(
+            [[0], np.cumsum([lay.n_chunks(s) for s in range(lay.world)])]).astype(int)
+        self.eng = None  # the native engine bound to these states (``attach``)
+
+    def attach(self, eng) -> None:
+        """The native engine holds pointers to the states' arrays: tell it each reset."""
+        self.eng = eng
+
+    @property
+    def slot(self) -> int:
+        """Index of the current round's state (its slot in the native engine too)."""
+        return self.round % ROUNDS_OPEN
+
+    @property
+    def current(self) -> RoundState:
+        return self.states[self.round % ROUNDS_OPEN]
+
+    def at(self, rnd: int) -> RoundState:
+        """The state in round ``rnd``'s slot (``.rnd != rnd``: that round is not open)."""
+        return self.states[rnd % ROUNDS_OPEN]
+
+    def begin(self) -> int:
+        """Start the next round; returns its number."""
+        self.round += 1
+        r = self.round
+        for k in range(ROUNDS_OPEN):  # round r-1 is over: its state becomes r+OPEN-1's
+            st = self.states[(r + k) % ROUNDS_OPEN]
+            if st.rnd != r + k:
+                st.reset(r + k)
+                if self.eng is not None:
+                    self.eng.reset_round((r + k) % ROUNDS_OPEN, r + k)
+        if self.eng is not None:
+            self.eng.set_round(r)
+        return r
+
+    def landed(self, st: RoundState, shard_values: np.ndarray, out: np.ndarray,
+               stale: np.ndarray | None, want_mask: bool = True, direct: bool = False
+               ) -> np.ndarray | None:
+        """Write the owners' chunks of round ``st`` that arrived into ``out`` (``stale``'s
+        values elsewhere, when given) and this rank's shard (unless it is already there:
+        ``reduce_scatter`` averaged into it); returns the per-element mask of what arrived
+        (None unless ``want_mask``). A shard that arrived whole -- the common case -- is one
+        copy, not a masked one; with ``direct`` (the engine placed them in ``out`` itself)
+        the owners' chunks are not copied at all. Cost: one pass over ``out`` at most."""
+        lay = self.layout
+        mask = np.empty(lay.numel, bool) if want_mask else None
+        b = lay.bounds
+        for s in range(lay.world):
+            lo, hi = b[s], b[s + 1]
+            if s == self.rank:
+                if hi > lo and out[lo:hi].ctypes.data != shard_values.ctypes.data:
+                    out[lo:hi] = shard_values
+                if mask is not None:
+                    mask[lo:hi] = True
+            elif st.vseen[s].all():
+                if not direct:
+                    out[lo:hi] = st.vals[lo:hi]
+                if mask is not None:
+                    mask[lo:hi] = True
+            else:
+                m = lay.expand(s, st.vseen[s])
+                if mask is not None:
+                    mask[lo:hi] = m
+                if direct:
+                    continue
+                if stale is not None:
+                    out[lo:hi] = stale[lo:hi]
+                np.copyto(out[lo:hi], st.vals[lo:hi], where=m)
+        return mask
+
+
 @dataclass
 class PhaseStats:
     sent: int = 0
@@ -102,7 +193,7 @@ class PhaseStats:
     copies: int = 1  # most copies of a data packet sent to any peer in this phase
     parity: int = 0  # erasure-code parity packets sent
     recovered: int = 0  # data chunks this rank rebuilt from parity
-    # where the phase's time went (``Phases._wait``; seconds from the phase's start, as this
+    # where the phase's time went (``phase.PhaseWait``; seconds from the phase's start, as this
     # rank observed them at its wake-ups): until its own packets, parity and markers were
     # sent (t_sent), until every live peer had started the round (skew), until every one had
     # completed or sent its end marker (transfer), and how the

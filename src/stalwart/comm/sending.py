@@ -31,7 +31,11 @@ from __future__ import annotations
 import numpy as np
 
 from stalwart.comm import fec
-from stalwart.comm.copies import CopyPolicy
+from stalwart.comm.copies import CopyPolicy, LossEstimator
+from stalwart.comm.deadline import AdaptiveDeadline
+from stalwart.comm.layout import Layout
+from stalwart.comm.rounds import RoundRing
+from stalwart.comm.transport import UdpTransport
 from stalwart.comm.wire import (
     FB_SCALE,
     FB_UNKNOWN,
@@ -42,19 +46,112 @@ from stalwart.comm.wire import (
     MAGIC,
     OVERHEAD,
     PHASE_GRAD,
+    PHASE_NORM,
+    PHASE_VALUE,
+    Wire,
 )
 
 # an end marker is lost only if all copies are: p**4 (0.01% at 10% independent loss; the copies
 # go back to back, so a burst of 4 packets takes them all: 38 of 840 on the testbed's bursts)
 MARKER_COPIES = 4
+# a norm is the whole phase (one float per owner), and a lost one holds its receiver a full
+# deadline while the others go on to the broadcast without it: 1e-8 at 10% loss
+NORM_COPIES = 8
 # reports a link's parity waits for before it trusts them: the first windows hold a few hundred
 # datagrams, and between two bursts of loss they read nearly 0 (seen on the testbed: a link
 # that lost 10% in bursts of 32 datagrams read 0.25% after its first phase)
 FEC_MIN_REPORTS = 4
 
 
-class Sending:
-    """The send half of ``LossyCollective`` (a mixin: it works on the collective's state)."""
+class Sender:
+    """The send side of one rank: each phase's packets, parity and end markers.
+
+    Owns the reusable packet rows (one set per (phase, shard), headers written once) and the
+    protection settings (copies per link from ``policies``, Reed-Solomon parity per link from
+    the loss it reports). Guarantees: the module's; every packet it sends is sealed with the
+    job's key (by the native engine, which owns the nonce counter, when attached). Cost: the
+    module's.
+    """
+
+    def __init__(self, wire: Wire, layout: Layout, ring: RoundRing, transport: UdpTransport,
+                 policies: tuple[CopyPolicy, CopyPolicy], loss_in: LossEstimator,
+                 deadline: AdaptiveDeadline, fec_mode: str, fec_target: float,
+                 fec_initial_loss: float, eng=None) -> None:
+        self.wire, self.layout, self.ring, self.transport = wire, layout, ring, transport
+        self.vpol, self.gpol = policies  # broadcast values, contributions to the owners
+        self.loss_in, self.deadline, self.eng = loss_in, deadline, eng
+        self.rank, self.chunk, self.slot = wire.me, layout.chunk, transport.slot
+        # "rs": systematic Reed-Solomon parity per stripe of each phase (fec.py), sized per
+        # link from its measured loss for ``fec_target``; "copies": repetition; "none":
+        # neither (the bare algorithm)
+        self.fec_mode, self.fec_target = fec_mode, float(fec_target)
+        self.fec_initial_loss = float(fec_initial_loss)
+        self.rows_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _hint(self) -> int:
+        """This rank's deadline proposal in microseconds (carried by every packet)."""
+        return int(self.deadline.proposals.get(self.rank, self.deadline.current()) * 1e6)
+
+    def send_grad(self, flat: np.ndarray) -> tuple[int, dict[int, int], dict[int, int]]:
+        """Phase 1: shard d of ``flat`` to its owner d, for every peer d (the next rank first:
+        owners see spread-out load), then the parity, then the markers. Returns (datagrams
+        sent, copies per destination, parity packets per destination)."""
+        hint, b, world = self._hint(), self.layout.bounds, self.layout.world
+        plan = []
+        counts = {}
+        # native: the rows are filled and sealed as they are sent (receivers start earlier)
+        lazy = self.eng is not None
+        fill: dict[int, np.ndarray] = {}
+        for k in range(1, world):
+            d = (self.rank + k) % world
+            rows, lengths = self._rows(PHASE_GRAD, d, flat[b[d]: b[d + 1]], hint, seal=not lazy)
+            if lazy:
+                fill[id(rows)] = flat[b[d]: b[d + 1]]
+            plan.append((rows, lengths, d))
+            counts[d] = len(lengths)
+        acc = self._accumulators([(r, d, d) for r, _, d in plan]) if lazy else {}
+        sent, want = self._send_copies(plan, self.gpol, fill, acc)
+        # parity after all the data: a receiver decodes a stripe once k of its packets are in
+        par_plan: list[tuple[np.ndarray, np.ndarray, int]] = []
+        npar: dict[int, int] = {}
+        for k in range(1, world):
+            d = (self.rank + k) % world
+            pp, cnt = self._parity(PHASE_GRAD, d, flat[b[d]: b[d + 1]], [d], hint,
+                                   acc.get(id(self.rows_cache[(PHASE_GRAD, d)][0])))
+            par_plan += pp
+            npar.update(cnt)
+        sent += self._send(par_plan)
+        sent += self._send_markers(PHASE_GRAD, counts, hint, want, npar)
+        return sent, want, npar
+
+    def send_values(self, shard_values: np.ndarray
+                    ) -> tuple[int, dict[int, int], dict[int, int]]:
+        """Phase 2: this rank's shard values to every peer, then parity, then markers.
+        Returns (datagrams sent, copies per destination, parity packets per destination)."""
+        hint, world = self._hint(), self.layout.world
+        lazy = self.eng is not None  # (as in send_grad)
+        rows, lengths = self._rows(PHASE_VALUE, self.rank, shard_values, hint, seal=not lazy)
+        peers = [(self.rank + k) % world for k in range(1, world)]
+        acc = self._accumulators([(rows, self.rank, peers[0])]) if lazy and peers else {}
+        sent, want = self._send_copies([(rows, lengths, d) for d in peers], self.vpol,
+                                       {id(rows): shard_values} if lazy else None, acc)
+        par_plan, npar = self._parity(PHASE_VALUE, self.rank, shard_values, peers, hint,
+                                      acc.get(id(rows)))
+        sent += self._send(par_plan)
+        sent += self._send_markers(PHASE_VALUE, {d: len(lengths) for d in peers}, hint,
+                                   want, npar)
+        return sent, want, npar
+
+    def send_norm(self, own_sq: float) -> int:
+        """This rank's squared shard norm to every peer, ``NORM_COPIES`` copies each (a
+        one-float packet is cheap to repeat). Returns datagrams sent."""
+        pkt = self.wire.packet(PHASE_NORM, self.ring.round, self.rank, 0,
+                               np.array([own_sq], np.float32))
+        peers = [d for d in range(self.layout.world) if d != self.rank]
+        rows = np.zeros((len(peers) * NORM_COPIES, len(pkt)), np.uint8)
+        rows[:] = np.frombuffer(pkt, np.uint8)
+        return self.transport.send(rows, np.full(len(rows), len(pkt)),
+                                   np.array(peers * NORM_COPIES))
 
     def _rows(self, phase: int, shard: int, values: np.ndarray,
               hint_us: int, seal: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +161,7 @@ class Sending:
         lay = self.layout
         nc = lay.n_chunks(shard)
         key = (phase, shard)
-        if key not in self._rows_cache:
+        if key not in self.rows_cache:
             # the rows are reused every round: their headers are written whole once, and only
             # the fields that change (round, hint; the sealer writes seq) per call
             rows = np.zeros((nc, self.slot), np.uint8)
@@ -74,16 +171,16 @@ class Sending:
             h["sender"], h["shard"], h["fb"] = self.rank, shard, FB_UNKNOWN
             h["offset"], h["length"] = lay.chunk_offsets(shard), lengths
             rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(nc, HEADER_BYTES)
-            self._rows_cache[key] = (rows, lengths,
+            self.rows_cache[key] = (rows, lengths,
                                      rows[:, :HEADER_BYTES].view(HEADER).reshape(nc))
-        rows, lengths, hv = self._rows_cache[key]
+        rows, lengths, hv = self.rows_cache[key]
         if nc == 0:
             return rows, lengths
-        hv["round"] = self.round & 0xFFFFFFFF
+        hv["round"] = self.ring.round & 0xFFFFFFFF
         hv["hint"] = hint_us
         if not seal:
             return rows, lengths
-        if self._eng is not None:  # copy and tag row by row, in one pass (native)
+        if self.eng is not None:  # copy and tag row by row, in one pass (native)
             self.wire.seal_rows(rows, lengths, values)
             return rows, lengths
         C = self.chunk
@@ -95,13 +192,13 @@ class Sending:
         self.wire.seal_rows(rows, lengths)
         return rows, lengths
 
-    def _link_loss(self, dest: int) -> float:
+    def link_loss(self, dest: int) -> float:
         """The loss rate that ``dest`` reports on our packets to it (the upper estimate of
         ``copies.LossEstimator``, fed back in its markers; the highest of its recent reports,
         since loss is bursty); ``fec_initial_loss`` until then."""
-        if len(self._gpol.history[dest]) < FEC_MIN_REPORTS:
+        if len(self.gpol.history[dest]) < FEC_MIN_REPORTS:
             return self.fec_initial_loss
-        p = self._gpol.recent_max(dest)
+        p = self.gpol.recent_max(dest)
         return self.fec_initial_loss if p is None else p
 
     def _geometry(self, shard: int, dest: int) -> fec.Stripes | None:
@@ -113,7 +210,7 @@ class Sending:
             return None
         n = self.layout.n_chunks(shard)
         run = self._run(n)
-        geo = fec.plan(n, self._link_loss(dest), self.fec_target, run)
+        geo = fec.plan(n, self.link_loss(dest), self.fec_target, run)
         return geo if geo is not None else fec.floor(n, run)
 
     def _accumulators(self, entries: list[tuple[np.ndarray, int, int]]) -> dict[int, list]:
@@ -122,7 +219,7 @@ class Sending:
         (rows, shard, first destination) in ``entries``: {id(rows): [acc, geometry, used]};
         ``used`` turns True when a send filled it. Empty without the native engine."""
         out: dict[int, list] = {}
-        if self._eng is None or self.transport.pace:
+        if self.eng is None or self.transport.pace:
             return out
         for rows, shard, d in entries:
             geo = self._geometry(shard, d)
@@ -165,7 +262,8 @@ class Sending:
         lengths = np.full(q, self.chunk, np.int64)
         h = np.zeros(q, HEADER)
         h["magic"], h["phase"], h["flags"] = MAGIC, phase, FLAG_PARITY
-        h["job"], h["round"], h["sender"], h["shard"] = self.wire.job, self.round, self.rank, shard
+        h["job"], h["round"] = self.wire.job, self.ring.round
+        h["sender"], h["shard"] = self.rank, shard
         h["offset"], h["length"], h["hint"] = np.arange(q), self.chunk, hint_us
         h["fb"], h["copies"] = geo.S, geo.m
         rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(q, HEADER_BYTES)
@@ -201,7 +299,7 @@ class Sending:
         if not plan:
             return 0
         g = self._run(max(len(p[1]) for p in plan))
-        if self._eng is not None and not self.transport.pace:
+        if self.eng is not None and not self.transport.pace:
             fill = dict(fill or {})
             entries = []
             for rows, lengths, d in plan:
@@ -217,7 +315,7 @@ class Sending:
                     entries.append((rows, lens, fill[id(rows)], d, seals, par))  # first seals
                 else:
                     entries.append((rows, lens, fill.pop(id(rows), None), d, True, par))
-            sent, nbytes, errors = self._eng.send(entries, g, direct)
+            sent, nbytes, errors = self.eng.send(entries, g, direct)
             self.transport.bytes_sent += nbytes
             self.transport.send_errors += errors
             return sent
@@ -269,7 +367,7 @@ class Sending:
         n = len(dests)
         h = np.zeros(n, HEADER)
         h["magic"], h["phase"], h["flags"], h["job"] = MAGIC, phase, FLAG_END, self.wire.job
-        h["round"], h["sender"], h["hint"] = self.round & 0xFFFFFFFF, self.rank, hint_us
+        h["round"], h["sender"], h["hint"] = self.ring.round & 0xFFFFFFFF, self.rank, hint_us
         h["shard"] = dests if phase == PHASE_GRAD else self.rank
         h["offset"] = [counts[d] for d in dests]
         h["length"] = [(parity or {}).get(d, 0) for d in dests]
@@ -283,11 +381,11 @@ class Sending:
         rows[:, :HEADER_BYTES] = h.view(np.uint8).reshape(n, HEADER_BYTES)
         empty = np.zeros(n, np.int64)  # no payload: the tag follows the header
         self.wire.seal_rows(rows, empty)
-        if self._eng is not None and not self.transport.pace:
+        if self.eng is not None and not self.transport.pace:
             one = np.zeros(1, np.int64)
             plan = [(rows[j: j + 1], one, None, d)
                     for _ in range(MARKER_COPIES) for j, d in enumerate(dests)]
-            sent, nbytes, errors = self._eng.send(plan, 1, False)
+            sent, nbytes, errors = self.eng.send(plan, 1, False)
             self.transport.bytes_sent += nbytes
             self.transport.send_errors += errors
             return sent
