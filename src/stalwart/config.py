@@ -1,16 +1,34 @@
-"""Run configuration: one validated dataclass, and the one error type for bad user input.
+"""Run configuration: one frozen ``RunConfig`` of sections, resolved once, and the one error
+type for bad user input.
 
-Every entry point (``stalwart run``, the rank under torchrun, benchmarks, tests) builds a
-``RunConfig`` and calls ``validate()``; a bad value raises ``ConfigError`` whose message is one
-line naming the value. The CLI turns that into exit code 2 without a traceback.
+A run's options arrive flat (the command line's ``--tp``, a bench's ``RunConfig(tp=2)``,
+config.json's keys) and are kept in seven frozen sections, one per component: ``job`` (which
+ranks run, where they write), ``train`` (the built-in workload), ``detect`` (the straggler
+monitor), ``policy`` (mitigation), ``comm`` (the data-parallel collective), ``overlap``
+(tensor-parallel overlap) and ``testbed`` (the emulated hosts and their faults). Every field
+carries its documentation (``field_docs``; docs/config.md is rendered from it).
+
+``resolve(raw)`` is the one place that fills defaults (the preset's batch size and learning
+rate, the global batch, the micro-batch size, whether the monitor runs) and checks every
+value; it is pure (no clock, no environment; it reads only the data path and script it
+checks) and idempotent. The launcher calls it once (under plain torchrun: rank 0), writes the
+result to config.json, and ranks load that file without rewriting or re-checking it; a change
+of membership (the launcher's restart on other hosts) is a ``dataclasses.replace`` of the
+``job`` section. A bad value raises ``ConfigError`` whose message is one line naming the
+value; the CLI turns that into exit code 2 without a traceback.
+
+config.json keeps the flat layout of the options (``detection`` and ``policy`` nested), so
+the run directories of older versions load, and readers of the file as plain JSON (replay,
+reports) need no sections.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +39,9 @@ from stalwart.presets import PRESETS
 from stalwart.rundir import atomic_write_text
 
 __all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "MITIGATE_MODES", "OVERLAP_MODES",
-           "TESTBEDS", "ConfigError", "DetectConfig", "PolicyConfig", "RunConfig",
-           "check_script", "check_writable"]
+           "SECTIONS", "TESTBEDS", "CommConfig", "ConfigError", "DetectConfig", "JobConfig",
+           "OverlapConfig", "PolicyConfig", "RunConfig", "TestbedConfig", "TrainConfig",
+           "check_script", "check_writable", "field_docs", "resolve"]
 
 COMM_MODES = ("reliable", "lossy")
 MITIGATE_MODES = ("off", "auto", "rebalance")
@@ -30,29 +49,88 @@ OVERLAP_MODES = ("off", "si")
 CPU_CAP_MODES = ("auto", "fair", "off")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-# options that change what stalwart's own workload does; a user's script decides that itself
-_WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
-    ("tp", "--tp", 1), ("comm", "--comm", "reliable"), ("mitigate", "--mitigate", "off"),
-    ("overlap", "--overlap", "off"), ("resume", "--resume", False),
-    ("halt_at", "--halt-at", None),
-)
+
+def knob(default: Any, doc: str, *, flat: str | None = None, factory: Any = None) -> Any:
+    """A section field with its documentation; ``flat``: its name among the flat options and
+    config.json's top-level keys when that differs from the field's (the section's own name
+    is taken by the section)."""
+    meta = {"doc": doc, **({"flat": flat} if flat else {})}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Which ranks run what, on which devices, and where they write."""
+
+    nproc: int = knob(4, "ranks at launch (under torchrun: the world size)")
+    out: str = knob("runs", "folder that holds run directories")
+    name: str | None = knob(None, "run directory name under ``out`` (the launcher picks "
+                                  "run-DATE-TIME when none is given)")
+    resume: bool = knob(False, "continue the run ``name`` from its latest checkpoint")
+    hosts: tuple[int, ...] | None = knob(
+        None, "host slot of each rank; None: rank r on host r. Set by the launcher when it "
+              "restarts a job without a host (S4), so that faults follow hosts")
+    script: str | None = knob(None, "a user's own torchrun script run as the ranks instead "
+                                    "of stalwart's workload (``--script PATH -- ARGS``)")
+    script_args: tuple[str, ...] = knob(None, "the script's arguments (after ``--``)",
+                                        factory=tuple)
+    threads: int = knob(1, "torch threads per rank (ranks share the machine's cores)")
+    device: str = knob("auto", "auto | cpu | cuda: where each rank computes and which "
+                               "backend it uses (devices.py)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The built-in GPT workload: model, data, batch, optimizer, evaluation, checkpoints.
+    None means "the preset's value" until ``resolve`` fills it."""
+
+    tp: int = knob(1, "tensor-parallel size (data-parallel size: nproc / tp)")
+    steps: int = knob(200, "optimizer steps")
+    seed: int = knob(0, "seed of the model's initialisation and of the data order")
+    preset: str = knob("tiny", "model size (presets.py)")
+    data: str | None = knob(None, "text file or folder (None: this Python's standard "
+                                  "library)")
+    max_data_bytes: int = knob(16 * 1024 * 1024, "bytes of the corpus read at most")
+    batch_size: int | None = knob(None, "samples per rank and micro-batch at launch")
+    lr: float | None = knob(None, "peak learning rate")
+    micro_batches: int = knob(1, "gradient-accumulation micro-batches per step and rank")
+    global_batch: int | None = knob(
+        None, "samples per step over all ranks, fixed for the whole run: a restart at "
+              "another world size keeps it and changes how many micro-batches each rank "
+              "computes (resolved: batch_size x micro-batches x data-parallel ranks)")
+    micro_batch_size: int | None = knob(
+        None, "samples per micro-batch, the unit mitigation moves between ranks (resolved: "
+              "batch_size, or the largest split into <= 4 with mitigation on)")
+    warmup: int = knob(20, "learning-rate warm-up steps")
+    grad_clip: float = knob(1.0, "gradient-norm clip")
+    weight_decay: float = knob(0.1, "AdamW weight decay")
+    eval_every: int = knob(50, "steps between validation passes")
+    eval_batches: int = knob(8, "batches per validation pass")
+    ckpt_every: int = knob(100, "steps between checkpoints")
+    halt_at: int | None = knob(None, "stop after this step as if preempted (to exercise "
+                                     "--resume)")
 
 
 @dataclass(frozen=True)
 class DetectConfig:
-    """The straggler monitor's settings in a run (``stalwart.detect.Monitor``'s arguments;
-    the thresholds behind them: docs/calibration.md)."""
+    """The straggler monitor in a run (``stalwart.detect.Monitor``'s arguments; the
+    thresholds behind them: docs/calibration.md). config.json: the ``detection`` object."""
 
-    warmup: int = 10  # samples the change detectors ignore at the start
-    persist: int = 20  # samples an unexplained slowdown must last to be logged
-    history: int = 1000  # samples kept per rank
-    max_every: int = 1  # at most this many steps per exchange (reliable comm)
-    # --comm lossy: a fixed exchange period and rows read this many exchanges later (the
-    # monitor's TCP rows stall on retransmission timeouts under loss; training does not)
-    lossy_check_every: int = 8
-    lossy_lag: int = 2
-    compute_reps: int = 64  # matmuls per round of the compute test
-    link_bytes: int = 1 << 18  # bytes per transfer of the link test
+    enabled: bool | None = knob(None, "run the monitor inside each rank (resolved: on for "
+                                      "stalwart's workload, off for a --script run)",
+                                flat="detect")
+    warmup: int = knob(10, "samples the change detectors ignore at the start")
+    persist: int = knob(20, "samples an unexplained slowdown must last to be logged")
+    history: int = knob(1000, "samples kept per rank")
+    max_every: int = knob(1, "at most this many steps per exchange (reliable comm)")
+    lossy_check_every: int = knob(
+        8, "--comm lossy: steps per exchange (the monitor's TCP rows stall on "
+           "retransmission timeouts under loss; training does not)")
+    lossy_lag: int = knob(2, "--comm lossy: rows are read this many exchanges later")
+    compute_reps: int = knob(64, "matmuls per round of the compute test")
+    link_bytes: int = knob(1 << 18, "bytes per transfer of the link test")
 
     def problems(self) -> list[str]:
         return [f"detection.{k} must be >= 1, got {v}" for k, v in (
@@ -64,12 +142,14 @@ class DetectConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The mitigation policy's settings in a run (``stalwart.mitigate.policy.Policy``)."""
+    """Mitigation (``stalwart.mitigate.policy.Policy``). config.json: the ``policy`` object,
+    and ``mitigate`` at the top level."""
 
-    every: int = 2  # steps per exchange of the agreement channel
-    min_gain: float = 0.05  # a first plan must be predicted this much faster
-    replan_gain: float = 0.25  # a plan in force is replaced only for this much more
-    revert_windows: int = 2  # healthy exchanges in a row before a revert
+    mode: str = knob("off", "off | auto | rebalance: act on stragglers", flat="mitigate")
+    every: int = knob(2, "steps per exchange of the agreement channel")
+    min_gain: float = knob(0.05, "a first plan must be predicted this much faster")
+    replan_gain: float = knob(0.25, "a plan in force is replaced only for this much more")
+    revert_windows: int = knob(2, "healthy exchanges in a row before a revert")
 
     def problems(self) -> list[str]:
         out = [f"policy.{k} must be >= 1, got {v}" for k, v in (
@@ -80,93 +160,148 @@ class PolicyConfig:
         return out
 
 
-_NESTED = {"detection": DetectConfig, "policy": PolicyConfig}
+@dataclass(frozen=True)
+class CommConfig:
+    """The data-parallel collective. Its engine and coding knobs are environment overrides
+    (stalwart.envknobs: STALWART_ENGINE, STALWART_FEC, STALWART_UDP_GSO, ...)."""
+
+    mode: str = knob("reliable", "reliable (torch.distributed) | lossy (stalwart's UDP "
+                                 "collective, which tolerates loss)", flat="comm")
 
 
-@dataclass
+@dataclass(frozen=True)
+class OverlapConfig:
+    """Tensor-parallel communication overlap."""
+
+    mode: str = knob("off", "off | si: overlap the tensor-parallel collectives with compute "
+                            "(needs tp >= 2)", flat="overlap")
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    """The emulated hosts the ranks run on, and the faults scheduled on them."""
+
+    kind: str = knob("local", "local (this machine) | netns (one network namespace per "
+                              "host, with its own link)", flat="testbed")
+    faults: tuple[str, ...] = knob(None, "``--fault`` specs (faultspec.py)", factory=tuple)
+    mtu: int = knob(1500, "link MTU of the emulated hosts")
+    ranks_per_host: int = knob(1, "ranks on one emulated host (netns): slot s runs on host "
+                                  "s // this, so a host's link faults slow all its ranks")
+    cpu_cap: str = knob("auto", "fair: cap each host at its share of the cores, min(1, "
+                                "cores / hosts), so that a compute fault of factor F gives "
+                                "about F; auto: cap when CPU faults are scheduled; off: never")
+
+
+SECTIONS: dict[str, type] = {"job": JobConfig, "train": TrainConfig, "detect": DetectConfig,
+                             "policy": PolicyConfig, "comm": CommConfig,
+                             "overlap": OverlapConfig, "testbed": TestbedConfig}
+# config.json's nested objects: key -> section (its fields without a flat name live there)
+_NESTED = {"detection": "detect", "policy": "policy"}
+_SECTION_OF_NESTED = {v: k for k, v in _NESTED.items()}
+_TUPLES = {"hosts", "script_args", "faults"}
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """flat option name -> (section, field): every field of a flat section under its own
+    name, and each field with a ``flat`` name (the nested sections' top-level keys)."""
+    out: dict[str, tuple[str, str]] = {}
+    for sec, kind in SECTIONS.items():
+        for f in fields(kind):
+            name = f.metadata.get("flat") or (None if sec in _SECTION_OF_NESTED else f.name)
+            if name is not None:
+                out[name] = (sec, f.name)
+    return out
+
+
+FLAT: dict[str, tuple[str, str]] = _flat_names()
+# options that change what stalwart's own workload does; a user's script decides that itself
+_WORKLOAD_ONLY: tuple[tuple[str, str, Any], ...] = (
+    ("tp", "--tp", 1), ("comm", "--comm", "reliable"), ("mitigate", "--mitigate", "off"),
+    ("overlap", "--overlap", "off"), ("resume", "--resume", False),
+    ("halt_at", "--halt-at", None),
+)
+
+
+def field_docs() -> list[tuple[str, str, str, Any, str]]:
+    """(section, field, flat option or '', default, doc) of every field, in order: the
+    source of docs/config.md's tables."""
+    flat_of = {v: k for k, v in FLAT.items()}
+    out = []
+    for sec, kind in SECTIONS.items():
+        for f in fields(kind):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            out.append((sec, f.name, flat_of.get((sec, f.name), ""), default, f.metadata["doc"]))
+    return out
+
+
+@dataclass(frozen=True, init=False)
 class RunConfig:
-    nproc: int = 4
-    tp: int = 1
-    steps: int = 200
-    seed: int = 0
-    preset: str = "tiny"
-    data: str | None = None
-    comm: str = "reliable"
-    testbed: str = "local"
-    faults: list[str] = field(default_factory=list)
-    mitigate: str = "off"
-    overlap: str = "off"
-    out: str = "runs"
-    name: str | None = None
-    resume: bool = False
-    # training knobs (None = the preset's value)
-    batch_size: int | None = None
-    lr: float | None = None
-    micro_batches: int = 1  # gradient-accumulation micro-batches per step and rank
-    # The step's global batch in samples (None: batch_size x micro_batches x data-parallel
-    # ranks at launch). Fixed for the whole run: a restart at another world size (mitigation's
-    # S4) keeps it and changes only how many micro-batches each rank computes.
-    global_batch: int | None = None
-    # samples per micro-batch, the unit of work that mitigation moves between ranks (None:
-    # batch_size, or batch_size / 4 with --mitigate so that plans have room to move work)
-    micro_batch_size: int | None = None
-    # host (testbed namespace / slot) of each rank; None = rank r on host r. Set by the
-    # launcher when it restarts a job without a host (S4), so faults follow hosts.
-    hosts: list[int] | None = None
-    warmup: int = 20
-    grad_clip: float = 1.0
-    weight_decay: float = 0.1
-    eval_every: int = 50
-    eval_batches: int = 8
-    ckpt_every: int = 100
-    halt_at: int | None = None  # stop after this step as if preempted (to exercise --resume)
-    mtu: int = 1500  # testbed link MTU
-    # ranks on one emulated host (netns testbed): slot s (``hosts``) runs on host s // this,
-    # so a host's link faults slow all its ranks and its ranks talk inside it
-    ranks_per_host: int = 1
-    # CPU budget of each emulated host (testbed): "fair" caps every host at its fair share of
-    # the cores (min(1, cores / hosts)) so that a compute fault of factor F gives about F;
-    # "auto" caps when CPU faults are scheduled; "off" never (hosts borrow idle cores)
-    cpu_cap: str = "auto"
-    detect: bool = True  # run the straggler monitor inside each rank
-    # a user's own torchrun script run as the ranks instead of stalwart's workload
-    # (``stalwart run --script PATH -- ARGS``; see stalwart.script)
-    script: str | None = None
-    script_args: list[str] = field(default_factory=list)
-    threads: int = 1  # torch threads per rank (ranks share the machine's cores)
-    # auto | cpu | cuda: where each rank computes and which backend it uses (devices.py)
-    device: str = "auto"
-    max_data_bytes: int = 16 * 1024 * 1024
-    detection: DetectConfig = field(default_factory=DetectConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """A run's configuration: seven frozen sections (see the module docstring).
+
+    Built from sections (``RunConfig(train=TrainConfig(tp=2))``) or from flat options
+    (``RunConfig(tp=2, comm="lossy")``: the command line's and config.json's names, table
+    ``FLAT``); a flat name that is not a section's is also readable as an attribute
+    (``cfg.tp`` is ``cfg.train.tp``). Immutable: ``dataclasses.replace`` makes a changed one.
+    """
+
+    job: JobConfig
+    train: TrainConfig
+    detect: DetectConfig
+    policy: PolicyConfig
+    comm: CommConfig
+    overlap: OverlapConfig
+    testbed: TestbedConfig
+
+    def __init__(self, job: JobConfig | None = None, train: TrainConfig | None = None,
+                 detect: DetectConfig | bool | None = None, policy: PolicyConfig | None = None,
+                 comm: CommConfig | str | None = None, overlap: OverlapConfig | str | None = None,
+                 testbed: TestbedConfig | str | None = None, **flat: Any) -> None:
+        given: dict[str, Any] = {"job": job, "train": train, "detect": detect, "policy": policy,
+                                 "comm": comm, "overlap": overlap, "testbed": testbed}
+        for sec, value in list(given.items()):
+            if value is not None and not isinstance(value, SECTIONS[sec]):
+                # a flat value under a section's name: comm="lossy", testbed="netns", ...
+                if sec not in FLAT:
+                    raise TypeError(f"RunConfig({sec}=...) needs a {SECTIONS[sec].__name__}")
+                flat[sec] = value
+                given[sec] = None
+        per: dict[str, dict[str, Any]] = {sec: {} for sec in SECTIONS}
+        for key, value in flat.items():
+            if key not in FLAT:
+                raise TypeError(f"RunConfig() got an unexpected option {key!r}")
+            sec, name = FLAT[key]
+            per[sec][name] = tuple(value) if name in _TUPLES and value is not None else value
+        for sec, kind in SECTIONS.items():
+            base = given[sec] if given[sec] is not None else kind()
+            object.__setattr__(self, sec, replace(base, **per[sec]) if per[sec] else base)
 
     # ---- derived -------------------------------------------------------------------------
     @property
     def run_dir(self) -> Path:
-        return Path(self.out) / (self.name or "run")
+        return Path(self.job.out) / (self.job.name or "run")
 
     def resolved_batch_size(self) -> int:
-        if self.batch_size is not None:
-            return self.batch_size
-        return PRESETS[self.preset]["batch_size"]
+        t = self.train
+        return t.batch_size if t.batch_size is not None else PRESETS[t.preset]["batch_size"]
 
     def dp_size(self) -> int:
-        return self.nproc // self.tp
+        return self.job.nproc // self.train.tp
 
     def micro_per_rank(self) -> int:
         """Gradient-accumulation micro-batches per rank at launch (TP interleaving needs 2)."""
-        return self.micro_batches if self.tp == 1 else max(self.micro_batches, 2)
+        t = self.train
+        return t.micro_batches if t.tp == 1 else max(t.micro_batches, 2)
 
     def resolved_global_batch(self) -> int:
-        if self.global_batch is not None:
-            return self.global_batch
+        if self.train.global_batch is not None:
+            return self.train.global_batch
         return self.resolved_batch_size() * self.micro_per_rank() * self.dp_size()
 
     def resolved_micro_batch_size(self) -> int:
-        if self.micro_batch_size is not None:
-            return self.micro_batch_size
+        if self.train.micro_batch_size is not None:
+            return self.train.micro_batch_size
         bs = self.resolved_batch_size()
-        if self.mitigate != "off" and self.micro_batches == 1:
+        if self.policy.mode != "off" and self.train.micro_batches == 1:
             # the largest split into <= 4 equal micro-batches: room for plans, same batch
             for k in (4, 3, 2):
                 if bs % k == 0:
@@ -178,141 +313,205 @@ class RunConfig:
         return self.resolved_global_batch() // self.resolved_micro_batch_size()
 
     def resolved_lr(self) -> float:
-        return self.lr if self.lr is not None else PRESETS[self.preset]["lr"]
-
-    # ---- validation ----------------------------------------------------------------------
-    def validate(self) -> RunConfig:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
-        need(self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
-        need(self.tp >= 1, f"--tp must be >= 1, got {self.tp}")
-        need(self.nproc % self.tp == 0,
-             f"--nproc {self.nproc} is not a multiple of --tp {self.tp}")
-        need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
-        need(self.preset in PRESETS,
-             f"unknown preset {self.preset!r} (choose from {', '.join(PRESETS)})")
-        need(self.comm in COMM_MODES,
-             f"unknown --comm {self.comm!r} (choose from {', '.join(COMM_MODES)})")
-        need(self.testbed in TESTBEDS,
-             f"unknown --testbed {self.testbed!r} (choose from {', '.join(TESTBEDS)})")
-        need(self.mitigate in MITIGATE_MODES,
-             f"unknown --mitigate {self.mitigate!r} (choose from {', '.join(MITIGATE_MODES)})")
-        need(self.cpu_cap in CPU_CAP_MODES,
-             f"unknown --cpu-cap {self.cpu_cap!r} (choose from {', '.join(CPU_CAP_MODES)})")
-        need(self.overlap in OVERLAP_MODES,
-             f"unknown --overlap {self.overlap!r} (choose from {', '.join(OVERLAP_MODES)})")
-        need(self.overlap == "off" or self.tp > 1, "--overlap si needs --tp >= 2")
-        need(self.data is None or Path(self.data).exists(),
-             f"data path does not exist: {self.data}")
-        need(self.name is None or bool(_NAME_RE.match(self.name)),
-             f"invalid run name {self.name!r} (letters, digits, '.', '_', '-')")
-        bs = self.resolved_batch_size()
-        need(bs >= 1, f"--batch-size must be >= 1, got {bs}")
-        lr = self.resolved_lr()
-        need(lr > 0, f"--lr must be > 0, got {lr}")
-        need(self.micro_batches >= 1, f"--micro-batches must be >= 1, got {self.micro_batches}")
-        mbs = self.resolved_micro_batch_size()
-        need(mbs >= 1, f"--micro-batch-size must be >= 1, got {mbs}")
-        gb = self.resolved_global_batch()
-        need(gb >= 1, f"--global-batch must be >= 1, got {gb}")
-        need(gb % mbs == 0,
-             f"--micro-batch-size {mbs} does not divide the global batch of {gb} samples")
-        floor = 2 if self.tp > 1 else 1
-        need(gb // mbs >= floor * self.dp_size(),
-             f"--micro-batch-size {mbs}: {gb // mbs} micro-batches per step is fewer than "
-             f"{floor} per data-parallel rank ({self.dp_size()} ranks)")
-        need(self.hosts is None or (len(self.hosts) == self.nproc
-                                    and len(set(self.hosts)) == self.nproc
-                                    and all(h >= 0 for h in self.hosts)),
-             f"hosts must name {self.nproc} distinct hosts, got {self.hosts}")
-        need(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
-        need(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
-        need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
-        need(self.ckpt_every >= 1, f"--ckpt-every must be >= 1, got {self.ckpt_every}")
-        need(self.halt_at is None or 0 <= self.halt_at <= self.steps,
-             f"--halt-at must be in [0, steps={self.steps}], got {self.halt_at}")
-        need(self.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {self.mtu}")
-        need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
-        need(1 <= self.ranks_per_host <= 64,
-             f"--ranks-per-host must be in [1, 64], got {self.ranks_per_host}")
-        need(self.ranks_per_host == 1 or self.testbed == "netns",
-             f"--ranks-per-host {self.ranks_per_host} needs --testbed netns (the local "
-             "testbed runs every rank on this one machine)")
-        need(self.comm == "reliable" or self.tp == 1, "--comm lossy needs --tp 1")
-        need(self.device in DEVICE_MODES,
-             f"unknown --device {self.device!r} (choose from {', '.join(DEVICE_MODES)})")
-        for problem in self.detection.problems() + self.policy.problems():
-            raise ConfigError(problem)
-        for spec in self.faults:
-            fault = self.parse_fault(spec)  # ConfigError naming the bad part
-            need(fault.back_s is None or self.script is not None,
-                 f"back= in fault {spec!r} needs --script (stalwart's own trainer takes a "
-                 "lost rank's host back by itself: docs/mitigate.md)")
-        if self.script is not None or self.script_args:
-            self._validate_script_run()
-        return self
-
-    def _validate_script_run(self) -> None:
-        """A user's own torchrun script as the ranks (``--script PATH -- ARGS``)."""
-        if self.script is None:
-            raise ConfigError(f"script arguments {' '.join(self.script_args)!r} after -- need "
-                              "--script PATH")
-        check_script(self.script)
-        for attr, flag, default in _WORKLOAD_ONLY:
-            value = getattr(self, attr)
-            if value != default:
-                shown = "" if isinstance(value, bool) else f" {value}"
-                raise ConfigError(f"{flag}{shown} does not apply to --script runs (it "
-                                  "configures stalwart's own training workload)")
-        if not self.detect:
-            for spec in self.faults:
-                if self.parse_fault(spec).uses_steps:
-                    raise ConfigError(
-                        f"fault {spec!r} counts steps, and a script's steps are the monitor's "
-                        "iterations: add --detect, or give the window in seconds (start=20s)")
+        t = self.train
+        return t.lr if t.lr is not None else PRESETS[t.preset]["lr"]
 
     def slots(self) -> int:
         """Rank slots of the launch (``hosts`` names slots; faults' ``rank=`` counts them)."""
-        return max(self.hosts) + 1 if self.hosts else self.nproc
+        return max(self.job.hosts) + 1 if self.job.hosts else self.job.nproc
 
     def parse_fault(self, spec: str) -> Fault:
         """One ``--fault`` value validated for this run's ranks and hosts (faultspec.py)."""
-        return parse_fault(spec, self.slots(), self.testbed, self.ranks_per_host)
+        return parse_fault(spec, self.slots(), self.testbed.kind, self.testbed.ranks_per_host)
 
-    # ---- (de)serialisation ---------------------------------------------------------------
+    def validate(self) -> RunConfig:
+        """``resolve(self)``: the resolved configuration (a new value; ``self`` is frozen)."""
+        return resolve(self)
+
+    # ---- (de)serialisation: config.json's flat layout -------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        out: dict[str, Any] = {}
+        for key, (sec, name) in FLAT.items():
+            value = getattr(getattr(self, sec), name)
+            out[key] = list(value) if isinstance(value, tuple) else value
+        for key, sec in _NESTED.items():
+            section = getattr(self, sec)
+            out[key] = {f.name: getattr(section, f.name) for f in fields(section)
+                        if "flat" not in f.metadata}
+        return out
 
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict) -> RunConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        unknown = set(d) - set(FLAT) - set(_NESTED)
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        d = dict(d)
-        for key, kind in _NESTED.items():
-            if isinstance(d.get(key), dict):
-                sub = d[key]
-                bad = set(sub) - {f.name for f in fields(kind)}
-                if bad:
-                    raise ConfigError(f"unknown config keys: "
-                                      f"{', '.join(f'{key}.{k}' for k in sorted(bad))}")
-                d[key] = kind(**sub)
-        return cls(**d)
+        per: dict[str, dict[str, Any]] = {sec: {} for sec in SECTIONS}
+        for key, sec in _NESTED.items():
+            sub = d.get(key)
+            if isinstance(sub, SECTIONS[sec]):
+                sub = {f.name: getattr(sub, f.name) for f in fields(sub)
+                       if "flat" not in f.metadata}
+            if not isinstance(sub, dict):
+                continue
+            own = {f.name for f in fields(SECTIONS[sec]) if "flat" not in f.metadata}
+            bad = set(sub) - own
+            if bad:
+                raise ConfigError(f"unknown config keys: "
+                                  f"{', '.join(f'{key}.{k}' for k in sorted(bad))}")
+            per[sec].update(sub)
+        for key, value in d.items():
+            if key in FLAT:
+                sec, name = FLAT[key]
+                per[sec][name] = tuple(value) if name in _TUPLES and value is not None \
+                    else value
+        return cls(**{sec: kind(**per[sec]) for sec, kind in SECTIONS.items()})
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
+        """A run directory's config.json, as written (a resolved one: nothing is re-checked)."""
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from None
 
 
+def _flat_reader(sec: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, sec), name),
+                    doc=f"``{sec}.{name}`` (a flat option's name)")
+
+
+for _key, (_sec, _name) in FLAT.items():
+    if _key not in SECTIONS:
+        setattr(RunConfig, _key, _flat_reader(_sec, _name))
+
+
+# ---- resolve: defaults filled, every value checked, once --------------------------------------
+def resolve(raw: RunConfig) -> RunConfig:
+    """``raw`` with its defaults filled and every value checked: the run's configuration.
+
+    Pure and idempotent (``resolve(resolve(c)) == resolve(c)``); reads the file system only to
+    check ``data`` and ``script``. ConfigError (one line naming the value) on the first bad
+    one. Cost: microseconds, plus compiling a ``--script``.
+    """
+    _check_job(raw)
+    cfg = _filled(raw)
+    _check_train(cfg)
+    _check_testbed(cfg)
+    for problem in cfg.detect.problems() + cfg.policy.problems():
+        raise ConfigError(problem)
+    for spec in cfg.testbed.faults:
+        fault = cfg.parse_fault(spec)  # ConfigError naming the bad part
+        _need(fault.back_s is None or cfg.job.script is not None,
+              f"back= in fault {spec!r} needs --script (stalwart's own trainer takes a "
+              "lost rank's host back by itself: docs/mitigate.md)")
+    if cfg.job.script is not None or cfg.job.script_args:
+        _check_script_run(cfg)
+    return cfg
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _choice(value: str, flag: str, modes: tuple[str, ...]) -> None:
+    _need(value in modes, f"unknown {flag} {value!r} (choose from {', '.join(modes)})")
+
+
+def _check_job(cfg: RunConfig) -> None:
+    """What the defaults are computed from: sizes and modes."""
+    j, t = cfg.job, cfg.train
+    _need(j.nproc >= 1, f"--nproc must be >= 1, got {j.nproc}")
+    _need(t.tp >= 1, f"--tp must be >= 1, got {t.tp}")
+    _need(j.nproc % t.tp == 0, f"--nproc {j.nproc} is not a multiple of --tp {t.tp}")
+    _need(t.steps >= 0, f"--steps must be >= 0, got {t.steps}")
+    _need(t.preset in PRESETS,
+          f"unknown preset {t.preset!r} (choose from {', '.join(PRESETS)})")
+    _choice(cfg.comm.mode, "--comm", COMM_MODES)
+    _choice(cfg.testbed.kind, "--testbed", TESTBEDS)
+    _choice(cfg.policy.mode, "--mitigate", MITIGATE_MODES)
+    _choice(cfg.testbed.cpu_cap, "--cpu-cap", CPU_CAP_MODES)
+    _choice(cfg.overlap.mode, "--overlap", OVERLAP_MODES)
+    _need(cfg.overlap.mode == "off" or t.tp > 1, "--overlap si needs --tp >= 2")
+    _need(t.data is None or Path(t.data).exists(), f"data path does not exist: {t.data}")
+    _need(j.name is None or bool(_NAME_RE.match(j.name)),
+          f"invalid run name {j.name!r} (letters, digits, '.', '_', '-')")
+    _need(t.micro_batches >= 1, f"--micro-batches must be >= 1, got {t.micro_batches}")
+    _need(j.hosts is None or (len(j.hosts) == j.nproc and len(set(j.hosts)) == j.nproc
+                              and all(h >= 0 for h in j.hosts)),
+          f"hosts must name {j.nproc} distinct hosts, got {j.hosts}")
+    _need(j.threads >= 1, f"--threads must be >= 1, got {j.threads}")
+    _choice(j.device, "--device", DEVICE_MODES)
+
+
+def _filled(cfg: RunConfig) -> RunConfig:
+    """The preset's and the launch's defaults written in (the batch sizes fixed for the run)."""
+    bs = cfg.resolved_batch_size()
+    _need(bs >= 1, f"--batch-size must be >= 1, got {bs}")
+    mbs = cfg.resolved_micro_batch_size()
+    _need(mbs >= 1, f"--micro-batch-size must be >= 1, got {mbs}")
+    train = replace(cfg.train, batch_size=bs, lr=cfg.resolved_lr(), micro_batch_size=mbs,
+                    global_batch=cfg.resolved_global_batch())
+    enabled = cfg.detect.enabled
+    detect = replace(cfg.detect, enabled=cfg.job.script is None if enabled is None
+                     else bool(enabled))
+    return replace(cfg, train=train, detect=detect)
+
+
+def _check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    assert t.lr is not None and t.global_batch is not None and t.micro_batch_size is not None
+    _need(t.lr > 0, f"--lr must be > 0, got {t.lr}")
+    gb, mbs = t.global_batch, t.micro_batch_size
+    _need(gb >= 1, f"--global-batch must be >= 1, got {gb}")
+    _need(gb % mbs == 0,
+          f"--micro-batch-size {mbs} does not divide the global batch of {gb} samples")
+    floor = 2 if t.tp > 1 else 1
+    _need(gb // mbs >= floor * cfg.dp_size(),
+          f"--micro-batch-size {mbs}: {gb // mbs} micro-batches per step is fewer than "
+          f"{floor} per data-parallel rank ({cfg.dp_size()} ranks)")
+    _need(t.warmup >= 0, f"--warmup must be >= 0, got {t.warmup}")
+    _need(t.eval_every >= 1, f"--eval-every must be >= 1, got {t.eval_every}")
+    _need(t.eval_batches >= 1, f"--eval-batches must be >= 1, got {t.eval_batches}")
+    _need(t.ckpt_every >= 1, f"--ckpt-every must be >= 1, got {t.ckpt_every}")
+    _need(t.halt_at is None or 0 <= t.halt_at <= t.steps,
+          f"--halt-at must be in [0, steps={t.steps}], got {t.halt_at}")
+    _need(cfg.comm.mode == "reliable" or t.tp == 1, "--comm lossy needs --tp 1")
+
+
+def _check_testbed(cfg: RunConfig) -> None:
+    tb = cfg.testbed
+    _need(tb.mtu in range(576, 65536), f"--mtu must be in [576, 65535], got {tb.mtu}")
+    _need(1 <= tb.ranks_per_host <= 64,
+          f"--ranks-per-host must be in [1, 64], got {tb.ranks_per_host}")
+    _need(tb.ranks_per_host == 1 or tb.kind == "netns",
+          f"--ranks-per-host {tb.ranks_per_host} needs --testbed netns (the local "
+          "testbed runs every rank on this one machine)")
+
+
+def _check_script_run(cfg: RunConfig) -> None:
+    """A user's own torchrun script as the ranks (``--script PATH -- ARGS``)."""
+    j = cfg.job
+    if j.script is None:
+        raise ConfigError(f"script arguments {' '.join(j.script_args)!r} after -- need "
+                          "--script PATH")
+    check_script(j.script)
+    for key, flag, default in _WORKLOAD_ONLY:
+        sec, name = FLAT[key]
+        value = getattr(getattr(cfg, sec), name)
+        if value != default:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ConfigError(f"{flag}{shown} does not apply to --script runs (it "
+                              "configures stalwart's own training workload)")
+    if not cfg.detect.enabled:
+        for spec in cfg.testbed.faults:
+            if cfg.parse_fault(spec).uses_steps:
+                raise ConfigError(
+                    f"fault {spec!r} counts steps, and a script's steps are the monitor's "
+                    "iterations: add --detect, or give the window in seconds (start=20s)")
 def check_writable(folder: Path) -> None:
     """Raise ConfigError unless `folder` exists or can be created, and is writable."""
     try:

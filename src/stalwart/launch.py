@@ -37,10 +37,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import ConfigError, RunConfig, check_writable
+from stalwart.config import ConfigError, RunConfig, check_writable, resolve
 from stalwart.elastic.launcher import LauncherStore
 from stalwart.progress import Progress
 from stalwart.rankexits import stop_all
@@ -60,18 +61,11 @@ def default_name() -> str:
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
-    """Validate, create runs/<name>/ and write config.json; ConfigError on bad input."""
-    cfg.validate()
-    if cfg.name is None:
-        if cfg.resume:
-            raise ConfigError("--resume needs --name NAME of the run to continue")
-        cfg.name = default_name()
-    check_writable(Path(cfg.out))
+    """Create ``cfg.run_dir`` and write config.json for a resolved ``cfg``; ConfigError on bad
+    input (a run already there, or none to resume)."""
+    check_writable(Path(cfg.job.out))
     run_dir = cfg.run_dir
-    # fixed for the whole run: a restart at another world size keeps the same training
-    cfg.global_batch = cfg.resolved_global_batch()
-    cfg.micro_batch_size = cfg.resolved_micro_batch_size()
-    if cfg.resume:
+    if cfg.job.resume:
         if not run_dir.is_dir():
             raise ConfigError(f"no run to resume at {run_dir}")
         from stalwart.train.checkpoint import validate_resume
@@ -86,6 +80,16 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def resolve_launch(raw: RunConfig) -> RunConfig:
+    """The launch's one ``resolve``: a run name picked when none is given, then every value
+    filled and checked (config.py); ConfigError on bad input."""
+    if raw.job.name is None:
+        if raw.job.resume:
+            raise ConfigError("--resume needs --name NAME of the run to continue")
+        raw = replace(raw, job=replace(raw.job, name=default_name()))
+    return resolve(raw)
+
+
 
 def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str] | None = None,
            show_progress: bool = True, on_line: Callable[[str], None] | None = None,
@@ -97,7 +101,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     from stalwart.devices import DeviceError, check_request
     from stalwart.testbed import open_testbed
 
-    cfg.validate()  # every value first (one pass), then what this machine can run
+    cfg = resolve_launch(cfg)  # every value first (one pass), then what this machine can run
     try:
         check_request(cfg.device, cfg.nproc)
     except DeviceError as e:
@@ -116,18 +120,17 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     # (elastic/launcher.py, elastic/runlink.py)
     store: LauncherStore | None = None
     rc = 1
-    events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed, launcher="stalwart",
+    events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
                resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
     try:
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
-            all_hosts = list(range(cfg.nproc))
             store = _membership_store(cfg, tb, run_dir, module)
             tb.start_liveness()  # ranks beat to it: a hung or cut-off rank is found (heartbeat.py)
             clock0 = time.monotonic()  # fault windows in seconds count from here
             tb.on_time(0.0)
             while True:
-                port = 29500 + incarnation if cfg.testbed == "netns" else free_port()
+                port = 29500 + incarnation if cfg.testbed.kind == "netns" else free_port()
                 members = _announcer(cfg, run_dir, module, store)
                 # the ranks of a job that regroups in place find this launch's records
                 run_args = args if members is None else [*(args or []), "--link",
@@ -145,9 +148,8 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                 # the ranks checkpointed and left for a restart; go on with other hosts
                 restart_t0 = time.monotonic()
                 cfg, first_step = _restart_config(cfg, run_dir, events, say, got)
-                if cfg.hosts == all_hosts:
-                    cfg.hosts = None
-                tb.set_hosts(cfg.hosts)  # faults stay on their hosts; ranks move
+                # faults stay on their hosts; ranks move
+                tb.set_hosts(list(cfg.hosts) if cfg.hosts else None)
                 incarnation += 1
     except KeyboardInterrupt:
         stop_all(procs)
@@ -229,7 +231,7 @@ def _membership_store(cfg: RunConfig, tb: Any, run_dir: Path,
     in_place = _regroups_in_place(cfg, module)
     if cfg.script is None and not in_place:
         return None
-    port = 29400 if cfg.testbed == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
+    port = 29400 if cfg.testbed.kind == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
     return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir,
                          commands=in_place)
 
@@ -272,11 +274,14 @@ def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[
 def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
                     say: Callable[[str], None], req: Relaunch) -> tuple[RunConfig, int]:
     """The next incarnation after a restart: the hosts ``req`` names, resumed from the
-    checkpoint at its step, the same global batch (config.json is rewritten atomically)."""
+    checkpoint at its step, the same global batch (config.json is rewritten atomically).
+    Only membership changes (``job``: nproc, hosts, resume); hosts 0..n-1 are written as
+    None (the same: rank r on host r)."""
     hosts = list(req.hosts)
-    new = RunConfig.from_dict({**cfg.to_dict(), "nproc": len(hosts), "hosts": hosts,
-                               "resume": True})
-    new.validate()
+    new = replace(cfg, job=replace(cfg.job, nproc=len(hosts), resume=True,
+                                   hosts=None if hosts == list(range(len(hosts)))
+                                   else tuple(hosts)))
+    new = resolve(new)  # the new world's micro-batches per rank (the global batch is kept)
     new.save(run_dir / CONFIG)
     events.log("restart", step=req.step, nproc=len(hosts), hosts=hosts,
                strategy=req.strategy, reason=req.reason, predicted_gain=req.predicted_gain,

@@ -71,7 +71,7 @@ class ScriptProgress:
         self._log_partial = b""
         self._seen: set[str] = set()
         if enabled:
-            print(f"stalwart: {cfg.nproc} ranks run {describe(cfg)} on the {cfg.testbed} "
+            print(f"stalwart: {cfg.nproc} ranks run {describe(cfg)} on the {cfg.testbed.kind} "
                   f"testbed -> {run_dir}", flush=True)
 
     def _say(self, text: str) -> None:

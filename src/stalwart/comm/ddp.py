@@ -16,11 +16,11 @@ same rule as clipping after a reliable all-reduce.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from stalwart import envknobs
 from stalwart.comm.collective import FEC_MODES, GIVE_UP_S, LossyCollective
 from stalwart.comm.deadline import AdaptiveDeadline
 from stalwart.comm.optim import (
@@ -84,7 +84,7 @@ def attach(ddp_model: torch.nn.Module, optimizer: OptimizerSpec, *,
         # STALWART_FEC (rs, copies or none) reaches a script that cannot pass the argument,
         # e.g. `stalwart run --comm lossy` in the benchmark's unprotected runs; else an
         # explicit copy count means repetition (copies=1: no protection)
-        fec = os.environ.get("STALWART_FEC") or ("rs" if copies == "auto" else "copies")
+        fec = envknobs.fec() or ("rs" if copies == "auto" else "copies")
     if fec not in FEC_MODES:
         raise ValueError(f"fec must be one of {', '.join(FEC_MODES)}, got {fec!r}")
     if copies == "auto":

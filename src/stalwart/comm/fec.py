@@ -53,6 +53,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from stalwart import envknobs
+
 MAX_BLOCKS = 256  # k + m over GF(2^8) with a Cauchy matrix
 MAX_PARITY_RATIO = 2.0  # parity packets per data packet, at most
 # cost of a parity packet relative to its wire cost, per data packet in its stripe (k): from
@@ -122,7 +124,7 @@ ISAL_PATH: str | None = None  # the library loaded (the native engine dlopens th
 
 
 def _load_isal() -> ctypes.CDLL | None:
-    if os.environ.get("STALWART_FEC_NUMPY") == "1":
+    if envknobs.fec_numpy():
         return None
     names = []
     found = ctypes.util.find_library("isal")

@@ -28,8 +28,9 @@ else Python with one line on stderr saying why (a machine without a compiler sti
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
+
+from stalwart import envknobs
 
 try:
     from stalwart.comm import _stwnative  # type: ignore[attr-defined]
@@ -50,7 +51,7 @@ def engine_name(requested: str | None = None, warn: bool = True) -> str:
     """The engine to use: ``requested``, else ``STALWART_ENGINE``, else native when built
     (else Python, saying so once per process when ``warn``)."""
     global _warned
-    name = requested or os.environ.get("STALWART_ENGINE") or ""
+    name = requested or envknobs.engine()
     if name and name not in ENGINES:
         raise ValueError(f"unknown STALWART_ENGINE {name!r} (native, python)")
     if name == "native" and not AVAILABLE:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import os
 import socket
 import struct
 import threading
@@ -43,6 +42,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from stalwart import envknobs
 
 # re-exported: collective.py and users import them from here
 from stalwart.hostaddr import default_host, is_loopback, route_source  # noqa: F401
@@ -114,7 +115,7 @@ class UdpTransport:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
         self.addr: tuple[str, int] = self.sock.getsockname()
         if gso is None:
-            gso = os.environ.get("STALWART_UDP_GSO", "1") != "0"
+            gso = envknobs.udp_gso()
         gso = gso and 2 * self.slot <= UDP_MAX_PAYLOAD  # a run must hold at least two slots
         # how many slot-sized datagrams one sent message may carry (1 = no offload)
         self.gso_segments = 1
@@ -337,4 +338,4 @@ class UdpTransport:
 
 
 def default_mtu() -> int:
-    return int(os.environ.get("STALWART_MTU", "1500"))
+    return envknobs.mtu()

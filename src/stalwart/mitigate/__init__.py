@@ -43,7 +43,7 @@ def work_plan(cfg: Any, monitor: Detection | None, rank: int, world: int, run_di
     # for lossy jobs in any case (``_traffic``: their all-to-all is not a ring)
     from stalwart.mitigate.membership import in_place_ok
 
-    mode = "rebalance" if cfg.comm == "lossy" and not in_place_ok(cfg) else cfg.mitigate
+    mode = "rebalance" if cfg.comm.mode == "lossy" and not in_place_ok(cfg) else cfg.mitigate
     traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
     pc = cfg.policy
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
@@ -56,7 +56,7 @@ def work_plan(cfg: Any, monitor: Detection | None, rank: int, world: int, run_di
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:
     """Bytes per step on each rank pair (remap.py) for S3; None under the lossy transport."""
-    if cfg.comm == "lossy":
+    if cfg.comm.mode == "lossy":
         return None
     m = PRESETS[cfg.preset]["model"]
     dp, tp = remap.model_bytes(n_params, cfg.global_micro_batches() / (world // cfg.tp),

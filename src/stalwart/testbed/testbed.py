@@ -529,8 +529,8 @@ def open_testbed(cfg: RunConfig, events: EventLog | None) -> Testbed:
     Raises ConfigError (one line: what is missing and how to install it) when the machine
     cannot provide what the configuration needs.
     """
-    if cfg.testbed == "local":
+    if cfg.testbed.kind == "local":
         return LocalTestbed(cfg, events)
-    if cfg.testbed == "netns":
+    if cfg.testbed.kind == "netns":
         return NetnsTestbed(cfg, events)
-    raise ConfigError(f"unknown testbed {cfg.testbed!r} (choose from local, netns)")
+    raise ConfigError(f"unknown testbed {cfg.testbed.kind!r} (choose from local, netns)")

@@ -47,7 +47,7 @@ def fingerprint(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint and the run resuming it must agree on."""
     return {
         "preset": cfg.preset, "global_batch": cfg.resolved_global_batch(), "tp": cfg.tp,
-        "comm": cfg.comm, "seed": cfg.seed,
+        "comm": cfg.comm.mode, "seed": cfg.seed,
         "model": PRESETS[cfg.preset]["model"].to_dict(),
     }
 
@@ -112,7 +112,7 @@ def load_rank(run_dir: Path, rank: int, cfg: RunConfig, device: Any = "cpu") -> 
     step = latest_step(run_dir)
     saved_world = _saved_world(step_dir(run_dir, step))
     if saved_world is not None and saved_world != cfg.nproc:
-        if cfg.comm == "lossy":
+        if cfg.comm.mode == "lossy":
             raise ConfigError(f"checkpoint at step {step} was saved by {saved_world} ranks; "
                               f"the lossy optimizer's sharded state cannot resume at "
                               f"{cfg.nproc}")

@@ -27,15 +27,16 @@ per membership change).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from stalwart.config import ConfigError, RunConfig
+from stalwart import envknobs
+from stalwart.config import ConfigError, RunConfig, resolve
 from stalwart.rundir import CONFIG, METRICS, EventLog, JsonlWriter
 from stalwart.train.data import load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
@@ -51,14 +52,15 @@ _UNSUPPORTED = (("tp", 1, "--tp"), ("comm", "reliable", "--comm"),
 def wanted(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     """The worker runs on the membership store: ``STALWART_STORE`` set and no launcher of
     ours (``stalwart run`` gives its own ranks ``STALWART_RUN_DIR``)."""
-    return bool(env.get(STORE_ENV)) and "STALWART_RUN_DIR" not in env
+    return bool(env.get(STORE_ENV)) and envknobs.run_dir(env) is None
 
 
 def check(cfg: RunConfig) -> None:
     """One line (ConfigError) for an option this path cannot honour."""
+    flat = cfg.to_dict()
     for name, plain, flag in _UNSUPPORTED:
-        if getattr(cfg, name) != plain:
-            raise ConfigError(f"{flag} {getattr(cfg, name)} is not available on the elastic "
+        if flat[name] != plain:
+            raise ConfigError(f"{flag} {flat[name]} is not available on the elastic "
                               f"membership store ({STORE_ENV} set): data parallel only; run "
                               "it under `stalwart run`, or without the store")
     if cfg.faults:
@@ -117,9 +119,10 @@ def train_elastic(cfg: RunConfig) -> int:
 
     check(cfg)
     # the global batch is the job's, whatever this node's share: sized for the first
-    # generation's world (STALWART_MIN_WORLD), as `stalwart run --nproc N` would
-    cfg.nproc = int(os.environ.get("STALWART_MIN_WORLD") or os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate()
+    # generation's world (STALWART_MIN_WORLD), as `stalwart run --nproc N` would. No launcher
+    # and no rank 0 yet: each node resolves the same options alike, and the store refuses a
+    # node whose job identity (below) differs
+    cfg = resolve(replace(cfg, job=replace(cfg.job, nproc=envknobs.min_world())))
     torch.set_num_threads(cfg.threads)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ def train_elastic(cfg: RunConfig) -> int:
         cfg.save(run_dir / CONFIG)
     t = _Training(cfg)
     # the job's identity: everything that changes the training (not where it writes)
-    ident = {k: v for k, v in dataclasses.asdict(cfg).items()
+    ident = {k: v for k, v in cfg.to_dict().items()
              if k not in ("out", "name", "threads", "resume", "nproc")}
     try:
         job = elastic.Job(t.model, t.opt, global_batch=t.micro, config=ident,
@@ -139,7 +142,7 @@ def train_elastic(cfg: RunConfig) -> int:
     events, metrics = EventLog(run_dir), JsonlWriter(run_dir / METRICS)
     if job.rank == 0 and job.step == 0:
         events.log("run_started", nproc=job.world, launcher="torchrun+elastic",
-                   store=os.environ[STORE_ENV])
+                   store=envknobs.get(STORE_ENV))
     try:
         for step in job.steps(cfg.steps):
             t0 = time.perf_counter()

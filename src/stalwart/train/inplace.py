@@ -155,7 +155,7 @@ class InPlace:
         cfg = r.cfg
         r.release()
         before = self.regrouper.current
-        lossy = cfg.comm == "lossy"
+        lossy = cfg.comm.mode == "lossy"
         if lossy:
             self._hand_over()
         try:
@@ -325,7 +325,7 @@ class InPlace:
                         r.stepper.model, r.opt)
         saved = fallback.Saved(slot, step, r.tp_index, reason,
                                isinstance(err, FallbackRequested), time.time(),
-                               r.cfg.comm == "lossy")
+                               r.cfg.comm.mode == "lossy")
         self._exit(ExitRecord(slot, FALLBACK, step, reason, saved=saved))
         return 0
 

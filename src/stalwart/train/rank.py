@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from stalwart import envknobs
 from stalwart.config import ConfigError, RunConfig
 from stalwart.rundir import METRICS, EventLog, JsonlWriter
 from stalwart.train import checkpoint as ckpt
@@ -227,12 +228,12 @@ class Rank:
     def start(cls, cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> Rank:
         """Devices, the process group, the run directory and logs, then the capabilities.
         ``link``: the launch's token when the launcher keeps this job's membership
-        (elastic/ranklink.py); ``rejoin``: started again to take its host back (``join``)."""
+        (elastic/ranklink.py); ``rejoin``: started again to take its host back (``join``).
+        ``cfg``: the launcher's resolved configuration (config.json), taken as it is; under
+        plain torchrun the command line's options, which rank 0 resolves at torchrun's world
+        size for every rank (train/torchrun.py)."""
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != cfg.nproc:
-            cfg.nproc = world  # torchrun decides the world size
-        cfg.validate()
         torch.set_num_threads(cfg.threads)
         from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
 
@@ -249,13 +250,15 @@ class Rank:
                 raise ConfigError("--rejoin needs --link TOKEN (the launcher gives both)")
             return cls._rejoiner(cfg, rank, device, dplan, link)
         dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
-        launched = "STALWART_RUN_DIR" in os.environ
+        given = envknobs.run_dir()
+        launched = given is not None
         if not launched and cfg.faults:
             raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
-        if launched:
-            run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        if given is not None:
+            run_dir = Path(given)
         else:
-            run_dir = prepare_run_dir_for_torchrun(cfg, rank)
+            cfg = prepare_run_dir_for_torchrun(cfg, rank, world)
+            run_dir = cfg.run_dir
         dist.barrier()
         r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
                 JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
@@ -271,7 +274,10 @@ class Rank:
         from stalwart.elastic.ranklink import RankLink
         from stalwart.mitigate.regroup import Regrouper
 
-        run_dir = Path(os.environ["STALWART_RUN_DIR"])
+        given = envknobs.run_dir()
+        if given is None:
+            raise ConfigError("--rejoin needs `stalwart run` (it names the run directory)")
+        run_dir = Path(given)
         r = cls(cfg, slot, 0, device, dplan, run_dir, True, EventLog(run_dir),
                 JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
         torch.manual_seed(cfg.seed)
@@ -315,12 +321,12 @@ class Rank:
         """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
         its only samples, so its first step is not sampled -- and checked -- from the ops."""
         cfg = self.cfg
-        if not cfg.detect:
+        if not cfg.detect.enabled:
             return None
         from stalwart.detect import Monitor
 
-        d = cfg.detection
-        lossy = cfg.comm == "lossy"
+        d = cfg.detect
+        lossy = cfg.comm.mode == "lossy"
         # no DDP tracking: every step's hint carries its compute and comm times, so the
         # tracker would record nothing, and its Python comm hook would still take DDP off
         # its C++ all-reduce path (a suspect of the +17% overhead on a GPU, docs/gpu.md)
@@ -378,7 +384,7 @@ class Rank:
         cfg = self.cfg
         opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
                   "weight_decay": cfg.weight_decay}
-        if cfg.comm != "lossy":
+        if cfg.comm.mode != "lossy":
             return torch.optim.AdamW(stepper.model.parameters(), **opt_kw)
         from stalwart.comm import attach
 
@@ -415,7 +421,7 @@ class Rank:
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         loss, timing = self.stepper.forward_backward(batches, share.micro_weight)
         t_opt = time.perf_counter()
-        if cfg.comm != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
+        if cfg.comm.mode != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
             self.stepper.clip_grad_norm_(cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

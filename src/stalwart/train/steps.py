@@ -183,7 +183,7 @@ class TensorParallelStep:
         from stalwart.overlap import build_tp_trainer
 
         self.trainer = build_tp_trainer(PRESETS[cfg.preset]["model"], tp_group, dp_group,
-                                        cfg.overlap, run_dir, device=device)
+                                        cfg.overlap.mode, run_dir, device=device)
         self.model = self.trainer.model
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
