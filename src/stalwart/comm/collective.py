@@ -18,27 +18,10 @@ Each phase ends at the first of: all expected packets arrived; every live sender
 marker arrived + grace; the agreed adaptive deadline (``deadline.AdaptiveDeadline``). There are
 no retransmissions, so a phase lasts at most its own send plus the cap whatever the network does.
 
-Setup goes through torch.distributed (gloo or any backend with object collectives): rank 0
-draws the per-job secret and job id with ``os.urandom`` and broadcasts them; every rank binds
-its socket to ``transport.default_host()`` (``STALWART_HOST_ADDR``, else the interface that
-routes to ``MASTER_ADDR``) and the addresses are exchanged with ``all_gather_object``, with
-each rank's host name: a job that spans hosts while a rank bound a loopback address fails at
-setup with one line, instead of every rank training on its own gradient.
-
-Rounds: every rank calls ``begin_round()`` once per step, in lockstep, so round numbers agree.
-The receiving thread keeps the current and the next ``ROUNDS_OPEN - 1`` rounds open (a faster
-peer may already be several rounds ahead: its packets wait for this rank, which then catches up
-at once instead of losing them; with only the next round open, a pair of ranks two rounds ahead
-of the other pair -- seen after the two pairs left a slow gloo ``new_group`` 1 s apart at 10%
-loss -- lost everything to each other for the rest of the run); anything older is rejected as
-``old_round`` -- that is also what makes a replay from an earlier step harmless. Memory: each
-open round holds a full-size value buffer (``ROUNDS_OPEN`` x 4 bytes x parameters). A peer
-that sent nothing (of any round) for a deadline cap, in a phase that hit the deadline
-is marked silent and is not waited for until any authenticated packet from it arrives again:
-a dead rank costs its peers at most a deadline cap of waiting, not a hang. A peer that stays
-silent for ``give_up_s`` (default 60 s, counted from the first phase) -- dead, or never heard
-at all because its packets cannot reach this rank -- raises ``PeerLost``: training on without
-its shard's updates, or alone, would be a silent failure.
+Setup (``exchange``) goes through torch.distributed once; rounds advance in lockstep (every
+rank calls ``begin_round()`` once per step: ``rounds.RoundRing``); a dead peer costs at most a
+deadline cap of waiting, and one silent for ``give_up_s`` raises ``PeerLost``
+(``liveness``).
 """
 
 from __future__ import annotations
@@ -221,19 +204,19 @@ class LossyCollective:
         round's buffer and copied over after the phase (one pass over the vector less). The
         result is the same; the difference is when ``out`` changes: during the phase, so a
         call that raises may leave some owners' chunks in ``out``. ``bound``: the caller has
-        bound ``out`` already (``_bind_values``) and unbinds it."""
+        bound ``out`` already (``Receiver.bind_values``) and unbinds it."""
         t0 = time.perf_counter()
         shard_values = np.ascontiguousarray(shard_values, dtype=np.float32)
         # native, no stale values to put first: the owners' chunks land in ``out`` itself as
         # they arrive (no copy-out after the phase); this rank's reduce-scatter is sent by
         # now, so nothing reads the other shards of ``out`` until the call returns
-        mine = not bound and direct and stale is None and self._bind_values(out)
+        mine = not bound and direct and stale is None and self.receiver.bind_values(out)
         try:
             sent, want, npar = self.sender.send_values(shard_values)
             ps = self._closed(PHASE_VALUE, t0, sent, want, npar)
         finally:
             if mine:  # the phase is closed (or failed): nothing more lands in out
-                self._unbind_values()
+                self.receiver.unbind_values()
         return self.ring.landed(self.ring.current, shard_values, out, stale, want_mask,
                                 bound or mine), ps
 
@@ -248,16 +231,7 @@ class LossyCollective:
         sent = self.sender.send_norm(own_sq)
         ps = self.waiter.wait(PHASE_NORM, t0, adapt=False)
         ps.sent = sent
-        st = self.ring.current
-        lens = np.array(self.layout.shard_lens, np.float64)
-        have = st.got[PHASE_NORM] > 0
-        have[self.rank] = True
-        vals = st.norm.copy()
-        vals[self.rank] = own_sq
-        if not have.all():
-            per_elem = vals[have].sum() / max(lens[have].sum(), 1.0)
-            vals[~have] = per_elem * lens[~have]
-        return float(vals.sum()), ps
+        return self.ring.norm_total(own_sq), ps
 
     def allreduce(self, flat: np.ndarray, out: np.ndarray | None = None) -> tuple[
             np.ndarray, list[PhaseStats]]:
@@ -274,37 +248,14 @@ class LossyCollective:
         else:  # the average goes straight into out's own shard (no buffer, no copy)
             # native: out is bound from the round's start, so that owners' values arriving
             # before this rank's broadcast also land there (not copied over at a later binding)
-            bound = self._bind_values(out)
+            bound = self.receiver.bind_values(out)
             try:
                 avg, p1 = self.reduce_scatter(flat, avg_out=out[self._lo: self._hi])
                 _, p2 = self.broadcast(avg, out, want_mask=False, direct=True, bound=bound)
             finally:
                 if bound:
-                    self._unbind_values()
+                    self.receiver.unbind_values()
         return out, [p1, p2]
-
-    def _bind_values(self, out: np.ndarray) -> bool:
-        """Native engine: the current round's broadcast values land in ``out`` (a writable
-        C-contiguous float32 vector of every element) from now on, as they arrive; the chunks
-        already in the round's buffer are copied over now. False (nothing bound) with the
-        Python engine or another ``out``. Safe from the round's start even when ``out`` is the
-        vector being reduce-scattered: an owner broadcasts its shard only after it closed its
-        reduce-scatter phase -- with all of this rank's packets for it in (or rebuilt from its
-        parity), which are handed to the kernel before anything that follows them, or once it
-        stopped waiting for this rank (deadline, silence), when whatever this rank still sends
-        it is rejected as late -- so no value lands in a shard this rank still reads for a
-        packet that counts; its own shard is never written."""
-        if (self._eng is None or out.dtype != np.float32 or not out.flags.c_contiguous
-                or not out.flags.writeable or out.size != self.layout.numel):
-            return False
-        with self.receiver.cond:
-            self._eng.values_into(self.ring.slot, self.ring.round, out)
-        return True
-
-    def _unbind_values(self) -> None:
-        """End ``_bind_values``'s binding: nothing more lands in ``out``."""
-        with self.receiver.cond:
-            self._eng.values_into(self.ring.slot, self.ring.round, None)
 
     def worst_loss_in(self) -> float:
         """The highest loss rate measured on this rank's incoming links (0 if none yet)."""

@@ -1,6 +1,13 @@
 """Setup of the lossy collective's group: the one-time exchange of the job's secret and the
 ranks' addresses, over a reliable channel (torch.distributed's object collectives).
 
+Mechanism: rank 0 draws the per-job secret and job id with ``os.urandom`` and broadcasts them
+(gloo or any backend with object collectives); every rank binds its socket to
+``transport.default_host()`` (``STALWART_HOST_ADDR``, else the interface that routes to
+``MASTER_ADDR``) and the addresses are exchanged with ``all_gather_object``, with each rank's
+host name: a job that spans hosts while a rank bound a loopback address fails at setup with
+one line, instead of every rank training on its own gradient.
+
 Guarantees: every rank gets rank 0's secret and job id and every rank's bound address and host
 name; ``check_addresses`` refuses (one line) a job that spans hosts while a rank bound a
 loopback address. Cost: one broadcast, one all-gather and one barrier, once per collective.

@@ -118,6 +118,29 @@ class Receiver:
         self.live.unsilence_spoken()
 
     # ---- receiving thread -----------------------------------------------------------------
+    def bind_values(self, out: np.ndarray) -> bool:
+        """Native engine: the current round's broadcast values land in ``out`` (a writable
+        C-contiguous float32 vector of every element) from now on, as they arrive; the chunks
+        already in the round's buffer are copied over now. False (nothing bound) with the
+        Python engine or another ``out``. Safe from the round's start even when ``out`` is the
+        vector being reduce-scattered: an owner broadcasts its shard only after it closed its
+        reduce-scatter phase -- with all of this rank's packets for it in (or rebuilt from its
+        parity), which are handed to the kernel before anything that follows them, or once it
+        stopped waiting for this rank (deadline, silence), when whatever this rank still sends
+        it is rejected as late -- so no value lands in a shard this rank still reads for a
+        packet that counts; its own shard is never written."""
+        if (self.eng is None or out.dtype != np.float32 or not out.flags.c_contiguous
+                or not out.flags.writeable or out.size != self.layout.numel):
+            return False
+        with self.cond:
+            self.eng.values_into(self.ring.slot, self.ring.round, out)
+        return True
+
+    def unbind_values(self) -> None:
+        """End ``bind_values``'s binding: nothing more lands in ``out``."""
+        with self.cond:
+            self.eng.values_into(self.ring.slot, self.ring.round, None)
+
     def check_handler(self) -> None:
         n = self.transport.handler_errors
         if n > MAX_HANDLER_ERRORS:

@@ -9,7 +9,14 @@ faster peer's packets of a later round wait in their own buffers.
 
 ``RoundRing`` owns the ``ROUNDS_OPEN`` states and the current round number: ``begin`` moves
 the ring to the next round (the state of the round that just ended becomes the newest open
-one's), ``state(rnd)`` is round ``rnd``'s buffers while it is open.
+one's), ``at(rnd)`` is round ``rnd``'s buffers while it is open. Every rank calls
+``begin_round()`` once per step, in lockstep, so round numbers agree. The current and the next
+``ROUNDS_OPEN - 1`` rounds are open: a faster peer may already be several rounds ahead (two
+pairs of ranks that left a slow gloo ``new_group`` 1 s apart end up two rounds apart), and its
+packets wait for this rank, which then catches up at once instead of losing them; with only
+the next round open, such pairs lost everything to each other for the rest of the run.
+Anything older is rejected as ``old_round`` -- that is also what makes a replay from an
+earlier step harmless.
 
 Both engines write the same numpy arrays: the Python engine from ``receiving.Receiver``, the
 native one from C (it holds pointers to these arrays; ``reset`` clears them in place for that
@@ -28,7 +35,7 @@ import numpy as np
 from stalwart.comm import fec
 from stalwart.comm.aggregate import ShardAccumulator
 from stalwart.comm.layout import Layout
-from stalwart.comm.wire import TAG_BYTES
+from stalwart.comm.wire import PHASE_NORM, TAG_BYTES
 
 ROUNDS_OPEN = 4  # the current round and the next three accept packets
 
@@ -145,6 +152,21 @@ class RoundRing:
         if self.eng is not None:
             self.eng.set_round(r)
         return r
+
+    def norm_total(self, own_sq: float) -> float:
+        """The current round's sum of the owners' squared shard norms, this rank's being
+        ``own_sq``; a norm that did not arrive is estimated from the others' mean per element
+        times that shard's size."""
+        st = self.current
+        lens = np.array(self.layout.shard_lens, np.float64)
+        have = st.got[PHASE_NORM] > 0
+        have[self.rank] = True
+        vals = st.norm.copy()
+        vals[self.rank] = own_sq
+        if not have.all():
+            per_elem = vals[have].sum() / max(lens[have].sum(), 1.0)
+            vals[~have] = per_elem * lens[~have]
+        return float(vals.sum())
 
     def landed(self, st: RoundState, shard_values: np.ndarray, out: np.ndarray,
                stale: np.ndarray | None, want_mask: bool = True, direct: bool = False
