@@ -103,13 +103,13 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
 
     cfg = resolve_launch(cfg)  # every value first (one pass), then what this machine can run
     try:
-        check_request(cfg.device, cfg.nproc)
+        check_request(cfg.job.device, cfg.job.nproc)
     except DeviceError as e:
         raise ConfigError(str(e)) from None
     run_dir = prepare_run_dir(cfg)
     events = EventLog(run_dir)
     say = on_line or (lambda s: print(s, flush=True))
-    if cfg.script is not None:
+    if cfg.job.script is not None:
         # a user's script as the ranks: its bootstrap reads the script from config.json
         module, args = "stalwart.scriptboot", None
         progress: Any = ScriptProgress(cfg, run_dir, enabled=show_progress)
@@ -120,8 +120,8 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     # (elastic/launcher.py, elastic/runlink.py)
     store: LauncherStore | None = None
     rc = 1
-    events.log("run_started", nproc=cfg.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
-               resume=cfg.resume, **({"script": cfg.script} if cfg.script else {}))
+    events.log("run_started", nproc=cfg.job.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
+               resume=cfg.job.resume, **({"script": cfg.job.script} if cfg.job.script else {}))
     try:
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
@@ -149,7 +149,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
                 restart_t0 = time.monotonic()
                 cfg, first_step = _restart_config(cfg, run_dir, events, say, got)
                 # faults stay on their hosts; ranks move
-                tb.set_hosts(list(cfg.hosts) if cfg.hosts else None)
+                tb.set_hosts(list(cfg.job.hosts) if cfg.job.hosts else None)
                 incarnation += 1
     except KeyboardInterrupt:
         stop_all(procs)
@@ -202,7 +202,7 @@ def _spawn(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] 
     a script's membership store: ``_script_store``)."""
     extra = store.env if store is not None else None
     procs = {r: _start_rank(cfg, tb, run_dir, module, args, port, incarnation, r, extra)
-             for r in range(cfg.nproc)}
+             for r in range(cfg.job.nproc)}
     tb.attach_ranks({r: p.pid for r, p in procs.items()})
     return procs
 
@@ -213,7 +213,7 @@ def _restarter(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[s
     """How the supervisor starts one rank again: a script's rank as it was started (its
     store's address included, so it joins the elastic job live); stalwart's own rank as the
     training worker that rejoins in place (``--rejoin``: mitigate/membership.py)."""
-    if cfg.script is not None and store is not None:
+    if cfg.job.script is not None and store is not None:
         return lambda r, extra: _start_rank(cfg, tb, run_dir, module, args, port, incarnation,
                                             r, {**store.env, **extra})
     env = store.env if store is not None else {}
@@ -229,7 +229,7 @@ def _membership_store(cfg: RunConfig, tb: Any, run_dir: Path,
     without stopping the job), or the records of a built-in job that regroups in place
     (elastic/runlink.py: the launcher keeps them through the store process's pipe)."""
     in_place = _regroups_in_place(cfg, module)
-    if cfg.script is None and not in_place:
+    if cfg.job.script is None and not in_place:
         return None
     port = 29400 if cfg.testbed.kind == "netns" else free_port()  # (MASTER_PORT: 29500 + k)
     return LauncherStore(tb.command_prefix(0), tb.master_addr, port, run_dir.name, run_dir,
@@ -239,7 +239,7 @@ def _membership_store(cfg: RunConfig, tb: Any, run_dir: Path,
 def _regroups_in_place(cfg: RunConfig, module: str) -> bool:
     from stalwart.mitigate.membership import in_place_ok
 
-    return module == "stalwart.train.worker" and cfg.nproc >= 2 and in_place_ok(cfg)
+    return module == "stalwart.train.worker" and cfg.job.nproc >= 2 and in_place_ok(cfg)
 
 
 def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[str] | None,
@@ -249,15 +249,15 @@ def _start_rank(cfg: RunConfig, tb: Any, run_dir: Path, module: str, args: list[
     more, e.g. the rejoin switch)."""
     env = {
         **os.environ,
-        **torchrun_env(r, cfg.nproc, tb.kind == "netns", tb.master_addr, port,
-                       run_dir.name, incarnation, cfg.ranks_per_host),
+        **torchrun_env(r, cfg.job.nproc, tb.kind == "netns", tb.master_addr, port,
+                       run_dir.name, incarnation, cfg.testbed.ranks_per_host),
         "STALWART_RUN_DIR": str(run_dir.resolve()),
         # a script's own Monitor() finds the run directory here (detect/monitor.py)
-        **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.script else {}),
-        "OMP_NUM_THREADS": str(cfg.threads),
+        **({"STALWART_MONITOR_RUN_DIR": str(run_dir.resolve())} if cfg.job.script else {}),
+        "OMP_NUM_THREADS": str(cfg.job.threads),
         # the testbed's hosts are namespaces of this one machine: GPUs are assigned over
         # all its ranks, whatever LOCAL_RANK says (devices.py)
-        "STALWART_DEVICE_SLOT": str(r), "STALWART_DEVICE_SLOTS": str(cfg.nproc),
+        "STALWART_DEVICE_SLOT": str(r), "STALWART_DEVICE_SLOTS": str(cfg.job.nproc),
         **tb.env(r),
         **(extra or {}),
     }
@@ -300,6 +300,6 @@ def _announcer(cfg: RunConfig, run_dir: Path, module: str,
     if store is None or store.pipe is None or not _regroups_in_place(cfg, module):
         return None
     return Announcer(store.pipe, run_dir.name,
-                     list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc)))
+                     list(cfg.job.hosts) if cfg.job.hosts else list(range(cfg.job.nproc)))
 
 

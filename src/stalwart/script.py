@@ -48,8 +48,8 @@ def first_errors(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def describe(cfg: RunConfig) -> str:
-    args = " ".join(cfg.script_args)
-    return f"{cfg.script}{' ' + args if args else ''}"
+    args = " ".join(cfg.job.script_args)
+    return f"{cfg.job.script}{' ' + args if args else ''}"
 
 
 class ScriptProgress:
@@ -71,7 +71,7 @@ class ScriptProgress:
         self._log_partial = b""
         self._seen: set[str] = set()
         if enabled:
-            print(f"stalwart: {cfg.nproc} ranks run {describe(cfg)} on the {cfg.testbed.kind} "
+            print(f"stalwart: {cfg.job.nproc} ranks run {describe(cfg)} on the {cfg.testbed.kind} "
                   f"testbed -> {run_dir}", flush=True)
 
     def _say(self, text: str) -> None:

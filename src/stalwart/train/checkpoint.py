@@ -46,9 +46,9 @@ WORLD = "WORLD"
 def fingerprint(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint and the run resuming it must agree on."""
     return {
-        "preset": cfg.preset, "global_batch": cfg.resolved_global_batch(), "tp": cfg.tp,
-        "comm": cfg.comm.mode, "seed": cfg.seed,
-        "model": PRESETS[cfg.preset]["model"].to_dict(),
+        "preset": cfg.train.preset, "global_batch": cfg.resolved_global_batch(), "tp": cfg.train.tp,
+        "comm": cfg.comm.mode, "seed": cfg.train.seed,
+        "model": PRESETS[cfg.train.preset]["model"].to_dict(),
     }
 
 
@@ -68,7 +68,7 @@ def save_state(path: Path, step: int, cfg: RunConfig, model: torch.nn.Module,
     """One rank's file (atomic): what ``load_rank`` reads back."""
     state = {
         "step": step,
-        "world": cfg.nproc,
+        "world": cfg.job.nproc,
         "fingerprint": fingerprint(cfg),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -111,12 +111,12 @@ def load_rank(run_dir: Path, rank: int, cfg: RunConfig, device: Any = "cpu") -> 
     its tensors onto ``device`` (the rank's own: a checkpoint saved on another device loads)."""
     step = latest_step(run_dir)
     saved_world = _saved_world(step_dir(run_dir, step))
-    if saved_world is not None and saved_world != cfg.nproc:
+    if saved_world is not None and saved_world != cfg.job.nproc:
         if cfg.comm.mode == "lossy":
             raise ConfigError(f"checkpoint at step {step} was saved by {saved_world} ranks; "
                               f"the lossy optimizer's sharded state cannot resume at "
-                              f"{cfg.nproc}")
-        rank = rank % cfg.tp  # replicated over data parallelism: any replica's file
+                              f"{cfg.job.nproc}")
+        rank = rank % cfg.train.tp  # replicated over data parallelism: any replica's file
     path = step_dir(run_dir, step) / f"rank-{rank}.pt"
     if not path.exists():
         raise ConfigError(f"checkpoint is missing rank {rank}: {path}")
@@ -148,7 +148,7 @@ def _saved_world(folder: Path) -> int | None:
 def validate_resume(cfg: RunConfig) -> int:
     """Check every rank's file of the latest checkpoint before any rank starts; its step."""
     step = latest_step(cfg.run_dir)
-    for rank in range(cfg.nproc):
+    for rank in range(cfg.job.nproc):
         load_rank(cfg.run_dir, rank, cfg)
     return step
 

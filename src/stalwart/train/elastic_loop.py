@@ -63,7 +63,7 @@ def check(cfg: RunConfig) -> None:
             raise ConfigError(f"{flag} {flat[name]} is not available on the elastic "
                               f"membership store ({STORE_ENV} set): data parallel only; run "
                               "it under `stalwart run`, or without the store")
-    if cfg.faults:
+    if cfg.testbed.faults:
         raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
 
 
@@ -73,16 +73,16 @@ class _Training:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.corpus = load_corpus(cfg.data, cfg.max_data_bytes)
-        self.m = PRESETS[cfg.preset]["model"]
-        torch.manual_seed(cfg.seed)
+        self.corpus = load_corpus(cfg.train.data, cfg.train.max_data_bytes)
+        self.m = PRESETS[cfg.train.preset]["model"]
+        torch.manual_seed(cfg.train.seed)
         self.model = GPT(self.m)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
-                                     betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                                     betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
         self.micro, self.mbs = cfg.global_micro_batches(), cfg.resolved_micro_batch_size()
         self.gb = cfg.resolved_global_batch()
-        self.val = val_batches(self.corpus, cfg.eval_batches, cfg.resolved_batch_size(),
-                               self.m.block_size, cfg.seed)
+        self.val = val_batches(self.corpus, cfg.train.eval_batches, cfg.resolved_batch_size(),
+                               self.m.block_size, cfg.train.seed)
 
     def forward_backward(self, job: Any, step: int, lr: float) -> tuple[float, int]:
         """This member's micro-batches of ``step`` at learning rate ``lr``, each loss weighted
@@ -90,7 +90,7 @@ class _Training:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
-        starts = step_starts(self.corpus, self.gb, self.m.block_size, self.cfg.seed, step)
+        starts = step_starts(self.corpus, self.gb, self.m.block_size, self.cfg.train.seed, step)
         total, n = 0.0, 0
         for idx in job.my_batch(step):
             for i in idx:  # the step's global micro-batch i - step * M (job.py's indices)
@@ -123,7 +123,7 @@ def train_elastic(cfg: RunConfig) -> int:
     # and no rank 0 yet: each node resolves the same options alike, and the store refuses a
     # node whose job identity (below) differs
     cfg = resolve(replace(cfg, job=replace(cfg.job, nproc=envknobs.min_world())))
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.job.threads)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / CONFIG).exists():
@@ -134,8 +134,8 @@ def train_elastic(cfg: RunConfig) -> int:
              if k not in ("out", "name", "threads", "resume", "nproc")}
     try:
         job = elastic.Job(t.model, t.opt, global_batch=t.micro, config=ident,
-                          checkpoint=run_dir / CHECKPOINT, checkpoint_every=cfg.ckpt_every,
-                          grad_clip=cfg.grad_clip)
+                          checkpoint=run_dir / CHECKPOINT, checkpoint_every=cfg.train.ckpt_every,
+                          grad_clip=cfg.train.grad_clip)
     except elastic.ElasticError as e:  # Refused: another configuration or code version
         print(e, file=sys.stderr)
         return 2 if isinstance(e, elastic.Refused) else 1
@@ -144,7 +144,7 @@ def train_elastic(cfg: RunConfig) -> int:
         events.log("run_started", nproc=job.world, launcher="torchrun+elastic",
                    store=envknobs.get(STORE_ENV))
     try:
-        for step in job.steps(cfg.steps):
+        for step in job.steps(cfg.train.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             total, n = t.forward_backward(job, step, lr)
@@ -157,7 +157,8 @@ def train_elastic(cfg: RunConfig) -> int:
                            "loss": job.loss, "lr": lr, "step_time": dt,
                            "samples": n * t.mbs, "tokens": tokens, "tokens_per_s": tokens / dt,
                            "host": job.node})
-            if job.rank == 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            if job.rank == 0 and ((step + 1) % cfg.train.eval_every == 0
+                                  or step + 1 == cfg.train.steps):
                 events.log("eval", step=step + 1, val_loss=t.evaluate())
     except elastic.ElasticError as e:
         print(e, file=sys.stderr)

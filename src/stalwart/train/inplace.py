@@ -165,14 +165,14 @@ class InPlace:
             raise RuntimeError(f"{why} ({t})") from None
         parts = {"groups": time.monotonic() - t0}
         rank, world = dist.get_rank(), dist.get_world_size()
-        cfg.nproc, cfg.hosts = world, list(g.hosts)
+        cfg.job.nproc, cfg.hosts = world, list(g.hosts)
         model, reset = r.stepper.model, 0
-        if cfg.tp > 1:  # new TP and DP groups; the shards follow the new TP indices
-            tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.tp)
+        if cfg.train.tp > 1:  # new TP and DP groups; the shards follow the new TP indices
+            tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.train.tp)
             r.place(rank, world, data_rank, data_parts)
             r.stepper.rebind(tp_group, dp_group)
-            done, src = agree_shards(model, r.opt, applied, r.tp_index, cfg.tp)
-            r.place(rank, world, data_rank, data_parts, tp_index=rank % cfg.tp)
+            done, src = agree_shards(model, r.opt, applied, r.tp_index, cfg.train.tp)
+            r.place(rank, world, data_rank, data_parts, tp_index=rank % cfg.train.tp)
         elif lossy:  # the owners' state re-sharded; a new optimizer (and DDP) for the world
             r.place(rank, world, rank, world)
             done, src, reset = self._regroup_lossy(applied, g.gen)
@@ -189,7 +189,7 @@ class InPlace:
         # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step
         r.plug(monitor=r.make_monitor(hinted=True))
         parts["monitor"] = time.monotonic() - t0
-        if cfg.tp == 1 and not lossy:  # (lossy: made with its optimizer, _regroup_lossy)
+        if cfg.train.tp == 1 and not lossy:  # (lossy: made with its optimizer, _regroup_lossy)
             r.plug(stepper=DataParallelStep(model, r.device))
         parts["ddp"] = time.monotonic() - t0
         regroup_s = time.monotonic() - t0

@@ -174,12 +174,12 @@ class ReportingOptimizer(Protocol):
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup then cosine decay to 10% of the peak, over cfg.steps."""
+    """Linear warmup then cosine decay to 10% of the peak, over cfg.train.steps."""
     peak = cfg.resolved_lr()
-    if step < cfg.warmup:
-        return peak * (step + 1) / cfg.warmup
-    span = max(cfg.steps - cfg.warmup, 1)
-    progress = min((step - cfg.warmup) / span, 1.0)
+    if step < cfg.train.warmup:
+        return peak * (step + 1) / cfg.train.warmup
+    span = max(cfg.train.steps - cfg.train.warmup, 1)
+    progress = min((step - cfg.train.warmup) / span, 1.0)
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
@@ -189,7 +189,7 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
     ckpt.save_rank(run_dir, done, rank, cfg, model, opt)
     dist.barrier()
     if rank == 0:
-        ckpt.mark_latest(run_dir, done, world=cfg.nproc)
+        ckpt.mark_latest(run_dir, done, world=cfg.job.nproc)
         events.log("checkpoint", step=done)
 
 
@@ -234,12 +234,13 @@ class Rank:
         size for every rank (train/torchrun.py)."""
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.job.threads)
         from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
 
         slot, slots = rank_slot()
         try:
-            dplan = plan_devices(cfg.device, slots, visible_gpus() if cfg.device != "cpu" else 0)
+            dplan = plan_devices(cfg.job.device, slots,
+                                 visible_gpus() if cfg.job.device != "cpu" else 0)
         except DeviceError as e:
             raise ConfigError(str(e)) from None
         device = torch.device(dplan.device_of(slot))
@@ -252,7 +253,7 @@ class Rank:
         dist.init_process_group(dplan.backend, timeout=timedelta(minutes=5))
         given = envknobs.run_dir()
         launched = given is not None
-        if not launched and cfg.faults:
+        if not launched and cfg.testbed.faults:
             raise ConfigError("--fault needs `stalwart run` (the launcher applies faults)")
         if given is not None:
             run_dir = Path(given)
@@ -261,7 +262,8 @@ class Rank:
             run_dir = cfg.run_dir
         dist.barrier()
         r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
-                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
+                JsonlWriter(run_dir / METRICS),
+                load_corpus(cfg.train.data, cfg.train.max_data_bytes))
         r._plug_in(link)
         return r
 
@@ -279,11 +281,12 @@ class Rank:
             raise ConfigError("--rejoin needs `stalwart run` (it names the run directory)")
         run_dir = Path(given)
         r = cls(cfg, slot, 0, device, dplan, run_dir, True, EventLog(run_dir),
-                JsonlWriter(run_dir / METRICS), load_corpus(cfg.data, cfg.max_data_bytes))
-        torch.manual_seed(cfg.seed)
+                JsonlWriter(run_dir / METRICS),
+                load_corpus(cfg.train.data, cfg.train.max_data_bytes))
+        torch.manual_seed(cfg.train.seed)
         r.stepper = DetachedStep(GPT(r.model_cfg).to(device))
         r.opt = torch.optim.AdamW(r.stepper.model.parameters(), lr=cfg.resolved_lr(),
-                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                                  betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
         with torch.device("meta"):
             r.n_params = sum(p.numel() for p in GPT(r.model_cfg).parameters())
         r.inplace = InPlace(r, Regrouper(RankLink.from_env(link), slot, set(), joining=True),
@@ -293,8 +296,8 @@ class Rank:
         import stalwart.detect  # noqa: F401
         import stalwart.mitigate.rebalance  # noqa: F401
         r.val = [(x.to(device), y.to(device)) for x, y in val_batches(
-            r.corpus, cfg.eval_batches, cfg.resolved_batch_size(), r.model_cfg.block_size,
-            cfg.seed)]
+            r.corpus, cfg.train.eval_batches, cfg.resolved_batch_size(), r.model_cfg.block_size,
+            cfg.train.seed)]
         return r
 
     def enter(self) -> int | None:
@@ -315,7 +318,7 @@ class Rank:
 
     @property
     def model_cfg(self) -> Any:
-        return PRESETS[self.cfg.preset]["model"]
+        return PRESETS[self.cfg.train.preset]["model"]
 
     def make_monitor(self, hinted: bool = False) -> Any:
         """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
@@ -341,11 +344,12 @@ class Rank:
     def _plug_in(self, link: str | None = None) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
         self.monitor = self.make_monitor()
-        torch.manual_seed(cfg.seed)
-        if cfg.tp > 1:
-            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world, cfg.tp)
+        torch.manual_seed(cfg.train.seed)
+        if cfg.train.tp > 1:
+            tp_group, dp_group, self.data_rank, self.data_parts = make_groups(self.world,
+                                                                              cfg.train.tp)
             self.stepper = TensorParallelStep(cfg, tp_group, dp_group, self.run_dir, device)
-            self.tp_index = self.rank % cfg.tp
+            self.tp_index = self.rank % cfg.train.tp
         else:
             self.data_rank, self.data_parts = self.rank, self.world
             self.stepper = DataParallelStep(GPT(mcfg).to(device), device)
@@ -353,7 +357,7 @@ class Rank:
         from stalwart.mitigate import work_plan
 
         with torch.device("meta"):  # shapes only, no memory: the full model's size over TP
-            self.n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.tp
+            self.n_params = sum(p.numel() for p in GPT(mcfg).parameters()) // cfg.train.tp
         # a dead peer does not end this rank: it regroups in place (mitigate/regroup.py)
         from stalwart.mitigate.membership import in_place_ok
 
@@ -373,8 +377,8 @@ class Rank:
                               REGROUP_PRICE_S if self.inplace is not None else None,
                               self.inplace.regrouper.link if self.inplace is not None else None)
         self.val = [(x.to(device), y.to(device)) for x, y in val_batches(
-            self.corpus, cfg.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
-            cfg.seed)]
+            self.corpus, cfg.train.eval_batches, cfg.resolved_batch_size(), mcfg.block_size,
+            cfg.train.seed)]
 
     def make_optimizer(self, stepper: Any) -> Any:
         """AdamW on ``stepper``'s model, or with ``--comm lossy`` the loss-tolerant optimizer
@@ -383,20 +387,20 @@ class Rank:
         regroups in place the lossy optimizer keeps its last update's undo record."""
         cfg = self.cfg
         opt_kw = {"lr": cfg.resolved_lr(), "betas": (0.9, 0.95),
-                  "weight_decay": cfg.weight_decay}
+                  "weight_decay": cfg.train.weight_decay}
         if cfg.comm.mode != "lossy":
             return torch.optim.AdamW(stepper.model.parameters(), **opt_kw)
         from stalwart.comm import attach
 
         # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-        opt = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.grad_clip, **opt_kw)
+        opt = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.train.grad_clip, **opt_kw)
         opt.keep_undo = self.inplace is not None
         return opt
 
     def resume(self) -> int:
         """The step to start at: 0, or a checkpoint's (``--resume``, a restart)."""
         start = 0
-        if self.cfg.resume:
+        if self.cfg.job.resume:
             state = ckpt.load_rank(self.run_dir, self.rank, self.cfg, self.device)
             self.stepper.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
@@ -415,14 +419,14 @@ class Rank:
         metrics line and the forward/backward seconds."""
         cfg, mcfg = self.cfg, self.model_cfg
         mbs, gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
-        starts = step_starts(self.corpus, gb, mcfg.block_size, cfg.seed, step)
+        starts = step_starts(self.corpus, gb, mcfg.block_size, cfg.train.seed, step)
         batches = [micro_batch(self.corpus, starts, mbs, mcfg.block_size, g)
                    for g in share.indices]
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         loss, timing = self.stepper.forward_backward(batches, share.micro_weight)
         t_opt = time.perf_counter()
         if cfg.comm.mode != "lossy":  # lossy: clipped inside opt.step() (attach max_grad_norm)
-            self.stepper.clip_grad_norm_(cfg.grad_clip)
+            self.stepper.clip_grad_norm_(cfg.train.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.inplace is not None:
@@ -445,7 +449,7 @@ class Rank:
             "comm_time": timing["comm_time"] + opt_comm,
             "samples": mbs * len(batches), "tokens": tokens, "tokens_per_s": tokens / step_time,
             "micro_batches": len(batches), "plan_version": share.version,
-            "host": cfg.hosts[self.rank] if cfg.hosts else self.rank, "world": self.world,
+            "host": cfg.job.hosts[self.rank] if cfg.job.hosts else self.rank, "world": self.world,
             **{k: v for k, v in timing.items() if k not in ("compute_time", "comm_time")},
             **extra,
         }
@@ -522,11 +526,12 @@ class Rank:
         """The evaluation and checkpoint due after ``done`` steps, each once (a regroup can
         bring the loop back to a step boundary it has passed)."""
         cfg = self.cfg
-        if (done == 0 or done % cfg.eval_every == 0 or done == cfg.steps) \
+        if (done == 0 or done % cfg.train.eval_every == 0 or done == cfg.train.steps) \
                 and ("eval", done) not in self.done_at:
             self.evaluate(done)
             self.done_at.add(("eval", done))
-        if (done % cfg.ckpt_every == 0 or done == cfg.steps or done == cfg.halt_at) \
+        t = cfg.train
+        if (done % t.ckpt_every == 0 or done == t.steps or done == t.halt_at) \
                 and done > 0 and ("ckpt", done) not in self.done_at:
             self.checkpoint(done)
             self.done_at.add(("ckpt", done))

@@ -182,7 +182,7 @@ class TensorParallelStep:
                  device: torch.device) -> None:
         from stalwart.overlap import build_tp_trainer
 
-        self.trainer = build_tp_trainer(PRESETS[cfg.preset]["model"], tp_group, dp_group,
+        self.trainer = build_tp_trainer(PRESETS[cfg.train.preset]["model"], tp_group, dp_group,
                                         cfg.overlap.mode, run_dir, device=device)
         self.model = self.trainer.model
 

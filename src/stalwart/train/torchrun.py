@@ -80,6 +80,6 @@ def _torchrun_run_dir(raw: RunConfig, resume: bool, restarted: int) -> RunConfig
             print(f"stalwart: no checkpoint in {run_dir / CHECKPOINTS} yet: starting at step 0",
                   file=sys.stderr)
         events = EventLog(run_dir)
-        events.log("run_started", nproc=cfg.nproc, launcher="torchrun", restart=restarted)
+        events.log("run_started", nproc=cfg.job.nproc, launcher="torchrun", restart=restarted)
         events.close()
     return cfg

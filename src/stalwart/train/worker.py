@@ -55,7 +55,7 @@ def train(cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> int:
     applied = r.enter()  # optimizer steps applied: the next step to run
     if applied is None:  # started to rejoin and not taken back
         return r.inplace.leave() if r.inplace is not None else 1
-    stop = cfg.halt_at if cfg.halt_at is not None else cfg.steps
+    stop = cfg.train.halt_at if cfg.train.halt_at is not None else cfg.train.steps
     while True:
         try:
             r.after(applied)  # the evaluation and checkpoint due, each once
@@ -87,8 +87,8 @@ def train(cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> int:
                 return members.leave()
             except Exception as e:  # noqa: BLE001 -- any failure: checkpoint-and-relaunch
                 return members.fall_back(applied, e)
-    if cfg.halt_at is not None and r.rank == 0:
-        r.events.log("halted", step=cfg.halt_at)
+    if cfg.train.halt_at is not None and r.rank == 0:
+        r.events.log("halted", step=cfg.train.halt_at)
     return r.finish(0)
 
 
