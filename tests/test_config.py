@@ -133,3 +133,12 @@ def test_overrides_are_read_only_in_envknobs() -> None:
         text = path.read_text()
         for name in overrides:
             assert not re.search(rf"environ(\.get)?\(?\[?[\"']{name}[\"']", text), (path, name)
+
+
+def test_docs_config_md_holds_the_generated_tables() -> None:
+    from stalwart.sections import markdown
+
+    text = (SRC.parent.parent / "docs" / "config.md").read_text()
+    start = text.index("-->\n", text.index("<!-- generated")) + len("-->\n")
+    end = text.index("<!-- end generated -->")
+    assert text[start:end] == markdown(), "run: python -m stalwart.sections"

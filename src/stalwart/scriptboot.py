@@ -45,7 +45,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from stalwart import heartbeat
+from stalwart import envknobs, heartbeat
+from stalwart.config import RunConfig
 from stalwart.rundir import ERROR_SUFFIX, ITERATIONS, LOGS, JsonlWriter
 
 
@@ -133,14 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="stalwart.scriptboot")
     p.add_argument("--config", required=True, type=Path)
     a = p.parse_args(argv)
-    cfg = json.loads(a.config.read_text())
-    script = Path(cfg["script"]).resolve()
-    run_dir = Path(os.environ.get("STALWART_RUN_DIR", a.config.parent))
+    cfg = RunConfig.load(a.config)  # as the launcher resolved it: not checked again
+    script = Path(str(cfg.job.script)).resolve()
+    run_dir = Path(envknobs.run_dir() or a.config.parent)
     rank = int(os.environ.get("RANK", "0"))
-    detection = _Detection(run_dir, rank) if cfg.get("detect") else None
+    detection = _Detection(run_dir, rank) if cfg.detect.enabled else None
     if detection is not None:
         detection.install()
-    sys.argv = [str(script), *cfg.get("script_args", [])]
+    sys.argv = [str(script), *cfg.job.script_args]
     # `python script.py` puts the script's folder first on sys.path (its own imports)
     sys.path[0] = str(script.parent)
     try:
