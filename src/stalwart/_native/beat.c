@@ -9,6 +9,9 @@
  * open) to ip:port every period_ms; set_phase(p) (0 starting, 1 ready, 2 leaving) and
  * send_now() beat at once. Datagram: heartbeat._FMT "!4sIIB" (magic, pid, seq, phase).
  * Cost: one 13-byte sendto per period; no Python on that path.
+ *
+ * fan_add(fd, period_ms) / fan_remove(fd): the elastic membership's peer beats (below), on a
+ * second native thread for the same reason.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,6 +20,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -100,7 +104,89 @@ static PyObject *send_now(PyObject *self, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* ---- peer beats: one byte every period on each registered TCP socket ------------------------
+ * The elastic membership's liveness connections (elastic/peerbeat.py): every member holds a
+ * connection to every other; the accepting side writes a byte per period, the connecting side
+ * reads it as that member's beat. A socket is removed (fan_remove) before the caller closes it,
+ * under the same lock as the sends, so a reused descriptor is never written. Cost: one
+ * 1-byte non-blocking send per socket per period; a full send buffer (a peer not reading)
+ * skips the beat. */
+static pthread_mutex_t g_fan_lock = PTHREAD_MUTEX_INITIALIZER;
+static int *g_fan = NULL;
+static size_t g_fan_n = 0, g_fan_cap = 0;
+static atomic_long g_fan_period_ms = 0;
+static int g_fan_started = 0;
+
+static void *fan_loop(void *arg) {
+    (void)arg;
+    const char one = 1;
+    for (;;) {
+        pthread_mutex_lock(&g_fan_lock);
+        for (size_t i = 0; i < g_fan_n; i++)
+            (void)send(g_fan[i], &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+        pthread_mutex_unlock(&g_fan_lock);
+        long ms = atomic_load(&g_fan_period_ms);
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static PyObject *fan_add(PyObject *self, PyObject *args) {
+    int fd;
+    long period_ms;
+    if (!PyArg_ParseTuple(args, "il", &fd, &period_ms)) return NULL;
+    if (period_ms < 1) period_ms = 1;
+    pthread_mutex_lock(&g_fan_lock);
+    long cur = atomic_load(&g_fan_period_ms);
+    if (cur == 0 || period_ms < cur) atomic_store(&g_fan_period_ms, period_ms);
+    if (g_fan_n == g_fan_cap) {
+        size_t cap = g_fan_cap ? 2 * g_fan_cap : 16;
+        int *p = realloc(g_fan, cap * sizeof *p);
+        if (p == NULL) {
+            pthread_mutex_unlock(&g_fan_lock);
+            return PyErr_NoMemory();
+        }
+        g_fan = p;
+        g_fan_cap = cap;
+    }
+    g_fan[g_fan_n++] = fd;
+    int rc = 0;
+    if (!g_fan_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        rc = pthread_create(&t, &attr, fan_loop, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc == 0) g_fan_started = 1; else g_fan_n--;
+    }
+    pthread_mutex_unlock(&g_fan_lock);
+    if (rc != 0) {
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fan_remove(PyObject *self, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    pthread_mutex_lock(&g_fan_lock);
+    for (size_t i = 0; i < g_fan_n; i++) {
+        if (g_fan[i] == fd) {
+            g_fan[i] = g_fan[--g_fan_n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_fan_lock);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"fan_add", fan_add, METH_VARARGS,
+     "fan_add(fd, period_ms): beat a byte on the TCP socket fd every period (the shortest asked)"},
+    {"fan_remove", fan_remove, METH_VARARGS, "fan_remove(fd): stop beating on fd (before closing it)"},
     {"start", start, METH_VARARGS, "start(fd, ip, port, pid, period_ms): the beat thread"},
     {"set_phase", set_phase, METH_VARARGS, "set_phase(p): the phase the next beats carry"},
     {"send_now", send_now, METH_NOARGS, "send_now(): one beat at once"},

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-# The bounds (docs/calibration.md, "elastic"): a member beats every HEARTBEAT_S and is taken
-# for dead (hung, frozen, cut off) when no beat of it was seen for DEAD_AFTER_S; a process
-# that exits is found at once through its liveness socket.
+# The bounds (docs/calibration.md, "elastic"): a member beats every HEARTBEAT_S (through the
+# store from its watcher thread, and on its liveness connections from a native thread) and is
+# taken for dead (hung, frozen, cut off) when neither beat of it was seen moving for
+# DEAD_AFTER_S; a process that exits is found at once through its liveness socket.
 HEARTBEAT_S = 0.1
 DEAD_AFTER_S = 3.0
 
@@ -200,13 +201,14 @@ def micro_batches(positions: range, step: int, global_batch: int,
 @dataclass
 class Liveness:
     """Which members beat recently: ``beat(member, counter, now)`` records a heartbeat
-    counter read at ``now``; a member whose counter did not move for ``dead_after`` seconds is
-    dead. Watching starts at a member's first reading, so a member never seen is not dead."""
+    counter (any comparable value: an int, or a tuple of counters that each move) read at
+    ``now``; a member whose counter did not move for ``dead_after`` seconds is dead. Watching
+    starts at a member's first reading, so a member never seen is not dead."""
 
     dead_after: float = DEAD_AFTER_S
-    _last: dict[int, tuple[int, float]] = field(default_factory=dict)
+    _last: dict[int, tuple[Hashable, float]] = field(default_factory=dict)
 
-    def beat(self, member: int, counter: int, now: float) -> None:
+    def beat(self, member: int, counter: Hashable, now: float) -> None:
         prev = self._last.get(member)
         if prev is None or counter != prev[0]:
             self._last[member] = (counter, now)

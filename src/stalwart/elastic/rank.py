@@ -2,14 +2,18 @@
 to stay in the job -- register, beat, watch the others, propose and adopt generations, give up
 collectives that can no longer finish, and rebuild its process group (``rebuild``).
 
-Threads: the caller's (``Runtime``'s methods) and one watcher thread per process, which every
-``HEARTBEAT_S``: beats (one store ``add``), reads the others' beats (one ``multi_get``),
-polls its liveness sockets, fetches new members and generations, and proposes the next
-generation when the pure decision (``protocol.next_generation``) says so.
+Threads: the caller's (``Runtime``'s methods), one watcher thread per process, which every
+``HEARTBEAT_S``: beats (one store ``add``), reads the others' beats (one ``multi_get``, and
+the bytes waiting on its liveness connections), fetches new members and generations, and
+proposes the next generation when the pure decision (``protocol.next_generation``) says so;
+and the peer beats' native thread (peerbeat.py: a byte per period on each connection the
+others opened to this member, sent without the GIL).
 
 Bounds: a member whose process exits is found at once (its liveness socket closes: every
-member holds a TCP connection to every other one); a member that stops beating -- hung,
-SIGSTOPped, cut off from the store -- is taken for dead after ``DEAD_AFTER_S``. Neither
+member holds a TCP connection to every other one); a member whose beats all stop -- hung,
+SIGSTOPped, cut off -- is taken for dead after ``DEAD_AFTER_S``. A member whose main thread
+holds the GIL for seconds (a lazy import's dlopen under load) keeps its peer beats going and
+is not taken for dead. Neither
 relies on a collective failing: a collective in flight is given up (``wait``) as soon as a
 generation that cannot complete it is known, and its process group is aborted once no
 member uses it any more (``drop``: its TCP connections shut, sockets.py -- gloo's own abort
@@ -38,6 +42,7 @@ import torch.distributed as dist
 from stalwart.elastic import protocol as P
 from stalwart.elastic import sockets
 from stalwart.elastic.errors import StoreLost
+from stalwart.elastic.peerbeat import PeerBeats
 from stalwart.elastic.store import Keys, client
 
 GROUP_TIMEOUT_S = 60.0  # gloo's own timeout: only ever reached by a group already given up
@@ -98,6 +103,8 @@ class Runtime:
         self._listener = socket.create_server((bind_addr, 0))
         self._listener.setblocking(False)
         self._accepted: list[socket.socket] = []
+        self._beats = PeerBeats(heartbeat_s)  # on the accepted connections: peerbeat.py
+        self._sock_beats: dict[int, int] = {}  # bytes read from each member's connection
         self.me = self._register()
         self.progress = -1  # the last step this member completed (the caller sets it)
         self._progress_sent = -1
@@ -145,10 +152,13 @@ class Runtime:
         self._accept()
         self._fetch_members(keys)
         now = time.monotonic()
+        closed = self._read_sockets()
         watch = [m for m in self.known if m not in self.dead and m not in self.gone]
         for m, c in keys.beats(watch).items():
-            self._liveness.beat(m, c, now)
-        lost = self._closed_sockets() | (self._liveness.silent(now) - {self.me.id})
+            # alive while either its store counter (this watcher's thread) or its peer beats
+            # (a native thread: peerbeat.py) move
+            self._liveness.beat(m, (c, self._sock_beats.get(m, 0)), now)
+        lost = closed | (self._liveness.silent(now) - {self.me.id})
         if lost:
             left = keys.left(sorted(lost))
             with self.lock:
@@ -164,6 +174,7 @@ class Runtime:
             while True:
                 s, _ = self._listener.accept()
                 self._accepted.append(s)
+                self._beats.add(s)
 
     def _fetch_members(self, keys: Keys) -> None:
         last = keys.last_id()
@@ -191,17 +202,22 @@ class Runtime:
         self._socks[m.id] = s
         self._sel.register(s, selectors.EVENT_READ, m.id)
 
-    def _closed_sockets(self) -> set[int]:
+    def _read_sockets(self) -> set[int]:
+        """Read the peer beats waiting on this member's connections (counted per member);
+        return the members whose connection closed (their process exited)."""
         out = set()
         for key, _ in self._sel.select(timeout=0):
             s: socket.socket = key.fileobj  # type: ignore[assignment]
             try:
-                data = s.recv(64)
+                data = s.recv(4096)
             except BlockingIOError:
                 continue
             except OSError:
                 data = b""
-            if not data:
+            if data:
+                m = int(key.data)
+                self._sock_beats[m] = self._sock_beats.get(m, 0) + len(data)
+            else:
                 out.add(int(key.data))
                 self._sel.unregister(s)
                 s.close()
@@ -420,6 +436,7 @@ class Runtime:
             self.keys.leave(self.me.id)
         self._stop.set()
         self._thread.join(timeout=2.0)
+        self._beats.close()  # before the sockets close: a reused descriptor is never written
         for s in [*self._socks.values(), *self._accepted, self._listener]:
             with contextlib.suppress(OSError):
                 s.close()
