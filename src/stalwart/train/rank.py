@@ -234,7 +234,9 @@ class Rank:
         size for every rank (train/torchrun.py)."""
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        torch.set_num_threads(cfg.job.threads)
+        # under plain torchrun the options are not checked yet: a bad count is rank 0's
+        # one-line error (below), not torch's
+        torch.set_num_threads(max(cfg.job.threads, 1))
         from stalwart.devices import DeviceError, plan_devices, rank_slot, visible_gpus
 
         slot, slots = rank_slot()
@@ -260,6 +262,7 @@ class Rank:
         else:
             cfg = prepare_run_dir_for_torchrun(cfg, rank, world)
             run_dir = cfg.run_dir
+            torch.set_num_threads(cfg.job.threads)
         dist.barrier()
         r = cls(cfg, rank, world, device, dplan, run_dir, launched, EventLog(run_dir),
                 JsonlWriter(run_dir / METRICS),
