@@ -142,3 +142,21 @@ def test_docs_config_md_holds_the_generated_tables() -> None:
     start = text.index("-->\n", text.index("<!-- generated")) + len("-->\n")
     end = text.index("<!-- end generated -->")
     assert text[start:end] == markdown(), "run: python -m stalwart.sections"
+
+
+def test_the_launchers_restart_changes_membership_only(tmp_path: Path) -> None:
+    from stalwart.launch import _restart_config
+    from stalwart.rundir import EventLog
+    from stalwart.supervise import Relaunch
+
+    cfg = resolve(RunConfig(nproc=4, mitigate="auto", out=str(tmp_path), name="r"))
+    events = EventLog(tmp_path)
+    new, step = _restart_config(cfg, tmp_path, events, lambda _: None,
+                                Relaunch(hosts=(0, 1, 3), step=6, strategy="S4", reason="x"))
+    assert (new.job.nproc, new.job.hosts, new.job.resume, step) == (3, (0, 1, 3), True, 6)
+    assert new.train == cfg.train and cfg.job.nproc == 4  # same global batch; cfg unchanged
+    assert RunConfig.load(tmp_path / "config.json") == new
+    back, _ = _restart_config(new, tmp_path, events, lambda _: None,
+                              Relaunch(hosts=(0, 1, 2, 3), step=9, strategy="S4", reason="y"))
+    events.close()
+    assert back.job.hosts is None and back.job.nproc == 4  # all hosts again: rank r on host r
