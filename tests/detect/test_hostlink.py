@@ -150,10 +150,25 @@ def test_a_moderate_host_link_beside_noisy_compute_tests_is_named() -> None:
     assert f.kind == "link" and f.ranks == [2, 3] and f.evidence["host"] == "1"
 
 
+def _same_finding(got: hostlink.HostLink | None, want: hostlink.HostLink | None) -> bool:
+    """The same host, ranks and pairs; the floats equal to the last few bits: numpy's
+    vectorised ``log`` (SIMD, CPU-dependent) and libm's ``math.log`` may differ by one ulp,
+    which reaches sigma, the threshold and the chance (seen on one CI machine: sigma
+    0.21742200127421435 vs ...438)."""
+    if got is None or want is None:
+        return got is want
+    close = {f: pytest.approx(getattr(want, f), rel=1e-12, abs=1e-15)
+             for f in ("threshold", "sigma", "chance")}
+    return (got.host == want.host and got.ranks == want.ranks
+            and got.pairs == want.pairs and got.others == want.others
+            and all(getattr(got, f) == v for f, v in close.items()))
+
+
 def test_vector_name_host_equals_the_pair_at_a_time_reference() -> None:
-    """``name_host`` (arrays) gives exactly ``_name_host_each``'s answer -- host, ratios,
-    threshold, sigma, chance, reference pairs -- on noisy rings with slow hosts, a slow rank
-    whose pairs a starved-rank rule explains, unknown hosts and heavy-tailed pairs."""
+    """``name_host`` (arrays) gives ``_name_host_each``'s answer -- host, ratios, reference
+    pairs exactly; threshold, sigma, chance to rounding -- on noisy rings with slow hosts, a
+    slow rank whose pairs a starved-rank rule explains, unknown hosts and heavy-tailed
+    pairs."""
     rng = np.random.default_rng(11)
     named = 0
     for trial in range(60):
@@ -173,7 +188,7 @@ def test_vector_name_host_equals_the_pair_at_a_time_reference() -> None:
         for ex in (None, explained):
             got = hostlink.name_host(links, host_of, ex)
             want = hostlink._name_host_each(links, host_of, ex)
-            assert got == want, (trial, got, want)
+            assert _same_finding(got, want), (trial, got, want)
             named += got is not None
     assert 10 < named < 110  # both answers exercised
 
