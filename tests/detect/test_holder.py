@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stalwart.detect import monitor
+from stalwart.detect.alarms import IterSample
 from stalwart.detect.monitor import PyHolder
 
 pytestmark = pytest.mark.skipif(monitor._Holder is PyHolder, reason="channels.c not built")
@@ -48,8 +49,12 @@ def test_the_native_holder_equals_the_reference() -> None:
         elif r < 0.7:
             for h in hs:
                 h.push(k, float(k), 0.5, 0.25)
-        elif r < 0.8:
+        elif r < 0.75:
             assert hs[0].take() == hs[1].take()
+        elif r < 0.8:
+            got = [h.samples(IterSample) for h in hs]
+            assert got[0] == got[1]
+            assert all(type(s) is IterSample and type(s.seconds) is float for s in got[0])
         elif r < 0.9:
             due = int(rng.integers(0, 12))
             for h in hs:
@@ -75,6 +80,22 @@ def test_hold_keeps_the_objects_it_was_given() -> None:
     assert sampler.last_hint == 1.5 and h.checks == 1 and h.held_steps == 1
     (got,) = h.take()
     assert got[0] is step and type(got[1]) is np.float32 and got[2] == 1 and h.n == 0
+
+
+def test_samples_converts_the_times_as_float_does() -> None:
+    """``samples``: the step as given, the times as ``float`` makes them; a time ``float``
+    refuses raises and takes nothing."""
+    for cls in (monitor._Holder, PyHolder):
+        h = cls(2, SimpleNamespace(last_hint=None), lambda: 0.0)
+        step = 10 ** 30
+        h.push(step, np.float32(0.25), 1, 0.5)
+        (got,) = h.samples(IterSample)
+        assert type(got) is IterSample and got == (step, 0.25, 1.0, 0.5)
+        assert got.key is step and all(type(x) is float for x in got[1:]) and h.n == 0
+        h.push(1, "x", 1.0, 1.0)
+        with pytest.raises((TypeError, ValueError)):
+            h.samples(IterSample)
+        assert h.n == 1
 
 
 def test_a_monitor_on_either_holder_takes_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -148,6 +148,9 @@ class DecisionCore:
         # read at every batched check, where walking the history cost ~20 us after a step)
         self._recent_s: deque[float] = deque(maxlen=min(32, history))
         self._batch_cache: tuple[Any, ...] | None = None  # _batch_args' arrays
+        self._run_cache: tuple[Any, ...] | None = None  # _run_args' arrays
+        # _batch_args' critical-count table: (samples seen, outlier bank, table)
+        self._crit_memo: tuple[int, Any, np.ndarray] | None = None
         self.pending: Alarm = QUIET
         self.deciding = 0
         self.follow = Following(leader, self._emit)
@@ -215,8 +218,9 @@ class DecisionCore:
         """``sample`` of each, in order, with the same effects.
 
         On the leader, while nothing but the iteration channel can act on a sample (no
-        slowdown waiting, no recovery recheck, no unexplained slowdown being followed, the
-        audit done), a run of samples goes through one C call (``gate_run``,
+        slowdown waiting, no recovery recheck, no unexplained slowdown being followed; with
+        the audit still to run, up to the sample that makes it due: ``_before_audit``), a
+        run of samples goes through one C call (``gate_run``,
         detect/_native/channels.c: the gate's pushes and the awake model's BOCPD steps),
         which returns at the first sample that leaves work to Python (a model to start, wake
         or verify: ``ChangeDetector.after_push``, then ``classify``). Why: the monitor's
@@ -226,34 +230,58 @@ class DecisionCore:
         i, end = 0, len(samples)
         while i < end:
             args = self._run_args()
-            if args is None:
+            # the audit still to run: the run ends before the sample that makes it due
+            last = end if args is None or not self.audit_on or self.audit is not None else (
+                self._before_audit(samples, i, end))
+            if args is None or last == i:
                 self.sample(samples[i])
                 i += 1
                 continue
-            stop, code, lag, mass = _gate_run(self.detector._g, samples, i, end, *args)
-            self._note_many(list(itertools.islice(samples, i, min(stop + 1, end))))
-            if stop == end:
-                return
+            stop, code, lag, mass = _gate_run(self.detector._g, samples, i, last, *args)
+            self._note_many(list(itertools.islice(samples, i, min(stop + 1, last))))
+            if stop == last:
+                i = last
+                continue
             s = samples[stop]
             ch = self.detector.after_push(s.key, code, lag, mass)
             if ch is not None:
                 self.classify(ch)
             i = stop + 1
 
+    def _before_audit(self, samples: Sequence[IterSample], i: int, end: int) -> int:
+        """The first of ``samples[i:end]`` after whose ``_note`` the audit is due
+        (``_audit_due``; ``end``: none): the same sums in the same order as ``_note``."""
+        seen, warm_s, warmup = self._seen, self._warm_s, self.detector.warmup
+        for j in range(i, end):
+            seen += 1
+            if seen > warmup:
+                warm_s += samples[j].seconds
+            after = seen - warmup
+            if after >= AUDIT_MIN and (after >= AUDIT_AFTER or warm_s >= AUDIT_S):
+                return j
+        return end
+
     def _run_args(self) -> tuple[Any, ...] | None:
         """``gate_run``'s arguments after the samples, or None where ``sample`` must run
-        (``sample_many``)."""
+        (``sample_many``; before the audit a run also ends where ``_before_audit`` says)."""
         d = self.detector
         if (_gate_run is None or not self.leader or self._deferred
                 or self.follow.recheck_at is not None or self.log.unexplained is not None
-                or (self.audit_on and self.audit is None) or type(d._g) is not _NativeGate):
+                or type(d._g) is not _NativeGate):
             return None
         bank = d.bank
         if not (bank.native and _bocpd_step is not None):
             return None
-        return ((-1 if d._row is None else d._row, d.max_lag, d.threshold),
-                (bank.mu, bank.beta, bank.log_beta, bank.logpost, bank.n, bank._c, bank._em,
-                 bank._e, bank._f, bank._g), (bank._log_h, bank._log_1mh, bank.max_run))
+        # the bank's arrays, taken again when its views changed (all five rebind together,
+        # ``BOCPDBank._grow``; the tables never do)
+        arrays = self._run_cache
+        if arrays is None or arrays[0] is not bank.mu:
+            arrays = self._run_cache = (
+                bank.mu, (bank.mu, bank.beta, bank.log_beta, bank.logpost, bank.n, bank._c,
+                          bank._em, bank._e, bank._f, bank._g),
+                (bank._log_h, bank._log_1mh, bank.max_run))
+        return ((-1 if d._row is None else d._row, d.max_lag, d.threshold), arrays[1],
+                arrays[2])
 
     @property
     def first_key(self) -> int | None:
@@ -394,11 +422,16 @@ class DecisionCore:
                  cb.backoff, cb._live),
                 (ob._over, ob._logrel, ob._excess, ob._keys, ob.count, ob.filled, ob._whole,
                  ob.line))
+        # the critical counts at the recent step time: that time changes only with a new
+        # sample (``_recent_s``), so the table is looked up again only then
+        crit = self._crit_memo
+        if crit is None or crit[0] != self._seen or crit[1] is not ob:
+            crit = self._crit_memo = (self._seen, ob,
+                                      ob.crit_table(ob.test_level(self.step_seconds())))
         return (cache[4], cache[6], cache[7], cache[8], cache[9],
                 (cb._pos, cb.REFIT_EVERY, cb.LAG, cb.warmup, cb.learn, cb.k, cb.clip, cb.h,
                  cb._log_n, cb.min_sigma),
-                cache[10], (ob.seen, ob.warmup, ob._pos, ob.stride, ob.min_window),
-                ob.crit_table(ob.test_level(self.step_seconds())))
+                cache[10], (ob.seen, ob.warmup, ob._pos, ob.stride, ob.min_window), crit[2])
 
     def _rel_dets(self, n: int) -> DetectorGroup:
         """The per-rank relative-compute channels of ranks 0..n-1 (made at the first call)."""

@@ -38,6 +38,11 @@ from stalwart.detect.alarms import Alarm
 from stalwart.detect.decision import DecisionCore
 from stalwart.rowlink import GlooRows, StarRows
 
+try:  # rank 0's read of the rows in one call (detect/_native/channels.c)
+    from stalwart.detect._channels import by_step as _by_step  # type: ignore[import-not-found]
+except ImportError:  # no compiler at install
+    _by_step = None
+
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
@@ -69,8 +74,12 @@ class RowHead:
     @classmethod
     def unpack(cls, row: Sequence[float]) -> RowHead:
         """The header at the start of ``row`` (``pack``'s inverse)."""
-        return cls(Alarm(int(row[0]), int(row[1]), float(row[2]), int(row[3])), int(row[4]),
-                   int(row[5]))
+        return cls(cls.alarm_of(row), int(row[4]), int(row[5]))
+
+    @staticmethod
+    def alarm_of(row: Sequence[float]) -> Alarm:
+        """``unpack(row).alarm`` without the header object (read at every exchange)."""
+        return Alarm(int(row[0]), int(row[1]), float(row[2]), int(row[3]))
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,17 @@ class ExchangeRow:
     def by_step(rows: Sequence[Sequence[float]]) -> list[tuple[int, list[float]]]:
         """Rank 0: one exchange's rows (rank order) as (step, every rank's compute at it),
         for the entries every rank sent, in step order -- the steps of rank 0's row. What
-        ``unpack`` of each row then a transpose gives, in one pass over the columns."""
+        ``unpack`` of each row then a transpose gives, in one pass over the columns (one C
+        call where built: ``_channels.by_step``, the same list)."""
+        if _by_step is not None:
+            got = _by_step(rows, RowHead.SIZE, RowHead.ENTRIES)
+            if got is not None:
+                return got
+        return ExchangeRow.by_step_ref(rows)
+
+    @staticmethod
+    def by_step_ref(rows: Sequence[Sequence[float]]) -> list[tuple[int, list[float]]]:
+        """``by_step`` in Python (the reference the C call is tested against)."""
         at = RowHead.ENTRIES
         n = int(min(r[at] for r in rows))
         cols = list(zip(*rows, strict=False))  # (column j: every rank's value j, by rank)
@@ -170,6 +189,10 @@ class Exchange:
         """``add(key, compute)`` for each pair, in order."""
         self._unsent.extend([(float(k), float(c)) for k, c in samples])
 
+    def add_floats(self, samples: list[tuple[float, float]]) -> None:
+        """``add_many`` for pairs that are floats already (no conversion)."""
+        self._unsent.extend(samples)
+
     def due(self, c: int) -> bool:
         """Whether check ``c`` reads or issues a row (otherwise the check has nothing to do,
         and the monitor skips it)."""
@@ -208,10 +231,10 @@ class Exchange:
         if not self._inflight or self._inflight[0][1] > c:
             return None
         seq, _ = self._inflight.popleft()
-        own = RowHead.unpack(self._own_rows.pop(seq))
+        own = self._own_rows.pop(seq)
         if self.auto_every:
-            self._set_every(own.every)
-        return seq, own.alarm
+            self._set_every(int(own[RowHead.EVERY]))
+        return seq, RowHead.alarm_of(own)
 
     def read_rows(self, seq: int) -> list[tuple[int, list[float]]]:
         """Rank 0: exchange ``seq``'s rows (``read_own`` took its header): every rank's
@@ -299,7 +322,13 @@ class Exchange:
         unsent = self._unsent[-self.max_every:]
         self._unsent.clear()
         every = self._choose_every(c) if self.rank == 0 else self._request_every(unsent)
-        vals = ExchangeRow(RowHead(alarm, len(unsent), every), unsent).pack(width)
+        # ``ExchangeRow(RowHead(alarm, len(unsent), every), unsent).pack(width)``, the same
+        # floats without the two objects
+        vals = [float(alarm.action), float(alarm.onset), float(alarm.severity),
+                float(alarm.suspect), float(len(unsent)), float(every)]
+        for pair in unsent:
+            vals += pair
+        vals += [0.0] * (width - len(vals))
         if self.rank == 0:
             self._own_rows[seq] = vals
         self.rows.issue(seq, vals)

@@ -98,7 +98,8 @@ class PyHolder:
     ``n < cap``, the four objects appended, ``checks`` and ``held_steps`` counted,
     ``sampler.last_hint`` set to ``clock()``, True; else nothing changes and False.
     ``push``: append (the buffer grows when full); ``take``: the steps held, oldest first,
-    the buffer emptied."""
+    the buffer emptied; ``samples(cls)``: the same as ``cls(step, float(st), float(cp),
+    float(cm))`` each (nothing taken if a time is not a number)."""
 
     def __init__(self, capacity: int, sampler: Any, clock: Callable[[], float]) -> None:
         if capacity < 1:
@@ -130,6 +131,11 @@ class PyHolder:
 
     def take(self) -> list[tuple[Any, Any, Any, Any]]:
         out, self._buf = self._buf, []
+        return out
+
+    def samples(self, cls: Any) -> list[Any]:
+        out = [cls(k, float(st), float(cp), float(cm)) for k, st, cp, cm in self._buf]
+        self._buf = []
         return out
 
 
@@ -171,13 +177,15 @@ class Analysis:
     waits again before it touches the decision state or the exchange; a job's exception is
     raised by the next ``wait``. ``cpu_us``: each job's thread CPU time, microseconds (the
     last 4096); ``cpu_total_us``: the sum over every job finished so far.
-    Cost on the caller's thread: ``submit`` ~2-5 us (a queue put that wakes the thread),
-    ``wait`` on a finished job well under 1 us."""
+    Cost on the caller's thread: ``submit`` ~2-5 us (a lock taken and a queue put that wakes
+    the thread), ``wait`` on a finished job well under 1 us (C calls only: the busy flag is
+    a lock the job holds, not a ``threading.Event``, whose Python methods cost a few us each
+    on caches a training step has evicted)."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
+        # held from ``submit`` until the job is done (released by the analysis thread)
+        self._busy = threading.Lock()
         self._error: BaseException | None = None
         self.cpu_us: deque[float] = deque(maxlen=4096)
         self.cpu_total_us = 0.0  # (written by the thread only, before its job counts as done)
@@ -186,12 +194,14 @@ class Analysis:
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
-        self._idle.clear()
+        self._busy.acquire()
         self._q.put(job)
 
     def wait(self) -> None:
-        if not self._idle.is_set():
-            self._idle.wait()
+        busy = self._busy
+        if busy.locked():
+            busy.acquire()
+            busy.release()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -220,7 +230,7 @@ class Analysis:
                 self.cpu_us.append(us)
                 self.cpu_total_us += us
                 job = None  # (an idle thread keeps no monitor alive)
-                self._idle.set()
+                self._busy.release()
 
 
 class Monitor:
@@ -463,20 +473,20 @@ class Monitor:
         if held:
             self.detector.step(StepInput(held=held, issue=False))
 
-    def _take_held(self) -> list[tuple[Any, Any, Any, Any]]:
-        """The held steps, admitted (``_admit``: the first one goes if it held a validation
-        pause), oldest first, the buffer emptied; ``_join_held`` makes them samples."""
-        raw = self._holder.take()
+    def _take_held(self) -> list[IterSample]:
+        """The held steps as samples (``Holder.samples``: one C call where built), admitted
+        (``_admit``: the first one goes if it held a validation pause), oldest first, the
+        buffer emptied; ``_join_held`` joins them to the row."""
+        raw = self._holder.samples(IterSample)
         if raw and self._skip_next:
             self._skip_next = False
             raw = raw[1:]
         return raw
 
-    def _join_held(self, raw: list[tuple[Any, Any, Any, Any]]) -> list[IterSample]:
-        """``_take_held``'s steps as samples, in order, each joined to this rank's next row
-        and shown to ``on_sample`` (``_joined``): the caller passes them to the decision
-        path (``StepInput.held``) next."""
-        held = [IterSample(k, float(st), float(cp), float(cm)) for k, st, cp, cm in raw]
+    def _join_held(self, held: list[IterSample]) -> list[IterSample]:
+        """``_take_held``'s samples, in order, each joined to this rank's next row and shown
+        to ``on_sample`` (``_joined``): the caller passes them to the decision path
+        (``StepInput.held``) next."""
         hook, ex = self.on_sample, self.exchange
         if hook is not None:
             for s1 in held:
@@ -488,10 +498,10 @@ class Monitor:
         for s1 in held:
             if s1.compute and s1.key != last:
                 last = s1.key
-                new.append((s1.key, s1.compute))
+                new.append((float(last), s1.compute))  # (``Exchange.add``'s floats)
         self._last_key = last
         if ex is not None and new:
-            ex.add_many(new)
+            ex.add_floats(new)
         return held
 
     def _admit(self, s: IterSample) -> IterSample | None:
@@ -520,8 +530,7 @@ class Monitor:
             self.on_sample(s)
 
     # ---- checks -----------------------------------------------------------------------------
-    def _check(self, s: IterSample, raw: list[tuple[Any, Any, Any, Any]] | None = None
-               ) -> None:
+    def _check(self, s: IterSample, raw: list[IterSample] | None = None) -> None:
         """Collective: one ``Detector.step`` -- the samples held since the last check
         (``raw``, from ``_take_held``), this iteration's sample, the rows due now, this
         rank's row sent, and an alarm they carry validated and applied by every rank
@@ -592,7 +601,7 @@ class Monitor:
         self._set_due()
 
     def _analyse(self, c: int, s1: IterSample | None, head: tuple[int, Alarm] | None,
-                 raw: list[tuple[Any, Any, Any, Any]]) -> None:
+                 raw: list[IterSample]) -> None:
         """``_check`` for a check that validates nothing, on the analysis thread: this
         thread only books the next row (the schedule ``_set_due`` reads). ``head``: the row
         due now (``Exchange.read_own``), whose other ranks' rows the job reads."""

@@ -944,6 +944,11 @@ static PyTypeObject GateType = {
  *   Else nothing changes and False.
  * push(step, step_time, compute_time, comm_time): append (the buffer grows when full).
  * take() -> [(step, step_time, compute_time, comm_time)], oldest first; the buffer empties.
+ * samples(cls) -> [cls(step, float(step_time), float(compute_time), float(comm_time))],
+ *   oldest first, the buffer emptied -- ``cls`` a tuple subclass of four fields with no
+ *   ``__new__`` logic (alarms.IterSample), made as ``tuple.__new__(cls, ...)`` would make
+ *   it: the monitor's held samples without a Python call per step. On an error (a time that
+ *   ``float`` refuses) nothing is taken.
  */
 typedef struct {
     PyObject_HEAD
@@ -1056,6 +1061,31 @@ static PyObject *holder_take(Holder *h, PyObject *unused) {
     return out;
 }
 
+static PyObject *holder_samples(Holder *h, PyObject *cls) {
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "samples(cls): cls a tuple subclass");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    PyObject *out = PyList_New(h->n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < h->n; i++) {
+        PyObject *t = tp->tp_alloc(tp, 4);
+        if (!t) { Py_DECREF(out); return NULL; }
+        PyObject **b = h->buf + 4 * i;
+        Py_INCREF(b[0]);
+        PyTuple_SET_ITEM(t, 0, b[0]);
+        for (int j = 1; j < 4; j++) {
+            PyObject *f = PyFloat_CheckExact(b[j]) ? Py_NewRef(b[j]) : PyNumber_Float(b[j]);
+            if (!f) { Py_DECREF(t); Py_DECREF(out); return NULL; }
+            PyTuple_SET_ITEM(t, j, f);
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    holder_clear_buf(h);
+    return out;
+}
+
 static PyMemberDef holder_members[] = {
     {"n", T_PYSSIZET, offsetof(Holder, n), READONLY, "steps held"},
     {"cap", T_PYSSIZET, offsetof(Holder, cap), READONLY, "the buffer's size, in steps"},
@@ -1071,6 +1101,8 @@ static PyMethodDef holder_methods[] = {
     {"push", (PyCFunction)(void (*)(void))holder_push, METH_FASTCALL,
      "push(step, step_time, compute_time, comm_time)"},
     {"take", (PyCFunction)holder_take, METH_NOARGS, "the steps held, oldest first; emptied"},
+    {"samples", (PyCFunction)holder_samples, METH_O,
+     "samples(cls): the steps held as cls(step, float, float, float), oldest first; emptied"},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject HolderType = {
@@ -1086,7 +1118,69 @@ static PyTypeObject HolderType = {
     .tp_methods = holder_methods,
 };
 
+/* ---- by_step: rank 0's read of one exchange's rows (exchange.py, ``ExchangeRow.by_step``) --
+ *
+ * by_step(rows, size, at) -> [(int(rows[0][j]), [row[j + 1] for row in rows]) for j in
+ *   range(size, size + 2 * n, 2)], n = int(min(row[at] for row in rows)): the same list
+ *   ``ExchangeRow.by_step`` makes (the same float objects), or None where that one must run
+ *   (no rows, a row not a list, a value not a float, n not a finite count, a row too short).
+ */
+static PyObject *by_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "by_step(rows, size, at)"); return NULL; }
+    PyObject *rows = args[0];
+    Py_ssize_t size = PyLong_AsSsize_t(args[1]), at = PyLong_AsSsize_t(args[2]);
+    if ((size == -1 || at == -1) && PyErr_Occurred()) return NULL;
+    if (!PyList_CheckExact(rows) || PyList_GET_SIZE(rows) < 1 || size < 0 || at < 0)
+        Py_RETURN_NONE;
+    Py_ssize_t R = PyList_GET_SIZE(rows), len = PY_SSIZE_T_MAX;
+    double least = 0.0;
+    for (Py_ssize_t r = 0; r < R; r++) {
+        PyObject *row = PyList_GET_ITEM(rows, r);
+        if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) <= at) Py_RETURN_NONE;
+        PyObject *v = PyList_GET_ITEM(row, at);
+        if (!PyFloat_CheckExact(v)) Py_RETURN_NONE;
+        double x = PyFloat_AS_DOUBLE(v);
+        if (r == 0 || x < least) least = x;  /* (min: the first, replaced by a smaller one) */
+        if (PyList_GET_SIZE(row) < len) len = PyList_GET_SIZE(row);
+    }
+    if (!(least >= 0.0 && least < 1e9)) Py_RETURN_NONE;
+    Py_ssize_t n = (Py_ssize_t)least;  /* (int(): toward zero) */
+    if (size + 2 * n > len) Py_RETURN_NONE;
+    PyObject *first = PyList_GET_ITEM(rows, 0);
+    for (Py_ssize_t k = 0; k < 2 * n; k++)
+        for (Py_ssize_t r = 0; r < (k % 2 ? R : 1); r++)
+            if (!PyFloat_CheckExact(PyList_GET_ITEM(PyList_GET_ITEM(rows, r), size + k)))
+                Py_RETURN_NONE;
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = size + 2 * i;
+        double kv = PyFloat_AS_DOUBLE(PyList_GET_ITEM(first, j));
+        PyObject *key = isfinite(kv) ? PyLong_FromDouble(kv) : NULL;
+        if (!key) {
+            Py_DECREF(out);
+            if (!PyErr_Occurred()) Py_RETURN_NONE;
+            return NULL;
+        }
+        PyObject *comps = PyList_New(R);
+        if (!comps) { Py_DECREF(key); Py_DECREF(out); return NULL; }
+        for (Py_ssize_t r = 0; r < R; r++) {
+            PyObject *v = PyList_GET_ITEM(PyList_GET_ITEM(rows, r), j + 1);
+            Py_INCREF(v);
+            PyList_SET_ITEM(comps, r, v);
+        }
+        PyObject *pair = PyTuple_Pack(2, key, comps);
+        Py_DECREF(key);
+        Py_DECREF(comps);
+        if (!pair) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, pair);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"by_step", (PyCFunction)(void (*)(void))by_step, METH_FASTCALL,
+     "ExchangeRow.by_step's list (see the file), or None."},
     {"cusum_step", cusum_step, METH_VARARGS, "One CUSUM step of every rank (see the file)."},
     {"cusum_refit", cusum_refit_py, METH_VARARGS, "CusumBank._refit in place (see the file)."},
     {"outlier_step", outlier_step, METH_VARARGS, "One sample of every rank's window."},
