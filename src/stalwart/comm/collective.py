@@ -76,6 +76,13 @@ class LossyCollective:
     that bring its measured loss to the target: ``copies.CopyPolicy``) or "none". A missed
     parameter chunk makes a replica compute its next gradient at a stale point, while copies
     and parity cost only bandwidth.
+
+    Guarantees: every phase returns within this rank's own send plus one deadline cap, with
+    what arrived (unbiased per-chunk averages; missing broadcast chunks keep their stale
+    values) or raises (``PeerLost``, ``Interrupted``, ``ReceiveFailed``); nothing is
+    retransmitted. Cost: ``ROUNDS_OPEN`` round buffers (``rounds``), one socket and one
+    receive thread (the transport's, or the native engine's), per phase one pass to seal
+    the values and one wait.
     """
 
     def __init__(self, numel: int, *, group=None, host: str | None = None,

@@ -92,7 +92,8 @@ class Receiver:
         self.rank, self.world, self.chunk = wire.me, layout.world, layout.chunk
         self.rejected = rejected  # per reason (``wire.REASONS``); the native engine adds too
         self.booked = np.full((3, self.world), -1, np.int64)  # last marker round booked
-        self.cond: threading.Condition | NativeCond = threading.Condition()
+        # (a plain lock, not re-entrant: nothing here takes it twice)
+        self.cond: threading.Condition | NativeCond = threading.Condition(threading.Lock())
         self.eng = None
 
     def attach(self, eng) -> None:
