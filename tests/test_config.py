@@ -15,6 +15,7 @@ from stalwart import envknobs
 from stalwart.config import (
     FLAT,
     SECTIONS,
+    CommConfig,
     ConfigError,
     DetectConfig,
     PolicyConfig,
@@ -160,3 +161,18 @@ def test_the_launchers_restart_changes_membership_only(tmp_path: Path) -> None:
                               Relaunch(hosts=(0, 1, 2, 3), step=9, strategy="S4", reason="y"))
     events.close()
     assert back.job.hosts is None and back.job.nproc == 4  # all hosts again: rank r on host r
+
+
+def test_the_environments_fec_enters_the_configuration_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.comm.collective import FEC_MODES as COMM_FEC_MODES
+    from stalwart.config import FEC_MODES, with_environment
+
+    assert FEC_MODES == COMM_FEC_MODES
+    monkeypatch.setenv("STALWART_FEC", "copies")
+    assert resolve(with_environment(RunConfig(comm="lossy"))).comm.fec == "copies"
+    assert with_environment(RunConfig(comm=CommConfig(mode="lossy", fec="none"))).comm.fec \
+        == "none"  # given wins
+    monkeypatch.setenv("STALWART_FEC", "parity")
+    with pytest.raises(ConfigError, match=r"^unknown fec 'parity' \(choose from"):
+        resolve(with_environment(RunConfig(comm="lossy")))

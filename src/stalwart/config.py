@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from stalwart import envknobs
 from stalwart.devices import DEVICE_MODES
 from stalwart.errors import ConfigError
 from stalwart.faultspec import FAULT_KINDS, TESTBEDS, Fault, parse_fault
@@ -51,13 +52,14 @@ from stalwart.sections import (
     field_docs,
 )
 
-__all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "FLAT", "MITIGATE_MODES",
+__all__ = ["COMM_MODES", "CPU_CAP_MODES", "FAULT_KINDS", "FEC_MODES", "FLAT", "MITIGATE_MODES",
            "OVERLAP_MODES", "SECTIONS", "TESTBEDS", "CommConfig", "ConfigError",
            "DetectConfig", "JobConfig", "OverlapConfig", "PolicyConfig", "RunConfig",
            "TestbedConfig", "TrainConfig", "check_script", "check_writable", "field_docs",
-           "resolve"]
+           "resolve", "with_environment"]
 
 COMM_MODES = ("reliable", "lossy")
+FEC_MODES = ("copies", "rs", "none")  # comm/collective.py's (tests/test_config.py checks)
 MITIGATE_MODES = ("off", "auto", "rebalance")
 OVERLAP_MODES = ("off", "si")
 CPU_CAP_MODES = ("auto", "fair", "off")
@@ -225,6 +227,16 @@ for _key, (_sec, _name) in FLAT.items():
         setattr(RunConfig, _key, _flat_reader(_sec, _name))
 
 
+def with_environment(raw: RunConfig) -> RunConfig:
+    """``raw`` with the environment's overrides that belong to the run written in
+    (``STALWART_FEC`` -> ``comm.fec`` when not given): called by the one resolving process
+    before ``resolve``, so that config.json records them and ranks need not read them."""
+    fec = envknobs.fec()
+    if raw.comm.fec is None and fec:
+        return replace(raw, comm=replace(raw.comm, fec=fec))
+    return raw
+
+
 # ---- resolve: defaults filled, every value checked, once --------------------------------------
 def resolve(raw: RunConfig) -> RunConfig:
     """``raw`` with its defaults filled and every value checked: the run's configuration.
@@ -268,6 +280,8 @@ def _check_job(cfg: RunConfig) -> None:
     _need(t.preset in PRESETS,
           f"unknown preset {t.preset!r} (choose from {', '.join(PRESETS)})")
     _choice(cfg.comm.mode, "--comm", COMM_MODES)
+    if cfg.comm.fec is not None:
+        _choice(cfg.comm.fec, "fec", FEC_MODES)
     _choice(cfg.testbed.kind, "--testbed", TESTBEDS)
     _choice(cfg.policy.mode, "--mitigate", MITIGATE_MODES)
     _choice(cfg.testbed.cpu_cap, "--cpu-cap", CPU_CAP_MODES)

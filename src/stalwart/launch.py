@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import ConfigError, RunConfig, check_writable, resolve
+from stalwart.config import ConfigError, RunConfig, check_writable, resolve, with_environment
 from stalwart.elastic.launcher import LauncherStore
 from stalwart.progress import Progress
 from stalwart.rankexits import stop_all
@@ -87,7 +87,7 @@ def resolve_launch(raw: RunConfig) -> RunConfig:
         if raw.job.resume:
             raise ConfigError("--resume needs --name NAME of the run to continue")
         raw = replace(raw, job=replace(raw.job, name=default_name()))
-    return resolve(raw)
+    return resolve(with_environment(raw))
 
 
 

@@ -130,11 +130,14 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """The data-parallel collective. Its engine and coding knobs are environment overrides
-    (stalwart.envknobs: STALWART_ENGINE, STALWART_FEC, STALWART_UDP_GSO, ...)."""
+    """The data-parallel collective. Its data-plane knobs (engine, datagram offload, numpy
+    coding) are environment overrides only (stalwart.envknobs)."""
 
     mode: str = knob("reliable", "reliable (torch.distributed) | lossy (stalwart's UDP "
                                  "collective, which tolerates loss)", flat="comm")
+    fec: str | None = knob(None, "--comm lossy: the loss protection, rs (Reed-Solomon "
+                                 "parity) | copies | none; None: STALWART_FEC when the launch "
+                                 "started, else rs (comm/ddp.py ``attach``)")
 
 
 @dataclass(frozen=True)

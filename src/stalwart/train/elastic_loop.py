@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from stalwart import envknobs
-from stalwart.config import ConfigError, RunConfig, resolve
+from stalwart.config import ConfigError, RunConfig, resolve, with_environment
 from stalwart.rundir import CONFIG, METRICS, EventLog, JsonlWriter
 from stalwart.train.data import load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
@@ -122,7 +122,8 @@ def train_elastic(cfg: RunConfig) -> int:
     # generation's world (STALWART_MIN_WORLD), as `stalwart run --nproc N` would. No launcher
     # and no rank 0 yet: each node resolves the same options alike, and the store refuses a
     # node whose job identity (below) differs
-    cfg = resolve(replace(cfg, job=replace(cfg.job, nproc=envknobs.min_world())))
+    cfg = resolve(with_environment(replace(cfg, job=replace(cfg.job,
+                                                             nproc=envknobs.min_world()))))
     torch.set_num_threads(cfg.job.threads)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

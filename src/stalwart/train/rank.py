@@ -396,7 +396,8 @@ class Rank:
         from stalwart.comm import attach
 
         # the owners clip the AVERAGED gradient by its global norm: same rule as reliable
-        opt = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.train.grad_clip, **opt_kw)
+        opt = attach(stepper.ddp, torch.optim.AdamW, max_grad_norm=cfg.train.grad_clip,
+                     fec=cfg.comm.fec, **opt_kw)
         opt.keep_undo = self.inplace is not None
         return opt
 

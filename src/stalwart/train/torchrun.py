@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart import envknobs
-from stalwart.config import ConfigError, RunConfig, check_writable, resolve
+from stalwart.config import ConfigError, RunConfig, check_writable, resolve, with_environment
 from stalwart.rundir import CHECKPOINTS, CONFIG, EVENTS, METRICS, EventLog
 from stalwart.train import checkpoint as ckpt
 
@@ -73,7 +73,7 @@ def _torchrun_run_dir(raw: RunConfig, resume: bool, restarted: int) -> RunConfig
         raise ConfigError(f"run directory already holds a run: {run_dir} "
                           "(pass --resume to continue it, or another --name)")
     from_ckpt = resume and ckpt.has_checkpoint(run_dir)
-    cfg = resolve(replace(raw, job=replace(raw.job, resume=from_ckpt)))
+    cfg = resolve(with_environment(replace(raw, job=replace(raw.job, resume=from_ckpt))))
     cfg.save(run_dir / CONFIG)  # this incarnation's world size, the first one's global batch
     if not from_ckpt:
         if resume:
