@@ -29,6 +29,9 @@ torchrun, ``torchrun_elastic_``, ``torchft_``):
   ``*_val_loss_rel_change`` of their kill runs against the same healthy run (the same
   training: the same global batch, split and weighting, so the same loss up to the order of
   float sums -- ``healthy_val_losses`` in the details shows it for the full run);
+  ``script_val_loss_rounding``: a healthy run of the script at world 3 against the one at
+  world 4 -- the same samples at every step, so the order of fp32 sums alone, amplified over
+  the run by AdamW: the floor under ``script_val_loss_rel_change``;
 - ``time_to_samples_s`` per arm: wall time from the first step's end to the step at which
   N samples are trained in the kill run, N = what every arm trained (the smallest total);
   ``time_to_samples_ratio`` = ours / the best peer's.
@@ -82,7 +85,8 @@ def figure_names() -> list[str]:
              "torchrun_workers_restarted", "torchrun_elastic_workers_restarted",
              "torchft_workers_restarted", "torchrun_rejoin_s", "torchrun_elastic_rejoin_s",
              "torchft_rejoin_s", "script_failstop_resume_s", "script_samples_lost",
-             "script_val_loss_rel_change", "torchrun_val_loss_rel_change",
+             "script_val_loss_rel_change", "script_val_loss_rounding",
+             "torchrun_val_loss_rel_change",
              "torchrun_elastic_val_loss_rel_change", "torchft_val_loss_rel_change",
              "hang_detect_s", "torchrun_elastic_hang_detect_s", "torchft_hang_detect_s",
              "cut_detect_s", "torchrun_elastic_cut_detect_s", "torchft_cut_detect_s",
@@ -145,16 +149,16 @@ def time_figures(kills: dict[str, ea.Episode]) -> tuple[dict[str, float | None],
 
 
 # ---- the user script under ``stalwart run --script`` ------------------------------------------
-def script_run(name: str, p: ea.Plan, workdir: Path, netns: bool, kill_at: int | None
-               ) -> tuple[list[dict[str, Any]], float | None, int]:
-    """examples/elastic_ddp.py on 4 ranks under ``stalwart run --script``, with the launcher's
-    own fault ``kill:rank=3,at=KILL_AT`` when given (``--detect``: the step counter is the
-    elastic job's steps, which it writes to iterations.jsonl): its records, the time the
-    launcher sent the kill (its ``fault_applied`` event), the exit status."""
+def script_run(name: str, p: ea.Plan, workdir: Path, netns: bool, kill_at: int | None,
+               nproc: int = 4) -> tuple[list[dict[str, Any]], float | None, int]:
+    """examples/elastic_ddp.py on ``nproc`` ranks under ``stalwart run --script``, with the
+    launcher's own fault ``kill:rank=3,at=KILL_AT`` when given (``--detect``: the step counter
+    is the elastic job's steps, which it writes to iterations.jsonl): its records, the time
+    the launcher sent the kill (its ``fault_applied`` event), the exit status."""
     rec = workdir / f"{name}-records"
     fault = ["--detect", "--fault", f"kill:rank=3,at={kill_at}"] if kill_at is not None else []
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--script",
-           str(ea.EXAMPLES / "elastic_ddp.py"), "--nproc", "4",
+           str(ea.EXAMPLES / "elastic_ddp.py"), "--nproc", str(nproc),
            "--testbed", "netns" if netns else "local", "--out", str(workdir), "--name", name,
            "--no-progress", *fault, "--", "--steps", str(p.steps), "--batch", str(p.batch),
            "--compute-ms", str(p.compute_ms / 2), "--out", str(rec)]
@@ -193,7 +197,7 @@ def run(quick: bool, workdir: Path, peers: bool = True,
     for a, why in missing.items():
         notes.append(f"{a}: {why}; its figures are null")
     arms = [a for a in arms if a not in missing]
-    st = Steps("elastic", 2 * ("stalwart" not in missing) + len(arms) * len(faults))
+    st = Steps("elastic", 3 * ("stalwart" not in missing) + len(arms) * len(faults))
     details: dict[str, Any] = {"plan": vars(p) | {"ranks": p.ranks}, "netns": netns,
                                "notes": notes, "runs": {}}
 
@@ -216,9 +220,17 @@ def run(quick: bool, workdir: Path, peers: bool = True,
         if s_t is not None and figs["script_failstop_resume_s"] is None:
             notes.append(f"script kill: the survivors did not go on after rank 3 was killed "
                          f"(stalwart run --script exited {s_rc}; log {workdir}/script-kill.log)")
+        # the same training at world 3 from the start: what the order of fp32 sums alone
+        # moves the final loss by (the kill run trains at world 3 after step t_kill)
+        st.start("script healthy at world 3 (the rounding floor)")
+        h3_recs, _, h3_rc = script_run("script-healthy-3", p, workdir, netns, None, nproc=3)
+        figs["script_val_loss_rounding"] = ef.rel_change(ef.final_val_loss(h3_recs),
+                                                         healthy_val)
         details["runs"]["script"] = {"healthy_rc": h_rc, "kill_rc": s_rc, "kill_at": t_kill,
                                      "healthy_val_loss": healthy_val,
-                                     "kill_val_loss": ef.final_val_loss(s_recs)}
+                                     "kill_val_loss": ef.final_val_loss(s_recs),
+                                     "healthy3_rc": h3_rc,
+                                     "healthy3_val_loss": ef.final_val_loss(h3_recs)}
     # the arms, fault by fault
     eps: dict[str, dict[str, ea.Episode]] = {a: {} for a in arms}
     for fault in faults:
