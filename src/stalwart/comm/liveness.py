@@ -33,8 +33,10 @@ class PeerLost(RuntimeError):
 
 class Liveness:
     """Per peer: when it was last heard, whether ever, and whether it is silent (not waited
-    for). Written under the collective's lock (the native engine writes ``heard`` and
-    ``ever`` under its own, which is that lock)."""
+    for). Written under the collective's lock: an authenticated packet from a peer stamps
+    ``heard`` and ``ever`` and takes it out of ``silent`` (the receiver does so in its hot
+    path, per group of datagrams; the native engine stamps the arrays, and
+    ``unsilence_spoken`` applies them)."""
 
     def __init__(self, world: int, rank: int, transport: UdpTransport,
                  give_up_s: float = GIVE_UP_S) -> None:
@@ -47,12 +49,6 @@ class Liveness:
         self.silent: set[int] = set()
         self.silenced_at = np.zeros(world)
         self.t_first: float | None = None  # when the first phase started
-
-    def spoke(self, s: int, now: float) -> None:
-        """An authenticated packet from ``s`` arrived at ``now``: alive, waited for again."""
-        self.heard[s] = now
-        self.ever[s] = True
-        self.silent.discard(s)
 
     def unsilence_spoken(self) -> None:
         """Native engine: peers marked silent that spoke since (it stamps ``heard``)."""

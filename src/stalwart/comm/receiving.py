@@ -189,10 +189,11 @@ class Receiver:
         order = np.argsort(key, kind="stable")
         bounds_k = np.flatnonzero(np.diff(key[order])) + 1
         now = time.perf_counter()
+        heard, ever, silent = self.live.heard, self.live.ever, self.live.silent
         lay = self.layout
         for grp in np.split(order, bounds_k):
             r, p, s = int(rnd[grp[0]]), int(ph[grp[0]]), int(snd[grp[0]])
-            st = self.ring.at(r)
+            st = self.ring.states[r % ROUNDS_OPEN]
             if st.rnd != r or st.closed[p]:
                 continue  # the slow path decides (late, old round, ...)
             seen = st.acc.seen[s] if p == PHASE_GRAD else st.vseen[s]
@@ -228,7 +229,9 @@ class Receiver:
             if dup and not self.may_copy:
                 self.rejected[R["duplicate"]] += dup
             # all of them authenticated data datagrams from s: alive, and arrived
-            self.live.spoke(s, now)
+            heard[s] = now  # (``Liveness.spoke``, inline: once per group of datagrams)
+            ever[s] = True
+            silent.discard(s)
             self.loss_in.arrived(s, (r, p), len(grp))
             handled[rows_i] = True
         return handled
@@ -248,13 +251,17 @@ class Receiver:
         C = self.chunk
         bounds = self.layout.bounds
         now = time.perf_counter()
+        heard, ever, silent = self.live.heard, self.live.ever, self.live.silent
         with self.cond:
             for i, why in enumerate(why_l):
                 s = snd_l[i]
                 # authenticated: its tag was checked (wire.check tag-checks an ended round's
                 # data packets too), so the sender is alive, whatever the round
                 if why not in _UNAUTHENTICATED and s < self.world:
-                    self.live.spoke(s, now)  # of any round: alive, waited for again
+                    heard[s] = now  # of any round: alive (``Liveness.spoke``, inline)
+                    ever[s] = True
+                    if s in silent:
+                        silent.discard(s)  # it speaks again: wait for it again
                 if s < self.world and ph_l[i] != PHASE_NORM:
                     if not fl_l[i] & FLAG_END:
                         # an authenticated data datagram from s reached us
@@ -291,7 +298,7 @@ class Receiver:
     def _same_tag(self, row: np.ndarray, rnd: int, ph: int, s: int, off: int, n: int) -> bool:
         """Whether a spare copy carries the tag of the copy placed for its chunk this round
         (so it is a copy of an authenticated packet). Called under the lock."""
-        st = self.ring.at(rnd)
+        st = self.ring.states[rnd % ROUNDS_OPEN]
         if st.rnd != rnd or s == self.rank:
             return False  # the round moved on since wire.check: not booked (a harmless miss)
         c = off // self.chunk
@@ -318,7 +325,7 @@ class Receiver:
         for j, (rnd, ph, fl, s, off) in enumerate(zip(
                 h["round"].tolist(), h["phase"].tolist(), h["flags"].tolist(),
                 h["sender"].tolist(), h["offset"].tolist(), strict=True)):
-            st = self.ring.at(rnd)
+            st = self.ring.states[rnd % ROUNDS_OPEN]
             if fl or st.rnd != rnd or s >= world or s == me:
                 continue
             c = off // C
@@ -334,7 +341,7 @@ class Receiver:
 
     def _place(self, row: np.ndarray, rnd: int, ph: int, s: int, flags: int, off: int, n: int,
                hint: int, C: int, bounds: list[int]) -> int:
-        st = self.ring.at(rnd)
+        st = self.ring.states[rnd % ROUNDS_OPEN]
         if st.rnd != rnd:
             return R["old_round"] if rnd < self.ring.round else R["future_round"]
         is_end = flags & FLAG_END
