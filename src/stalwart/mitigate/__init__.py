@@ -47,7 +47,8 @@ def work_plan(cfg: Any, monitor: Detection | None, rank: int, world: int, run_di
     traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
     pc = cfg.policy
     return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
-                      every=pc.every, run_dir=run_dir, hosts=cfg.hosts, traffic=traffic,
+                      every=pc.every, run_dir=run_dir,
+                      hosts=list(cfg.hosts) if cfg.hosts else None, traffic=traffic,
                       policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
                               "revert_windows": pc.revert_windows},
                       restart_s=regroup_s, in_place=regroup_s is not None,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -165,7 +166,8 @@ class InPlace:
             raise RuntimeError(f"{why} ({t})") from None
         parts = {"groups": time.monotonic() - t0}
         rank, world = dist.get_rank(), dist.get_world_size()
-        cfg.job.nproc, cfg.hosts = world, list(g.hosts)
+        # the new membership: a new configuration value (the job section), the rank's own
+        r.cfg = cfg = replace(cfg, job=replace(cfg.job, nproc=world, hosts=tuple(g.hosts)))
         model, reset = r.stepper.model, 0
         if cfg.train.tp > 1:  # new TP and DP groups; the shards follow the new TP indices
             tp_group, dp_group, data_rank, data_parts = make_groups(world, cfg.train.tp)

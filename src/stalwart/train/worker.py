@@ -51,6 +51,7 @@ def train(cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> int:
     if elastic_loop.wanted():  # torchrun nodes joined by stalwart's membership store
         return elastic_loop.train_elastic(cfg)
     r = Rank.start(cfg, link, rejoin)
+    cfg = r.cfg  # as resolved (under plain torchrun: by rank 0)
     heartbeat.ready()  # set up: the launcher now judges its silence at SILENT_S
     applied = r.enter()  # optimizer steps applied: the next step to run
     if applied is None:  # started to rejoin and not taken back
