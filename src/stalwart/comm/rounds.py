@@ -9,12 +9,13 @@ faster peer's packets of a later round wait in their own buffers.
 
 ``RoundRing`` owns the ``ROUNDS_OPEN`` states and the current round number: ``begin`` moves
 the ring to the next round (the state of the round that just ended becomes the newest open
-one's), ``at(rnd)`` is round ``rnd``'s buffers while it is open. Every rank calls
-``begin_round()`` once per step, in lockstep, so round numbers agree. The current and the next
-``ROUNDS_OPEN - 1`` rounds are open: a faster peer may already be several rounds ahead (two
-pairs of ranks that left a slow gloo ``new_group`` 1 s apart end up two rounds apart), and its
-packets wait for this rank, which then catches up at once instead of losing them; with only
-the next round open, such pairs lost everything to each other for the rest of the run.
+one's); ``states[rnd % ROUNDS_OPEN]`` holds round ``rnd``'s buffers while its ``rnd`` says so.
+Every rank calls ``begin_round()`` once per step, in lockstep, so round numbers agree. The
+current and the next ``ROUNDS_OPEN - 1`` rounds are open: a faster peer may already be several
+rounds ahead (two pairs of ranks that left a slow gloo ``new_group`` 1 s apart end up two
+rounds apart), and its packets wait for this rank, which then catches up at once instead of
+losing them; with only the next round open, such pairs lost everything to each other for the
+rest of the run.
 Anything older is rejected as ``old_round`` -- that is also what makes a replay from an
 earlier step harmless.
 
@@ -134,10 +135,6 @@ class RoundRing:
     @property
     def current(self) -> RoundState:
         return self.states[self.round % ROUNDS_OPEN]
-
-    def at(self, rnd: int) -> RoundState:
-        """The state in round ``rnd``'s slot (``.rnd != rnd``: that round is not open)."""
-        return self.states[rnd % ROUNDS_OPEN]
 
     def begin(self) -> int:
         """Start the next round; returns its number."""
