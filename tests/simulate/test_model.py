@@ -21,6 +21,20 @@ def test_data_parallel_step_is_slowest_replica_plus_ring_plus_fixed() -> None:
     assert r.unit_s.tolist() == pytest.approx([0.01, 0.01, 0.02, 0.01])
 
 
+def test_the_all_reduces_cpu_work_is_paid_only_where_it_outlasts_the_wire() -> None:
+    job = Job(dp=4, micro=16, mb_compute_s=0.01, grad_bytes=1e6, comm_cpu_s=0.02,
+              inter=Link(0.0, 1e9))
+    m = StepModel(job)
+    counts, comp = np.array([4, 4, 4, 4]), np.full(4, 0.01)
+    wire = 2 * 3 / 4 * 1e6 / 1e9  # 1.5 ms: the CPU work is the longer
+    assert m.step(counts, comp, np.ones(4)).step_s == pytest.approx(0.04 + 0.02)
+    slow = np.ones(4)
+    slow[2] = 100.0  # 150 ms on the wire: the CPU work is under it
+    assert m.step(counts, comp, slow).step_s == pytest.approx(0.04 + 100 * wire)
+    alone = m.step(np.array([4, 0, 0, 0]), comp, np.ones(4))  # no ring, no all-reduce
+    assert alone.step_s == pytest.approx(0.04)
+
+
 def test_pipeline_1f1b_fill_drain_and_tp_max() -> None:
     job = Job(dp=2, tp=2, pp=3, micro=8, mb_compute_s=0.1, grad_bytes=0.0,
               gpus_per_host=2)

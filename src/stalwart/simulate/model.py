@@ -8,7 +8,9 @@ every layer) plus its tensor-parallel all-reduces and the activation send to the
 1F1B schedule: sum of its stage times (fill and drain) + (n - 1) x its slowest stage. The
 step waits for the slowest replica, then the data-parallel all-reduce -- ring or tree, alpha-
 beta on the slowest inter-host link the ring crosses -- of which ``overlap`` is hidden under
-the backward, then a fixed per-step cost (optimizer, framework).
+the backward; the all-reduce's own CPU work (``comm_cpu_s``: reductions and copies, gloo's on
+a CPU) is pipelined with its wire time chunk by chunk, so the step pays the larger of the
+two -- then a fixed per-step cost (optimizer, framework).
 
 Why numpy and no event library: one step is a handful of reductions over arrays of shape
 (replicas, stages, tp); nothing inside a step needs event ordering that the 1F1B closed form
@@ -52,6 +54,7 @@ class Job:
     act_bytes: float = 0.0  # activation bytes between stages per micro-batch (each way)
     tp_bytes: float = 0.0  # tensor-parallel all-reduce bytes per micro-batch and stage
     fixed_s: float = 0.0  # per-step cost outside compute and collectives
+    comm_cpu_s: float = 0.0  # the data-parallel all-reduce's CPU work, under its wire time
     overlap: float = 0.0  # fraction of the data-parallel all-reduce hidden under backward
     gpus_per_host: int = 1
     intra: Link = field(default_factory=lambda: Link(5e-6, 100e9))  # within a host
@@ -152,7 +155,8 @@ class StepModel:
         active = n > 0
         pipe = np.where(active, stage.sum(axis=1) + (n - 1) * stage.max(axis=1), 0.0)
         ar = self.allreduce(active, link_slow)
-        step = float(pipe.max()) + (1.0 - j.overlap) * ar + j.fixed_s
+        comm = max(ar, j.comm_cpu_s) if active.sum() > 1 else 0.0
+        step = float(pipe.max()) + (1.0 - j.overlap) * comm + j.fixed_s
         unit = np.where(active, stage.max(axis=1), np.nan)
         share = j.m / max(int(active.sum()), 1)
         return StepResult(step, unit, comp * share, ar)
