@@ -99,7 +99,7 @@ class PyHolder:
     ``sampler.last_hint`` set to ``clock()``, True; else nothing changes and False.
     ``push``: append (the buffer grows when full); ``take``: the steps held, oldest first,
     the buffer emptied; ``samples(cls)``: the same as ``cls(step, float(st), float(cp),
-    float(cm))`` each (nothing taken if a time is not a number)."""
+    float(cm))`` each (emptied all the same where a time is not a number, then raised)."""
 
     def __init__(self, capacity: int, sampler: Any, clock: Callable[[], float]) -> None:
         if capacity < 1:
@@ -134,9 +134,8 @@ class PyHolder:
         return out
 
     def samples(self, cls: Any) -> list[Any]:
-        out = [cls(k, float(st), float(cp), float(cm)) for k, st, cp, cm in self._buf]
-        self._buf = []
-        return out
+        buf, self._buf = self._buf, []
+        return [cls(k, float(st), float(cp), float(cm)) for k, st, cp, cm in buf]
 
 
 try:  # the held steps in C (detect/_native/channels.c); PyHolder is the reference

@@ -948,7 +948,8 @@ static PyTypeObject GateType = {
  *   oldest first, the buffer emptied -- ``cls`` a tuple subclass of four fields with no
  *   ``__new__`` logic (alarms.IterSample), made as ``tuple.__new__(cls, ...)`` would make
  *   it: the monitor's held samples without a Python call per step. On an error (a time that
- *   ``float`` refuses) nothing is taken.
+ *   ``float`` refuses) the buffer is emptied all the same and the error raised (as ``take``
+ *   then the conversion would).
  */
 typedef struct {
     PyObject_HEAD
@@ -1077,7 +1078,7 @@ static PyObject *holder_samples(Holder *h, PyObject *cls) {
         PyTuple_SET_ITEM(t, 0, b[0]);
         for (int j = 1; j < 4; j++) {
             PyObject *f = PyFloat_CheckExact(b[j]) ? Py_NewRef(b[j]) : PyNumber_Float(b[j]);
-            if (!f) { Py_DECREF(t); Py_DECREF(out); return NULL; }
+            if (!f) { Py_DECREF(t); Py_DECREF(out); holder_clear_buf(h); return NULL; }
             PyTuple_SET_ITEM(t, j, f);
         }
         PyList_SET_ITEM(out, i, t);
