@@ -1,14 +1,22 @@
-"""The lossy bench's tail account (``bench.lossy.tail_account``) and its barrier for timed
-operations (``bench.lossy_worker.FileBarrier``)."""
+"""The lossy bench's tail account (``bench.lossy.tail_account``), its barrier for timed
+operations (``bench.lossy_worker.FileBarrier``) and how its training runs name their
+protection (``bench.lossy.bench_training``)."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
-from stalwart.bench.lossy import how_ended, tail_account
+import pytest
+
+import stalwart.launch
+from stalwart.bench.lossy import bench_training, how_ended, tail_account
 from stalwart.bench.lossy_worker import FileBarrier
+from stalwart.config import RunConfig
+from stalwart.rundir import RunData
 
 
 def test_how_ended_names_every_way_a_phase_ends() -> None:
@@ -71,3 +79,38 @@ def test_file_barrier_releases_nobody_before_everyone_entered(tmp_path) -> None:
     for n in range(calls):
         last_in = max(entered[r][n] for r in range(world))
         assert all(left[r][n] >= last_in for r in range(world)), n
+
+
+
+class _NoRun:
+    """What ``bench_training`` reads of a finished run, for a run that was not made."""
+
+    metrics: list[dict] = []
+
+    def final_val_loss(self) -> float:
+        return 0.0
+
+    def total_tokens_per_s(self) -> float:
+        return 1.0
+
+
+def test_the_training_runs_name_their_protection_in_the_configuration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_training`` passes each run's protection as ``comm.fec`` (what config.json
+    records and the ranks read) and leaves the environment alone. The launcher stands in
+    for the ten 4-rank training runs on the testbed."""
+    seen: list[tuple[str, str | None]] = []
+
+    def launch(cfg: RunConfig, **_k: object) -> int:
+        seen.append((cfg.comm.mode, cfg.comm.fec))
+        assert "STALWART_FEC" not in os.environ
+        return 0
+
+    monkeypatch.setattr(stalwart.launch, "launch", launch)
+    monkeypatch.setattr(RunData, "load", classmethod(lambda cls, path: _NoRun()))
+    monkeypatch.delenv("STALWART_FEC", raising=False)
+    out = bench_training(9000, 2, tmp_path, repeat=False)
+    assert seen == [("reliable", None), ("lossy", "rs"), ("reliable", None), ("lossy", "rs"),
+                    ("lossy", "rs"), ("lossy", "rs"), ("lossy", "rs"), ("lossy", "none"),
+                    ("lossy", "none"), ("lossy", "none")]
+    assert {"lossy0.01-none", "lossy0.05-none", "lossy0.1-none"} <= set(out)

@@ -12,7 +12,7 @@ What it measures (all with real random loss from nftables on the hosts' input pa
   reliable (gloo) vs lossy (``--comm lossy``) at 0/1/5/10/20% loss: final validation loss and
   job throughput (tokens/s; in full runs the throughput configurations run twice, interleaved,
   and are averaged, because the shared machine's load drifts between runs); and lossy with
-  the protection off (``STALWART_FEC=none``) at 1/5/10%, so that the accuracy figures also
+  the protection off (``comm.fec`` "none") at 1/5/10%, so that the accuracy figures also
   measure unbiased averaging and bounded drift, not only the parity.
 - replica drift at 10% UDP loss, exactly (a lossless gloo probe after every step), with the
   parameter broadcast and with the naive gradient broadcast, both unprotected; constant
@@ -286,13 +286,11 @@ def growth(drift: list[float]) -> float:
 
 def bench_training(mtu: int, steps: int, workdir: Path, repeat: bool,
                    progress: Progress | None = None) -> dict:
-    import os
-
     from stalwart.config import RunConfig
     from stalwart.launch import launch
     from stalwart.rundir import RunData
 
-    # (comm, loss, protection): "rs" = attach's default, "none" = STALWART_FEC=none
+    # (comm, loss, protection): "rs" = attach's default, "none" = no protection (comm.fec)
     runs = [("reliable", 0.0, ""), ("lossy", 0.0, "rs"), ("reliable", 0.05, ""),
             ("lossy", 0.05, "rs"), ("lossy", 0.01, "rs"), ("lossy", 0.10, "rs"),
             ("lossy", 0.20, "rs"), ("lossy", 0.01, "none"), ("lossy", 0.05, "none"),
@@ -307,20 +305,11 @@ def bench_training(mtu: int, steps: int, workdir: Path, repeat: bool,
         cfg = RunConfig(nproc=4, testbed="netns", comm=comm, steps=steps, seed=0,
                         faults=[f"loss:host=all,p={p}"] if p > 0 else [],
                         out=str(workdir / "runs"), name=name, mtu=mtu, detect=False,
-                        eval_every=steps, ckpt_every=10**6)
+                        eval_every=steps, ckpt_every=10**6, fec=fec or None)
         if progress:
             progress(f"training MTU {mtu}: run {i + 1}/{len(runs)} ({name})")
         t = time.time()
-        saved = os.environ.get("STALWART_FEC")
-        if fec:
-            os.environ["STALWART_FEC"] = fec
-        try:
-            rc = launch(cfg, show_progress=False, on_line=lambda s: None)
-        finally:
-            if saved is None:
-                os.environ.pop("STALWART_FEC", None)
-            else:
-                os.environ["STALWART_FEC"] = saved
+        rc = launch(cfg, show_progress=False, on_line=lambda s: None)
         if rc != 0:
             raise RuntimeError(f"training run {name} failed (exit {rc}); see {cfg.run_dir}")
         d = RunData.load(cfg.run_dir)
