@@ -67,7 +67,7 @@ GSO_MAX_SEGMENTS = 64  # the kernel's UDP_MAX_SEGMENTS (what a coalesced receive
 # an emulated loss rule (which drops a run whole) close to per-datagram loss at MTU 1500
 GSO_SEND_SEGMENTS = 8
 # longer runs, for phases with enough packets per peer that their stripes still interleave at
-# least as many ways as a run is long (``sending.Sending._run``): at MTU 1500 a 16 MiB
+# least as many ways as a run is long (``sending.Sender._run``): at MTU 1500 a 16 MiB
 # all-reduce's phases are ~3,000 packets per peer, and runs of 32 instead of 8 took a quarter
 # of the per-message kernel work (process CPU -15%, receive thread -33%, measured on loopback)
 GSO_LONG_SEGMENTS = 32
