@@ -15,10 +15,11 @@ a death, with the in-place fail-stop (or, in another job, a one-line error) that
 
 Bounds (docs/calibration.md, "Liveness"): a rank that has said it is set up (``ready``: the
 worker after its first process group, an ``elastic.Job`` once it joined) is judged silent
-after ``SILENT_S`` = 3.0 s, the elastic membership's ``DEAD_AFTER_S`` (the same Python thread
-under the same load); before that, while it imports torch and connects (a dlopen holds the GIL
-for ~0.45 s at load 2.5 and scales with the load), and once its module returned (``leaving``:
-the interpreter's finalization runs no thread), after ``START_SILENT_S`` = 60 s. A rank that
+after ``SILENT_S`` = 3.0 s, the elastic membership's ``DEAD_AFTER_S`` (both bounds are on
+beats sent by native threads that never take the GIL); before that, while it imports torch
+and connects (a dlopen holds the GIL for ~0.45 s at load 2.5 and scales with the load), and
+once its module returned (``leaving``: the interpreter's finalization runs no thread), after
+``START_SILENT_S`` = 60 s. A rank that
 was never heard from is judged from its start at ``START_SILENT_S``.
 
 Cost: one 16-byte datagram per rank per ``BEAT_S``; on the launcher one thread blocked in
@@ -42,7 +43,7 @@ from typing import Any
 
 ENV = "STALWART_HEARTBEAT"  # HOST:PORT of the launcher's listener, given to every rank
 BEAT_S = 0.5
-SILENT_S = 3.0  # = elastic/protocol.py DEAD_AFTER_S: the same thread under the same load
+SILENT_S = 3.0  # = elastic/protocol.py DEAD_AFTER_S: beats from a native thread in both
 START_SILENT_S = 60.0
 _FMT = "!4sIIB"  # magic, pid, sequence, phase
 _MAGIC = b"stwh"
