@@ -19,8 +19,8 @@ after ``SILENT_S`` = 3.0 s, the elastic membership's ``DEAD_AFTER_S`` (both boun
 beats sent by native threads that never take the GIL); before that, while it imports torch
 and connects (a dlopen holds the GIL for ~0.45 s at load 2.5 and scales with the load), and
 once its module returned (``leaving``: the interpreter's finalization runs no thread), after
-``START_SILENT_S`` = 60 s. A rank that
-was never heard from is judged from its start at ``START_SILENT_S``.
+``START_SILENT_S`` = 60 s. A rank that was never heard from is judged from its start at
+``START_SILENT_S``.
 
 Cost: one 16-byte datagram per rank per ``BEAT_S``; on the launcher one thread blocked in
 ``recvfrom``. Torch-free. Not covered: a hang that keeps the heartbeat thread running (a rank
