@@ -142,13 +142,14 @@ class Progress:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool = True) -> None:
-        self.total = cfg.halt_at if cfg.halt_at is not None else cfg.steps
-        self.nproc = cfg.nproc
-        self.tp = max(cfg.tp, 1)
+        self.total = cfg.train.halt_at if cfg.train.halt_at is not None else cfg.train.steps
+        self.nproc = cfg.job.nproc
+        self.tp = max(cfg.train.tp, 1)
         # mitigation: the hosts the job started on and runs on now, the global micro-batches
         # per step (a step's lines are complete when their counts add up to it), the plan in
         # force (version, counts per data-parallel rank) and the last plan an event announced
-        self.all_hosts: list[int] = list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc))
+        job = cfg.job
+        self.all_hosts: list[int] = list(job.hosts) if job.hosts else list(range(job.nproc))
         self.hosts: list[int] = list(self.all_hosts)
         try:
             self.global_micro: int | None = cfg.global_micro_batches()

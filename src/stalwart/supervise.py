@@ -162,8 +162,8 @@ def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
     starts = [i for i, e in enumerate(since) if e["event"] == "run_started"]
     done = sum(1 for e in since[(starts[-1] if starts else 0):]
                if e.get("fallback") == "restart")
-    got = fallback.plan(run_dir, g.token, cfg.tp, states) \
-        if done < fallback.MAX_FALLBACKS and hosts and len(hosts) % cfg.tp == 0 else None
+    got = fallback.plan(run_dir, g.token, cfg.train.tp, states) \
+        if done < fallback.MAX_FALLBACKS and hosts and len(hosts) % cfg.train.tp == 0 else None
     if got is None:
         reason, failed = fallback.first_reason(states)
         events.emit(RegroupFailed(step, g.gen - 1, reason, "none", hosts, failed))
@@ -180,14 +180,14 @@ def _start_probe(cfg: RunConfig, tb: Any, members: Any) -> Any:
     """While a host is excluded (a relaunch without it), probe it for the way back
     (mitigate/probe.py): in a job that regroups in place (``members``), whose rank 0 takes a
     request to take it back."""
-    if cfg.mitigate != "auto" or not cfg.hosts or members is None:
+    if cfg.policy.mode != "auto" or not cfg.job.hosts or members is None:
         return None
-    missing = [h for h in range(max(cfg.hosts) + 1) if h not in cfg.hosts]
+    missing = [h for h in range(max(cfg.job.hosts) + 1) if h not in cfg.job.hosts]
     if not missing:
         return None
     from stalwart.mitigate.probe import HostProbe
 
-    return HostProbe(tb, missing[0], list(cfg.hosts), members.link)
+    return HostProbe(tb, missing[0], list(cfg.job.hosts), members.link)
 
 
 def supervise(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen], tb: Any,
@@ -224,7 +224,7 @@ class Supervisor:
         self.probe = _start_probe(cfg, tb, members)  # the host probed for the way back
         self.probes = [self.probe] if self.probe is not None else []  # closed at the end
         # a script's progress is the monitor's iteration lines (same keys as stalwart's metrics)
-        self.metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.script else METRICS))
+        self.metrics_tail = JsonlTail(run_dir / (ITERATIONS if cfg.job.script else METRICS))
         self.events_tail = JsonlTail(run_dir / EVENTS)
         self.next_step = first_step
         self.restart_s: float | None = None  # a restart's exit to its first step back
@@ -262,7 +262,7 @@ class Supervisor:
             if failed and (self._lose_in_place(failed) or self._go_on_without(failed)):
                 continue  # the survivors regroup in place, or go on by themselves
             self._start_again()  # a kill fault's back=: its rank starts again
-            if (self.keep_going or self.cfg.script) and not self.procs:
+            if (self.keep_going or self.cfg.job.script) and not self.procs:
                 return 1  # every rank died
             code = self._blame()
             if code is not None:
@@ -347,7 +347,7 @@ class Supervisor:
     def _take_leavers(self, left: list[int]) -> None:
         """Ranks an in-place regroup left out (S4) exited: the first host's probe starts."""
         got = ranks_left(left, self.procs, self.members, self.tb, self.events, self.say,
-                         self.next_step, probe_hosts=self.cfg.tp == 1 and self.probe is None)
+                         self.next_step, probe_hosts=self.cfg.train.tp == 1 and self.probe is None)
         if got is not None:
             self.probes.append(got)
             if self.probe is None:
@@ -366,7 +366,7 @@ class Supervisor:
             self._start_rejoin(probe)
 
     def _start_rejoin(self, probe: Any) -> None:
-        why = probe.restore_reason(self.cfg.steps - self.next_step, self._step_time(),
+        why = probe.restore_reason(self.cfg.train.steps - self.next_step, self._step_time(),
                                    len(self.procs), max(self.regroup_s or 0.0, REJOIN_PRICE_S),
                                    how="live rejoin")
         if why is None:
@@ -449,16 +449,16 @@ class Supervisor:
         started again and rejoins live."""
         if self.members is None or not failstop_ok(self.cfg) or not lose_ranks(
                 failed, self.procs, self.members, self.run_dir, self.events, self.say,
-                self.next_step, self.cfg.tp):
+                self.next_step, self.cfg.train.tp):
             return False
-        if self.probe is None and hasattr(self.tb, "hosts") and self.cfg.tp == 1:
+        if self.probe is None and hasattr(self.tb, "hosts") and self.cfg.train.tp == 1:
             self.probe = self._new_probe(self.tb.host(failed[0][0]))
         return True
 
     def _go_on_without(self, failed: list[tuple[int, int]]) -> bool:
         """``keep_going``, or every failed rank is a member of a script's elastic job
         (elastic/launcher.py ``registered``: its peers regroup by themselves)."""
-        if not self.keep_going and not (self.cfg.script and all(
+        if not self.keep_going and not (self.cfg.job.script and all(
                 r in registered(self.run_dir) for r, _ in failed)):
             return False
         return drop_lost(failed, self.procs, self.run_dir, self.events, self.say,
@@ -483,7 +483,7 @@ class Supervisor:
     def _blame(self) -> int | None:
         """A failed job: stop every rank and name the likely cause, not the first rank seen
         dead (``culprit``); 2 when it hit a bad-input error (e.g. corrupt checkpoint), else 1."""
-        script = self.cfg.script
+        script = self.cfg.job.script
         blamed = culprit(self.procs, lambda: first_errors(self.run_dir) if script else {})
         if blamed is None:
             return None
