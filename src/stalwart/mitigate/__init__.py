@@ -34,36 +34,36 @@ def work_plan(cfg: Any, monitor: Detection | None, rank: int, world: int, run_di
     from stalwart.mitigate.rebalance import Rebalancer, StaticPlan  # torch: only in a rank
 
     micro = cfg.global_micro_batches()
-    groups = world // cfg.tp
-    if cfg.mitigate == "off" or groups < 2:
-        return StaticPlan(micro, groups, rank // cfg.tp)
+    groups = world // cfg.train.tp
+    if cfg.policy.mode == "off" or groups < 2:
+        return StaticPlan(micro, groups, rank // cfg.train.tp)
     # a lossy job's S4 regroups in place, re-sharding the owners' optimizer state; as a
     # restart it would need a checkpoint that resumes at another world size, which the lossy
     # optimizer's sharded state does not (train/checkpoint.py): then S2 only. S3 stays off
     # for lossy jobs in any case (``_traffic``: their all-to-all is not a ring)
     from stalwart.mitigate.membership import in_place_ok
 
-    mode = "rebalance" if cfg.comm.mode == "lossy" and not in_place_ok(cfg) else cfg.mitigate
+    mode = "rebalance" if cfg.comm.mode == "lossy" and not in_place_ok(cfg) else cfg.policy.mode
     traffic = _traffic(cfg, world, n_params) if rank == 0 else None  # rank 0 decides
     pc = cfg.policy
-    return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.tp, mode=mode,
+    return Rebalancer(monitor, micro, rank=rank, world=world, tp=cfg.train.tp, mode=mode,
                       every=pc.every, run_dir=run_dir,
-                      hosts=list(cfg.hosts) if cfg.hosts else None, traffic=traffic,
+                      hosts=list(cfg.job.hosts) if cfg.job.hosts else None, traffic=traffic,
                       policy={"min_gain": pc.min_gain, "replan_gain": pc.replan_gain,
                               "revert_windows": pc.revert_windows},
                       restart_s=regroup_s, in_place=regroup_s is not None,
-                      ranks_per_host=cfg.ranks_per_host, link=link)
+                      ranks_per_host=cfg.testbed.ranks_per_host, link=link)
 
 
 def _traffic(cfg: Any, world: int, n_params: int) -> dict[tuple[int, int], float] | None:
     """Bytes per step on each rank pair (remap.py) for S3; None under the lossy transport."""
     if cfg.comm.mode == "lossy":
         return None
-    m = PRESETS[cfg.preset]["model"]
-    dp, tp = remap.model_bytes(n_params, cfg.global_micro_batches() / (world // cfg.tp),
+    m = PRESETS[cfg.train.preset]["model"]
+    dp, tp = remap.model_bytes(n_params, cfg.global_micro_batches() / (world // cfg.train.tp),
                                cfg.resolved_micro_batch_size(), m.block_size, m.n_embd,
-                               m.n_layer, cfg.tp)
-    return remap.pair_traffic(world, cfg.tp, dp, tp)
+                               m.n_layer, cfg.train.tp)
+    return remap.pair_traffic(world, cfg.train.tp, dp, tp)
 
 
 def __getattr__(name: str) -> Any:
