@@ -10,7 +10,7 @@
   hosts' network paths (all their ranks), compute and contention on one rank's own cgroup.
   The placement is logged once per incarnation as ``testbed_placement`` (rank -> host).
 
-Slots: a rank's identity across restarts is its slot (``cfg.hosts``: rank -> slot; rank r is
+Slots: a rank's identity across restarts is its slot (``cfg.job.hosts``: rank -> slot; rank r is
 slot r at launch); slot s runs on host s // K. A fault's ``rank=`` names a slot, ``host=`` a
 host. ``Testbed.hosts`` (netns) addresses slots (``SlotHosts``), so the mitigation's probes
 keep counting slots.
@@ -66,12 +66,13 @@ class Testbed:
     master_addr = "127.0.0.1"
 
     def __init__(self, cfg: RunConfig, events: EventLog | None) -> None:
-        self.nproc = cfg.nproc
-        self.mtu = cfg.mtu
+        tb = cfg.testbed
+        self.nproc = cfg.job.nproc
+        self.mtu = tb.mtu
         self.events = events
         # identical specs are one fault (a set of active faults cannot hold both)
-        self.per_host = cfg.ranks_per_host
-        self.faults: list[Fault] = list(dict.fromkeys(cfg.parse_fault(s) for s in cfg.faults))
+        self.per_host = tb.ranks_per_host
+        self.faults: list[Fault] = list(dict.fromkeys(cfg.parse_fault(s) for s in tb.faults))
         self._tag = next_tag()
         self._owner = os.getpid()
         self._pids: dict[int, int] = {}
@@ -85,12 +86,12 @@ class Testbed:
         # rank -> host: rank r on host r at launch; a restart without a host (mitigation's
         # S4) moves ranks, and faults stay on their hosts (a compute fault's "rank" is the
         # host that rank ran on at launch)
-        self._host_of = list(cfg.hosts) if cfg.hosts else list(range(cfg.nproc))
+        self._host_of = list(cfg.job.hosts) if cfg.job.hosts else list(range(cfg.job.nproc))
         # every host's CPU budget (cpu.py): its fair share of the cores, fixed for the run
         # (a restart on fewer hosts does not give the others more)
         self._share = fair_share(max(self._host_of) + 1)
         has_cpu = any(f.kind in CPU_KINDS for f in self.faults)
-        self._cap = cfg.cpu_cap == "fair" or (cfg.cpu_cap == "auto" and has_cpu)
+        self._cap = tb.cpu_cap == "fair" or (tb.cpu_cap == "auto" and has_cpu)
         if has_cpu or self._cap:
             require_root("compute/contention faults" if has_cpu else "--cpu-cap fair")
             self._backend = find_backend()
@@ -378,7 +379,7 @@ class NetnsTestbed(Testbed):
         if "cut" in kinds:
             require_tool("nft", "cut faults")
         n_hosts = max(self._host_of) // self.per_host + 1
-        self.net = Hosts(n_hosts, cfg.mtu)  # removes stale leftovers first
+        self.net = Hosts(n_hosts, cfg.testbed.mtu)  # removes stale leftovers first
         self.hosts = SlotHosts(self.net, self.per_host)
         cleanup.register(self)
         self.master_addr = self.hosts.addr(self.host(0))
@@ -524,7 +525,8 @@ class SlotHosts:
 
 
 def open_testbed(cfg: RunConfig, events: EventLog | None) -> Testbed:
-    """Create the testbed `cfg.testbed` for `cfg.nproc` ranks with `cfg.faults` scheduled.
+    """Create the testbed `cfg.testbed.kind` for `cfg.job.nproc` ranks with
+    `cfg.testbed.faults` scheduled.
 
     Raises ConfigError (one line: what is missing and how to install it) when the machine
     cannot provide what the configuration needs.
