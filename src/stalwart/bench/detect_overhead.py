@@ -212,11 +212,11 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
     # what `stalwart run` does
     mon = Monitor(run_dir=None, rank=rank, world=world, check_every=check_every,
                   max_every=max_every)
-    torch.manual_seed(cfg.seed)
-    mcfg = PRESETS[cfg.preset]["model"]
+    torch.manual_seed(cfg.train.seed)
+    mcfg = PRESETS[cfg.train.preset]["model"]
     model = DDP(GPT(mcfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+    corpus = load_corpus(cfg.train.data, cfg.train.max_data_bytes)
     bs = cfg.resolved_batch_size()
     warm = 12
     dts: list[tuple[bool, float]] = []
@@ -227,7 +227,7 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
     analysed = mon.analysis_cpu_us
     for step in range(warm + steps):
         on = begin_step(mon, step, warm)
-        x, y = train_batch(corpus, bs, mcfg.block_size, cfg.seed, step, rank, 0)
+        x, y = train_batch(corpus, bs, mcfg.block_size, cfg.train.seed, step, rank, 0)
         t0 = time.perf_counter()
         c0 = time.process_time()
         _, loss = model(x, y)

@@ -114,11 +114,11 @@ def run_one(name: str, faults: list[str], steps: int, mode: str, workdir: Path, 
                     out=str(workdir), name=f"{tag}-torchft-{name}",
                     global_batch=8 * N_REPLICAS)  # the tiny preset's batch, as stalwart's runs
     t0 = time.monotonic()
-    print(f"bench mitigate: {cfg.name} ({steps} steps, torchft {mode}) ...", file=sys.stderr,
+    print(f"bench mitigate: {cfg.job.name} ({steps} steps, torchft {mode}) ...", file=sys.stderr,
           flush=True)
     rc = launch(cfg, module="stalwart.bench.peers.torchft_worker", args=["--mode", mode],
                 show_progress=False, on_line=lambda _s: None, keep_going=True)
-    print(f"bench mitigate: {cfg.name} done in {time.monotonic() - t0:.0f} s (exit {rc})",
+    print(f"bench mitigate: {cfg.job.name} done in {time.monotonic() - t0:.0f} s (exit {rc})",
           file=sys.stderr, flush=True)
     data = RunData.load(cfg.run_dir)
     data.rc = rc  # type: ignore[attr-defined]

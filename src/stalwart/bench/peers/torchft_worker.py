@@ -115,9 +115,9 @@ class Replica:
         self.n = int(os.environ["WORLD_SIZE"])
         self.addr = os.environ.get("STALWART_HOST_ADDR", "127.0.0.1")
         self.run_dir = Path(os.environ["STALWART_RUN_DIR"])
-        torch.set_num_threads(cfg.threads)
-        self.mcfg = PRESETS[cfg.preset]["model"]
-        self.corpus = load_corpus(cfg.data, cfg.max_data_bytes)
+        torch.set_num_threads(cfg.job.threads)
+        self.mcfg = PRESETS[cfg.train.preset]["model"]
+        self.corpus = load_corpus(cfg.train.data, cfg.train.max_data_bytes)
         self.mbs, self.gb = cfg.resolved_micro_batch_size(), cfg.resolved_global_batch()
         self.mine = list(range(self.rank, self.gb // self.mbs, self.n))  # this group's shard
         master = os.environ["MASTER_ADDR"]
@@ -129,10 +129,10 @@ class Replica:
         wait_port(master, LIGHTHOUSE_PORT)
         port = STORE_PORT + self.rank  # distinct where hosts share an address (local)
         self.store = TCPStore(self.addr, port, 1, True, wait_for_workers=False)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.train.seed)
         self.model = GPT(self.mcfg)
         inner = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
-                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                                  betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
         pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
         self.manager = Manager(
             pg=pg, min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
@@ -159,7 +159,7 @@ class Replica:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
 
     def batches(self, data_step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        starts = step_starts(self.corpus, self.gb, self.mcfg.block_size, self.cfg.seed,
+        starts = step_starts(self.corpus, self.gb, self.mcfg.block_size, self.cfg.train.seed,
                              data_step)
         return [micro_batch(self.corpus, starts, self.mbs, self.mcfg.block_size, g)
                 for g in self.mine]
@@ -201,7 +201,7 @@ class Replica:
         t_fb = time.perf_counter()
         if self.mode == "allreduce":
             self.average_gradients()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()  # should_commit: every member agrees, or nobody steps
         t1 = time.perf_counter()
         committed = self.manager.current_step() > step
@@ -217,7 +217,7 @@ class Replica:
 
     def train(self) -> None:
         attempt, members = 0, self.n
-        while self.manager.current_step() < self.cfg.steps:
+        while self.manager.current_step() < self.cfg.train.steps:
             rec = self.step(attempt)
             self.metrics.write(rec)
             attempt += 1
@@ -230,8 +230,8 @@ class Replica:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        val = val_batches(self.corpus, self.cfg.eval_batches, self.cfg.resolved_batch_size(),
-                          self.mcfg.block_size, self.cfg.seed)
+        val = val_batches(self.corpus, self.cfg.train.eval_batches, self.cfg.resolved_batch_size(),
+                          self.mcfg.block_size, self.cfg.train.seed)
         total = sum(float(self.model(x, y)[1].item()) for x, y in val)
         return total / len(val)
 
