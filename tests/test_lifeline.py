@@ -78,7 +78,8 @@ def test_the_launcher_starts_ranks_through_lifeline_without_preexec_fn(
     tb = SimpleNamespace(kind="local", master_addr="127.0.0.1",
                          env=lambda r: {}, command_prefix=lambda r: [],
                          attach_ranks=attached.update)
-    cfg = SimpleNamespace(nproc=3, script=None, threads=1, ranks_per_host=1)
+    cfg = SimpleNamespace(job=SimpleNamespace(nproc=3, script=None, threads=1),
+                          testbed=SimpleNamespace(ranks_per_host=1))
     (tmp_path / LOGS).mkdir()
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
     procs = launch._spawn(cfg, tb, tmp_path, "stalwart.train.worker", None, port=29500)

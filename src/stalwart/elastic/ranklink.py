@@ -103,7 +103,16 @@ class RankLink:
 
     # why this rank exits 0 before the job's end (read by the launcher when it sees the exit)
     def exiting(self, rec: ExitRecord) -> None:
-        self.s.set(f"exit/{rec.slot}", rec.to_json())
+        """Write the record and return once the store holds it. c10d's ``set`` does not wait
+        for the server (it has no reply): a rank that exited right after it could be seen
+        exited by the launcher before its record arrived -- on a host whose link is
+        throttled (S4 of a slow host link, lossy job) the launcher read no record 3 times in
+        5 and took the rank that left for one that finished. ``check`` is answered after the
+        server processed the ``set`` before it on this connection."""
+        key = f"exit/{rec.slot}"
+        self.s.set(key, rec.to_json())
+        if not self.s.check([key]):
+            raise RuntimeError(f"the membership store lost this rank's exit record ({key})")
 
     # the launcher's request to take a host back (rank 0)
     def take_back(self) -> TakeBack | None:

@@ -124,7 +124,11 @@ class Keys:
         return {i: int(v) for i, v in zip(ids, vals, strict=True)}
 
     def leave(self, member: int) -> None:
+        """Mark ``member`` as left and return once the store holds the mark (c10d's ``set``
+        has no reply; ``check`` is answered after it): a member that closes its sockets right
+        after must not be taken for a death by a watcher that saw the close first."""
         self._call(self.s.set, f"left/{member}", "1")
+        self._call(self.s.check, [f"left/{member}"])
 
     def left(self, ids: list[int]) -> set[int]:
         return {i for i in ids if self._call(self.s.check, [f"left/{i}"])}
