@@ -25,16 +25,16 @@ import socket
 import threading
 from typing import Any
 
+from stalwart import heartbeat
+
 BEAT = b"\x01"
 
 
 def _native() -> Any:
-    """``stalwart._beat`` with the peer-beat calls, or None where it was not built."""
-    try:
-        from stalwart import _beat
-    except ImportError:
-        return None
-    return _beat if hasattr(_beat, "fan_add") else None
+    """``stalwart._beat`` with the peer-beat calls (heartbeat.py loads it), or None where it
+    was not built."""
+    lib = heartbeat._native()
+    return lib if hasattr(lib, "fan_add") else None
 
 
 class PeerBeats:
