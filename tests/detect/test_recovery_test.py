@@ -5,6 +5,7 @@ machine's side, torch-free."""
 from __future__ import annotations
 
 from stalwart.detect.alarms import RECOVER, IterSample
+from stalwart.detect.changepoint import Change
 from stalwart.detect.decision import DecisionCore
 from stalwart.detect.localize import COMPUTE_MILD, Finding
 from stalwart.detect.recovery import RECHECK, RECHECK_MAX
@@ -45,6 +46,27 @@ def test_a_recovery_the_compute_test_rejects_keeps_the_straggler_and_backs_off()
     for d in (80, 120, 200):
         assert not core.recovery_test(1.9, decided=d)
     assert out[-1].next_check_step - 200 == RECHECK_MAX  # bounded
+
+
+def test_a_channel_recovery_during_the_backoff_waits_for_the_recheck() -> None:
+    """A followed channel that reads healthy again while a rejected recovery's wait runs
+    raises no test of its own (each would double the wait: the revert of a fault that ended
+    during it could then come after the job ends); the recheck at the scheduled step tests
+    it, with the level the channel read."""
+    core, out = _following(2.0)
+    core.follow.watch("rank2", 0.1)  # the channel that found it, at its healthy level
+    assert not core.recovery_test(1.9, decided=40)
+    core.classify(Change(onset=44, decided=46, before=0.3, after=0.1), channel="rank2")
+    assert core.pending.action != RECOVER  # waits for the recheck
+    for k in range(47, 40 + RECHECK):
+        core.sample(IterSample(k, 0.1, 0.08, 0.02))
+        assert core.pending.action != RECOVER
+    core.sample(IterSample(40 + RECHECK, 0.1, 0.08, 0.02))
+    alarm = core.take_pending()
+    assert alarm.action == RECOVER and alarm.severity == 1.0  # the level the channel read
+    core.alarm_read()
+    assert core.recovery_test(1.02, decided=40 + RECHECK)
+    assert [e.name for e in out] == ["recovery_rejected"]  # one test during the wait
 
 
 def test_a_recovery_the_compute_test_confirms_is_logged_with_its_ratio() -> None:

@@ -6,9 +6,11 @@ speed. So its recovery alarm is confirmed by the compute test (the same matmuls 
 rank, ``recovery_test``): below ``recovery_threshold`` it is recovered; otherwise the
 recovery is rejected (``RecoveryRejected``), the straggler stays active, and the leader tests
 again ``RECHECK`` steps later (doubling to ``RECHECK_MAX``) -- a fault that ends while the plan
-is in force is found there even if the channel moves no further. A straggler found with no
-healthy level of its own (the outlier test, the audit) is followed at its peers' level
-(``Following.follow_born``).
+is in force is found there even if the channel moves no further. A recovery alarm of the
+channel during that wait raises no test of its own (``recovery_level``), so a fault that
+ends during the wait is found at the recheck: at most the wait after its end. A straggler
+found with no healthy level of its own (the outlier test, the audit) is followed at its
+peers' level (``Following.follow_born``).
 
 Layout: ``Following`` owns the followed straggler and everything its recovery needs (the
 channel that watches it, that channel's healthy level, a second straggler's channel waiting
@@ -71,10 +73,14 @@ class Following:
 
     def recovery_level(self, after: float, min_shift: float) -> float | None:
         """A speed-up to ``after`` on the followed channel: its level over the healthy one if
-        it is back within ``min_shift`` of it (kept for a recheck), else None."""
+        it is back within ``min_shift`` of it, else None. While a rejected recovery's wait
+        runs (``recheck_at``) the level is only kept, for the recheck, and None returned: a
+        channel that moves during the wait does not test again before the recheck (each test
+        a validation pause, each rejection doubling the wait -- a compute straggler on a
+        reduced share moves its channel by noise alone, its bursts escaping a CPU quota)."""
         if self.healthy is not None and after <= self.healthy * (1.0 + min_shift):
             self.recover_level = after / self.healthy
-            return self.recover_level
+            return self.recover_level if self.recheck_at is None else None
         return None
 
     def recheck_due(self, key: int) -> bool:
