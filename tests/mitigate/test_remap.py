@@ -7,7 +7,13 @@ import itertools
 
 import pytest
 
-from stalwart.mitigate.remap import pair_traffic, placement, traffic_on
+from stalwart.mitigate.remap import (
+    host_pairs,
+    pair_traffic,
+    placement,
+    rank_pairs_on,
+    traffic_on,
+)
 
 
 def test_data_parallel_rings_use_neighbours_only() -> None:
@@ -52,3 +58,16 @@ def test_slow_pair_examples_from_the_issue() -> None:
     assert placement(t, [0, 1, 2, 3], (0, 3)) == [0, 1, 2, 3]
     # after an earlier restart the map is not the identity; the result is still a placement
     assert sorted(placement(t, [2, 0, 3, 1], (0, 1))) == [0, 1, 2, 3]
+
+
+def test_a_slow_link_is_carried_across_a_remap_by_its_hosts() -> None:
+    """Ranks 2-3 on hosts 2-3 found slow; after the S3 placement [0, 2, 1, 3] the same hosts
+    sit under ranks 1 and 3, the pair the next detector must leave out."""
+    slow = host_pairs([(2, 3)], [0, 1, 2, 3], 1)
+    assert slow == {(2, 3)}
+    assert rank_pairs_on(slow, [0, 2, 1, 3], 1) == {(1, 3)}
+    # two ranks to a host: slots 4-5 on host 2, 6-7 on host 3; every rank pair across them
+    slow = host_pairs([(5, 6)], list(range(8)), 2)
+    assert slow == {(2, 3)}
+    assert rank_pairs_on(slow, list(range(8)), 2) == {(4, 6), (4, 7), (5, 6), (5, 7)}
+    assert host_pairs([(4, 5)], list(range(8)), 2) == set()  # inside one host: no link

@@ -242,7 +242,8 @@ class Monitor:
                  capacity: int = 8192, history: int = 1000, lag: int = 1,
                  max_every: int = 1, persist: int = 20, device: Any = None,
                  on_sample: Callable[[IterSample], None] | None = None,
-                 hinted: bool = False, analysis_thread: bool = True) -> None:
+                 hinted: bool = False, analysis_thread: bool = True,
+                 skip_links: set[tuple[int, int]] | None = None) -> None:
         """``check_every``: steps per exchange (None: chosen by rank 0 between 1 and
         ``max_every``, exchange.py); a fixed period reads each row ``lag`` exchanges later --
         what ``--comm lossy`` jobs use (8 and 2), because the monitor's TCP exchanges stall on
@@ -255,7 +256,8 @@ class Monitor:
         mid-run (an in-place regroup) would otherwise sample its first step from the ops and
         check (and validate) inside it. ``analysis_thread``: rank 0 analyses a check's
         samples and rows and sends its row on a thread of its own (``_check``); False: on
-        the calling thread."""
+        the calling thread. ``skip_links``: rank pairs the validation tests leave out
+        (known slow and taken off the ring, verify.py), the same on every rank."""
         if run_dir is None and os.environ.get(RUN_DIR_ENV):
             run_dir = Path(os.environ[RUN_DIR_ENV])  # a script's own Monitor() in a run
         ready = dist.is_available() and dist.is_initialized()
@@ -302,7 +304,7 @@ class Monitor:
         self.source = verify.LiveEvidence(
             self.group, self.world, self.rank, compute_reps=compute_reps,
             link_bytes=link_bytes, device=device,
-            enabled=self.exchange is not None and validate_on_detect)
+            enabled=self.exchange is not None and validate_on_detect, skip_links=skip_links)
         self.detector = Detector(self._core, self.source, self.rank)
         self._rounds_log: Any = None  # rank 0: the raw validation rounds (replay re-decides)
         if self._run_dir is not None and self.rank == 0:

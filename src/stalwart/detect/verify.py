@@ -35,12 +35,18 @@ class LiveEvidence:
     the job's device path, ``where_to_test``), gathered everywhere -- the ``EvidenceSource``
     the monitor gives its ``Detector`` (detector.py). ``enabled`` False (one process, or
     validation switched off): this rank's own profile only, no tests. ``pause_s``: the last
-    tests' wall time. Collective: every rank calls the same methods in the same order (the
-    Detector's rules decide from gathered evidence, so they agree)."""
+    tests' wall time. ``skip_links``: rank pairs (a < b) known slow and taken off the ring by
+    a mitigation still in force (an S3 placement): the round-robin pairs leave them out, so a
+    validation neither sends over them again (what the mitigation took away: seconds of pause
+    on a 10 mbit pair) nor finds that link again; every rank passes the same set. Collective:
+    every rank calls the same methods in the same order (the Detector's rules decide from
+    gathered evidence, so they agree)."""
 
     def __init__(self, group: Any, world: int, rank: int, *, compute_reps: int,
-                 link_bytes: int, device: Any = None, enabled: bool = True) -> None:
+                 link_bytes: int, device: Any = None, enabled: bool = True,
+                 skip_links: set[tuple[int, int]] | None = None) -> None:
         self._group, self.world, self.rank = group, world, rank
+        self.skip_links = set(skip_links or ())
         self.compute_reps, self.link_bytes, self.device = compute_reps, link_bytes, device
         self.enabled = enabled
         self.pause_s = 0.0
@@ -81,7 +87,7 @@ class LiveEvidence:
     def more_links(self) -> list[RankEvidence] | None:
         ev = self._ev
         tested = {p for ps in self._ring for p in ps}
-        extra = validate.round_robin_passes(self.world, tested)
+        extra = validate.round_robin_passes(self.world, tested | self.skip_links)
         if ev is None or not self.enabled or not extra or self.world > MAX_ROUND_ROBIN:
             return None
         group = self.group()

@@ -24,10 +24,12 @@ on it, so the placement that helps puts on it the ranks that talk most among the
 at tp > 1 a whole tensor-parallel group, whose activations then stay inside the host while
 only its data-parallel rings cross the link once per rank.
 
-Applied by a restart from the checkpoint with the permuted host map (the same path as S4), not
-in place: rebuilding the groups in place would need an explicit ring order, and ``new_group``
-sorts. There is no revert: in a ring (and the grid) the permuted placement is exactly as fast
-as the original when the link heals, so going back would cost a restart and gain nothing.
+Applied by regrouping in place on the permuted host map (mitigate/regroup.py; a restart from
+the checkpoint where the job cannot regroup in place). Across the regroup the slow pair of
+hosts is carried (``host_pairs``, ``rank_pairs_on``), so that the next generation's detector
+does not test it again (verify.py). There is no revert: in a ring (and the grid) the
+permuted placement is exactly as fast as the original when the link heals, so going back
+would cost a regroup and gain nothing.
 """
 
 from __future__ import annotations
@@ -131,3 +133,21 @@ def model_bytes(n_params: int, micro_per_rank: float, micro_batch: int, block: i
     dp = 4.0 * n_params
     tpb = 0.0 if tp == 1 else 4.0 * micro_batch * block * n_embd * 4 * n_layer * micro_per_rank
     return dp, tpb
+
+
+def host_pairs(links: Iterable[Pair], slots: list[int], per_host: int) -> set[Pair]:
+    """The pairs of hosts under the rank pairs ``links`` (rank r on slot ``slots[r]``, slot s
+    on host s // ``per_host``); a pair inside one host is none."""
+    out = set()
+    for a, b in links:
+        ha, hb = slots[a] // per_host, slots[b] // per_host
+        if ha != hb:
+            out.add((min(ha, hb), max(ha, hb)))
+    return out
+
+
+def rank_pairs_on(pairs: set[Pair], slots: list[int], per_host: int) -> set[Pair]:
+    """The rank pairs (a < b) whose ranks sit on the two hosts of one of ``pairs``."""
+    host = [s // per_host for s in slots]
+    return {(a, b) for a in range(len(slots)) for b in range(a + 1, len(slots))
+            if (min(host[a], host[b]), max(host[a], host[b])) in pairs}

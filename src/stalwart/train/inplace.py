@@ -109,7 +109,35 @@ class InPlace:
         self.lossy_prev: tuple[int, Any] | None = None
         # lossy: (generation, shard) handed over by ranks a planned change leaves out
         self.lossy_extra: list[tuple[int, Any]] = []
+        # pairs of hosts whose link was found slow and not found recovered: the next
+        # generations' detectors leave them out of their link tests (``_slow_links``)
+        self.slow_hosts: set[tuple[int, int]] = set()
         regrouper.on_abort.append(self.interrupt_comm)
+
+    def _note_slow_links(self, monitor: Any, cfg: Any) -> None:
+        """The host pairs of the closed ``monitor``'s link findings still in force join
+        ``slow_hosts`` (read after its close: no wait on a collective a lost member broke)."""
+        from stalwart.mitigate import remap
+
+        links: list[tuple[int, int]] = []
+        with contextlib.suppress(Exception):  # a monitor whose last analysis failed: none
+            links = [(f.link[0], f.link[1]) for f in (monitor.findings if monitor else [])
+                     if f.kind == "link" and f.link and f.recovered_step is None]
+        slots = list(cfg.job.hosts) if cfg.job.hosts else list(range(cfg.job.nproc))
+        self.slow_hosts |= remap.host_pairs(links, slots, cfg.testbed.ranks_per_host)
+
+    def _slow_links(self, cfg: Any) -> set[tuple[int, int]]:
+        """Collective on the new group: the rank pairs on a slow pair of hosts
+        (``slow_hosts``, united over the ranks: a joiner knows none), which the new
+        monitor's link tests leave out -- an S3 placement took the job's traffic off them,
+        and a test would send it there again and find the same link a second time."""
+        from stalwart.mitigate import remap
+
+        known: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(known, sorted(self.slow_hosts))
+        self.slow_hosts = {(int(a), int(b)) for got in known for a, b in (got or [])}
+        return remap.rank_pairs_on(self.slow_hosts, list(cfg.job.hosts),
+                                   cfg.testbed.ranks_per_host)
 
     def regroups_after(self, err: BaseException) -> bool:
         """Whether ``err``, raised by a step, is one a regroup handles: a failed collective or
@@ -154,7 +182,9 @@ class InPlace:
         t0 = time.monotonic()
         joiner = self.regrouper.joining  # has done nothing yet: the others decide
         cfg = r.cfg
+        monitor = r.monitor
         r.release()
+        self._note_slow_links(monitor, cfg)
         before = self.regrouper.current
         lossy = cfg.comm.mode == "lossy"
         if lossy:
@@ -189,7 +219,7 @@ class InPlace:
         parts["state"] = time.monotonic() - t0
         # a monitor made mid-run that sampled its first step from the ops validated a
         # finding inside it: a link test over the slow pair, 1.6-3 s in the first TP step
-        r.plug(monitor=r.make_monitor(hinted=True))
+        r.plug(monitor=r.make_monitor(hinted=True, skip_links=self._slow_links(cfg)))
         parts["monitor"] = time.monotonic() - t0
         if cfg.train.tp == 1 and not lossy:  # (lossy: made with its optimizer, _regroup_lossy)
             r.plug(stepper=DataParallelStep(model, r.device))

@@ -323,9 +323,11 @@ class Rank:
     def model_cfg(self) -> Any:
         return PRESETS[self.cfg.train.preset]["model"]
 
-    def make_monitor(self, hinted: bool = False) -> Any:
+    def make_monitor(self, hinted: bool = False,
+                     skip_links: set[tuple[int, int]] | None = None) -> Any:
         """The detector's monitor; ``hinted`` (made again by a regroup): the loop's hints are
-        its only samples, so its first step is not sampled -- and checked -- from the ops."""
+        its only samples, so its first step is not sampled -- and checked -- from the ops.
+        ``skip_links``: rank pairs its validation tests leave out (detect/verify.py)."""
         cfg = self.cfg
         if not cfg.detect.enabled:
             return None
@@ -342,7 +344,8 @@ class Rank:
             check_every=d.lossy_check_every if lossy else None,
             lag=d.lossy_lag if lossy else 1, max_every=d.max_every, warmup=d.warmup,
             persist=d.persist, history=d.history, compute_reps=d.compute_reps,
-            link_bytes=d.link_bytes, device=self.device, hinted=hinted)
+            link_bytes=d.link_bytes, device=self.device, hinted=hinted,
+            skip_links=skip_links)
 
     def _plug_in(self, link: str | None = None) -> None:
         cfg, mcfg, device = self.cfg, self.model_cfg, self.device
