@@ -237,12 +237,20 @@ def test_torchft_failstop_episode_end_to_end(tmp_path: Path) -> None:
     for s in missing:
         lines = [m for m in d.metrics if m["step"] == s and m["committed"]]
         assert {m["rank"] for m in lines} == {0, 1, 2} and {m["world"] for m in lines} == {4}
-    # the launcher sees progress every 0.1 s: the kill comes at step 8 or a few steps later
+    # the launcher sees progress every 0.1 s: the kill comes at step 8 or a few steps later.
+    # After it, the steps committed once torchft's quorum dropped replica 3 (the last step
+    # committed at world 4 may be logged after the kill under load). torchft forms each
+    # quorum from the replicas that joined within its join timeout, so under load a late
+    # survivor can miss one and the step commits at world 2 while it heals (its shard is
+    # counted lost below); the others commit at world 3.
     t_kill, _ = tr.kill_time(d)  # type: ignore[misc]
-    after = [m for m in d.metrics if m["time"] > t_kill + 0.5 and m["committed"]]
-    assert after and {m["world"] for m in after} == {3} and {m["rank"] for m in after} == {
-        0, 1, 2}
+    last4 = max(m["step"] for m in d.metrics if m["committed"] and m["world"] == 4)
+    after = [m for m in d.metrics if m["step"] > last4 and m["committed"]]
+    assert after and min(m["time"] for m in after) > t_kill
+    assert 3 in {m["world"] for m in after} <= {2, 3}
+    assert {m["rank"] for m in after} == {0, 1, 2}
     assert tr.resume_s(d) is not None and tr.resume_s(d) > 0
     lost = tr.samples_lost(d.metrics, GB)
-    assert lost is not None and lost >= 8 * len({m["step"] for m in after})  # the lost shard
+    world_of = {m["step"]: m["world"] for m in after}
+    assert lost is not None and lost >= 8 * sum(4 - w for w in world_of.values())  # shards
     assert d.final_val_loss() is not None and tr.crash(d) == (False, "")
