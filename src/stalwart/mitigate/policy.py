@@ -112,7 +112,8 @@ class Policy:
     tp: int = 1
     mode: str = "auto"  # "auto": S2 and S4; "rebalance": S2 only
     min_count: int = 1
-    restart_s: float = 30.0  # measured restart time (updated by the worker)
+    restart_s: float = 30.0  # S3/S4's price: a measured restart or regroup (the worker's)
+    moves_by: str = "restart"  # how S3/S4 are applied ("regroup": in place), for the reasons
     min_gain: float = 0.05
     replan_gain: float = 0.25  # a plan in force is replaced only for this much more
     revert_windows: int = 2
@@ -372,7 +373,7 @@ class Policy:
                    f"{s.kind} straggler on rank {s.rank}")
             dec = self._decide(EXCLUDE, [], start_step, s.rank, per_step / mk_best,
                                f"{who}: the job is faster without its host ({s.rent_s:.1f} s "
-                               f"lost so far, restart {self.restart_s:.1f} s)")
+                               f"lost so far, {self.moves_by} {self.restart_s:.1f} s)")
             if len(ranks) > 1:
                 dec.hosts = ranks  # rank 0 only: every rank that leaves with the host
             return dec
@@ -425,7 +426,8 @@ class Policy:
         rent and the restart's price close it. Decided once per straggler: the restart ends
         this incarnation."""
         dec = self._decide(REMAP, [], start_step, -1, gain,
-                           f"{why}{s.rent_s:.1f} s lost so far, restart {self.restart_s:.1f} s)")
+                           f"{why}{s.rent_s:.1f} s lost so far, {self.moves_by} "
+                           f"{self.restart_s:.1f} s)")
         dec.hosts = hosts
         s.remapped = True
         return dec

@@ -164,6 +164,8 @@ class Rebalancer:
         self._regroup_s = restart_s or 0.0
         if self.policy is not None and restart_s is not None:
             self.policy.restart_s = restart_s
+        if self.policy is not None and in_place:
+            self.policy.moves_by = "regroup"
         if self.policy is not None:
             self.policy.traffic, self.policy.hosts = traffic, list(self.hosts)
         self._pending: Decision | None = None  # agreed, waiting for its start step
