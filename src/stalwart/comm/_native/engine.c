@@ -291,6 +291,7 @@ static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); re
 typedef struct {
     uint16_t magic; uint8_t phase, flags; uint32_t job, rnd; uint16_t sender, shard;
     uint32_t offset, length, hint; uint16_t fb, copies; uint64_t seq;
+    uint8_t finite; /* not on the wire: check_tag's finding, every payload float finite */
 } Hdr;
 
 static void parse(const uint8_t *p, Hdr *h) {
@@ -426,14 +427,26 @@ GH_T static void gh_init(GhKey *k, const uint8_t h_block[16]) {
         k->hk[j] = _mm256_xor_si256(k->hp[j], _mm256_shuffle_epi32(k->hp[j], 0x4e));
 }
 
-/* X <- GHASH update of X (reflected) with n bytes at p, n a multiple of 16 */
-GH_T static __m128i gh_blocks(const GhKey *k, __m128i x, const uint8_t *p, size_t n) {
+/* X <- GHASH update of X (reflected) with n bytes at p, n a multiple of 16. Two optional jobs
+ * done on the same loads, in the same pass (constants after inlining: the plain loop is
+ * unchanged): with ``dst``, the bytes are also stored there (the send's copy of a payload into
+ * its row: authenticate while copying); with ``bad``, every 32-bit lane whose float32 exponent
+ * bits are all ones (NaN or Inf) sets that lane of *bad (the receive's finite-value check). The
+ * extra loads are none and the extra work per 32 bytes is one store, or an and, a compare and an
+ * or, beside three carry-less multiplies: the pass stays bound by the multiplies. */
+GH_T static inline __attribute__((always_inline)) __m128i gh_blocks_x(
+    const GhKey *k, __m128i x, const uint8_t *p, size_t n, uint8_t *dst, __m256i *bad) {
     const __m256i bs = _mm256_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    __m256i nf = _mm256_setzero_si256();
     while (n >= 128) {
         __m256i lo = _mm256_setzero_si256(), mid = lo, hi = lo;
         for (int j = 0; j < 4; j++) {
-            __m256i b = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(p + 32 * j)), bs);
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+            if (dst) _mm256_storeu_si256((__m256i *)(dst + 32 * j), raw);
+            if (bad) nf = _mm256_or_si256(nf, _mm256_cmpeq_epi32(_mm256_and_si256(raw, em), em));
+            __m256i b = _mm256_shuffle_epi8(raw, bs);
             if (j == 0) b = _mm256_xor_si256(b, _mm256_zextsi128_si256(x));
             __m256i h = k->hp[j];
             __m256i bk = _mm256_xor_si256(b, _mm256_shuffle_epi32(b, 0x4e));
@@ -449,18 +462,43 @@ GH_T static __m128i gh_blocks(const GhKey *k, __m128i x, const uint8_t *p, size_
         h = _mm_xor_si128(h, _mm_srli_si128(m, 8));
         x = gh_reduce(l, h);
         p += 128; n -= 128;
+        if (dst) dst += 128;
     }
     if (n) {  /* 1..7 blocks: block i times H^(nb-i) */
         int nb = (int)(n / 16);
         __m128i lo = _mm_setzero_si128(), hi = lo;
         for (int i = 0; i < nb; i++) {
-            __m128i b = gh_bswap(_mm_loadu_si128((const __m128i *)(p + 16 * i)));
+            __m128i raw = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+            if (dst) _mm_storeu_si128((__m128i *)(dst + 16 * i), raw);
+            if (bad) {
+                __m128i e4 = _mm256_castsi256_si128(em);
+                nf = _mm256_or_si256(nf, _mm256_zextsi128_si256(
+                                             _mm_cmpeq_epi32(_mm_and_si128(raw, e4), e4)));
+            }
+            __m128i b = gh_bswap(raw);
             if (i == 0) b = _mm_xor_si128(b, x);
             gh_mul_acc(b, k->h[nb - 1 - i], &lo, &hi);
         }
         x = gh_reduce(lo, hi);
     }
+    if (bad) *bad = _mm256_or_si256(*bad, nf);
     return x;
+}
+
+GH_T static __m128i gh_blocks(const GhKey *k, __m128i x, const uint8_t *p, size_t n) {
+    return gh_blocks_x(k, x, p, n, NULL, NULL);
+}
+
+/* gh_blocks, storing the bytes at dst as well */
+GH_T static __m128i gh_blocks_copy(const GhKey *k, __m128i x, const uint8_t *p, size_t n,
+                                   uint8_t *dst) {
+    return gh_blocks_x(k, x, p, n, dst, NULL);
+}
+
+/* gh_blocks, with the NaN/Inf lanes of the bytes ORed into *bad */
+GH_T static __m128i gh_blocks_check(const GhKey *k, __m128i x, const uint8_t *p, size_t n,
+                                    __m256i *bad) {
+    return gh_blocks_x(k, x, p, n, NULL, bad);
 }
 
 /* GHASH_H(A || 0-pad || [8 len(A)]_64 || [0]_64) for A = hdr[0:nh) || pay[0:np), as the
@@ -504,17 +542,93 @@ struct Mac {
     int fast;  /* 1: the tag through gh_* and ni_block; 0: OpenSSL's GCM128 */
 };
 
-/* the tag with the VPCLMULQDQ GHASH: GHASH_H(hdr || pay, lengths) XOR E(K, iv || 1) */
-GH_T static void gh_tag(const Mac *m, const uint8_t *hdr, const uint8_t *pay, int n,
-                        const uint8_t iv[12], uint8_t out[16]) {
+/* E(K, iv || 1): the tag's mask */
+GH_T static __m128i gh_mask(const Mac *m, const uint8_t iv[12]) {
     uint8_t j0[16], ek[16];
     memcpy(j0, iv, 12);
     j0[12] = 0; j0[13] = 0; j0[14] = 0; j0[15] = 1;
     ni_block(j0, ek, &m->key.ni);
-    __m128i x = gh_bswap(gh_aad2(&m->gh, hdr, HEADER_BYTES, pay, (size_t)n));
-    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, _mm_loadu_si128((const __m128i *)ek)));
+    return _mm_loadu_si128((const __m128i *)ek);
 }
 
+/* the tag with the VPCLMULQDQ GHASH: GHASH_H(hdr || pay, lengths) XOR E(K, iv || 1) */
+GH_T static void gh_tag(const Mac *m, const uint8_t *hdr, const uint8_t *pay, int n,
+                        const uint8_t iv[12], uint8_t out[16]) {
+    __m128i x = gh_bswap(gh_aad2(&m->gh, hdr, HEADER_BYTES, pay, (size_t)n));
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+}
+
+/* the end of a contiguous stream of `total` bytes: its last `rest` (< 128) bytes at p,
+ * zero-padded, and the length block, in one or two reductions (as gh_aad2) */
+GH_T static __m128i gh_tail(const GhKey *k, __m128i x, const uint8_t *p, size_t rest,
+                            size_t total) {
+    uint8_t last[160];
+    size_t padded = (rest + 15) / 16 * 16;
+    uint64_t bits = (uint64_t)total * 8;
+    memset(last, 0, padded + 16);
+    memcpy(last, p, rest);
+    for (int i = 0; i < 8; i++) last[padded + i] = (uint8_t)(bits >> (56 - 8 * i));
+    return gh_blocks(k, x, last, padded + 16);
+}
+
+/* gh_tag of a row whose header is in place, its payload (np bytes at src) copied to
+ * row + HEADER_BYTES in the same pass as the hash (the 128-byte groups after the first are
+ * loaded once, stored to the row and hashed from the registers): the same tag as a copy then
+ * gh_tag over the row, one pass over the payload instead of two */
+GH_T static void gh_tag_fill(const Mac *m, uint8_t *row, const uint8_t *src, size_t np,
+                             const uint8_t iv[12], uint8_t out[16]) {
+    const GhKey *k = &m->gh;
+    size_t n = HEADER_BYTES + np, bulk = n / 128 * 128, from = HEADER_BYTES;
+    __m128i x = _mm_setzero_si128();
+    if (bulk) { /* the group holding the header: copied first, then hashed from the row */
+        memcpy(row + HEADER_BYTES, src, 128 - HEADER_BYTES);
+        x = gh_blocks(k, x, row, 128);
+        x = gh_blocks_copy(k, x, src + 128 - HEADER_BYTES, bulk - 128, row + 128);
+        from = bulk;
+    }
+    memcpy(row + from, src + (from - HEADER_BYTES), n - from);
+    x = gh_bswap(gh_tail(k, x, row + bulk, n - bulk, n));
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+}
+
+/* the NaN/Inf lanes (float32 exponent bits all ones) of 16 bytes at stream offset o whose
+ * lanes lie at or past the header (stream offset >= HEADER_BYTES): all ones where so */
+GH_T static inline __m128i gh_nonfinite16(__m128i raw, int64_t o) {
+    const __m128i e4 = _mm_set1_epi32(0x7f800000);
+    __m128i at = _mm_add_epi32(_mm_set1_epi32((int)o), _mm_setr_epi32(0, 4, 8, 12));
+    __m128i pay = _mm_cmpgt_epi32(at, _mm_set1_epi32(HEADER_BYTES - 1));
+    return _mm_and_si128(pay, _mm_cmpeq_epi32(_mm_and_si128(raw, e4), e4));
+}
+
+/* gh_tag of a contiguous packet (n bytes: header, payload) that also tells whether every
+ * float32 of the payload is finite (1) or not (0): the 128-byte groups after the first are
+ * checked on the hash's own loads (gh_blocks_check); the first group's payload lanes and the
+ * last < 128 bytes, already in L1, by a few 16-byte compares beside their hash */
+GH_T static int gh_tag_check(const Mac *m, const uint8_t *p, size_t n, const uint8_t iv[12],
+                             uint8_t out[16]) {
+    const GhKey *k = &m->gh;
+    size_t bulk = n / 128 * 128, rest = n - bulk, padded = (rest + 15) / 16 * 16;
+    __m128i x = _mm_setzero_si128(), nf = _mm_setzero_si128();
+    __m256i bad = _mm256_setzero_si256();
+    if (bulk) {
+        x = gh_blocks(k, x, p, 128);
+        for (int o = HEADER_BYTES / 16 * 16; o < 128; o += 16)
+            nf = _mm_or_si128(nf, gh_nonfinite16(_mm_loadu_si128((const __m128i *)(p + o)), o));
+        x = gh_blocks_check(k, x, p + 128, bulk - 128, &bad);
+    }
+    uint8_t last[160];  /* as gh_tail: the rest zero-padded (zeros are finite), the lengths */
+    uint64_t bits = (uint64_t)n * 8;
+    memset(last, 0, padded + 16);
+    memcpy(last, p + bulk, rest);
+    for (size_t o = 0; o < padded; o += 16)
+        nf = _mm_or_si128(nf, gh_nonfinite16(_mm_loadu_si128((const __m128i *)(last + o)),
+                                             (int64_t)(bulk + o)));
+    for (int i = 0; i < 8; i++) last[padded + i] = (uint8_t)(bits >> (56 - 8 * i));
+    x = gh_bswap(gh_blocks(k, x, last, padded + 16));
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+    bad = _mm256_or_si256(bad, _mm256_zextsi128_si256(nf));
+    return _mm256_testz_si256(bad, bad);
+}
 
 static void mac_free(Mac *m) {
     if (!m) return;
@@ -547,13 +661,19 @@ static Mac *mac_new(const uint8_t *key) {
     return m;
 }
 
-/* the tag over a packet whose header (HEADER_BYTES at hdr) and payload (n bytes at pay) need
- * not be contiguous: GCM's authenticated data fed in two updates is the same stream. The
- * nonce is sender|0|seq, from the header. 0 on success */
-static int gmac2(Mac *m, const uint8_t *hdr, const uint8_t *pay, int n, uint8_t *out) {
-    uint8_t iv[12] = {0};
+/* the GCM nonce of a packet: sender | 0 | seq, from its header */
+static void mac_iv(const uint8_t *hdr, uint8_t iv[12]) {
+    memset(iv, 0, 12);
     memcpy(iv, hdr + 12, 2);
     memcpy(iv + 4, hdr + 32, 8);
+}
+
+/* the tag over a packet whose header (HEADER_BYTES at hdr) and payload (n bytes at pay) need
+ * not be contiguous: GCM's authenticated data fed in two updates is the same stream. 0 on
+ * success */
+static int gmac2(Mac *m, const uint8_t *hdr, const uint8_t *pay, int n, uint8_t *out) {
+    uint8_t iv[12];
+    mac_iv(hdr, iv);
     if (m->fast) {
         gh_tag(m, hdr, pay, n, iv, out);
         return 0;
@@ -569,6 +689,21 @@ static int gmac2(Mac *m, const uint8_t *hdr, const uint8_t *pay, int n, uint8_t 
 static int gmac(Mac *m, const uint8_t *data, int n, uint8_t *out) {
     if (n < HEADER_BYTES) return -1;
     return gmac2(m, data, data + HEADER_BYTES, n - HEADER_BYTES, out);
+}
+
+/* fill and seal a row whose header is in place: its payload (n bytes at src) copied to
+ * row + HEADER_BYTES, the tag written after it -- in one pass over the payload with the fast
+ * GHASH (gh_tag_fill), a copy then the tag with OpenSSL's. 0 on success */
+static int gmac_fill(Mac *m, uint8_t *row, const uint8_t *src, int n) {
+    uint8_t *out = row + HEADER_BYTES + n;
+    if (m->fast) {
+        uint8_t iv[12];
+        mac_iv(row, iv);
+        gh_tag_fill(m, row, src, (size_t)n, iv, out);
+        return 0;
+    }
+    memcpy(row + HEADER_BYTES, src, (size_t)n);
+    return gmac(m, row, HEADER_BYTES + n, out);
 }
 
 /* ---- loss estimator (copies.LossEstimator, same arithmetic) ------------------------------- */
@@ -888,9 +1023,21 @@ static int check_pre(Engine *e, const uint8_t *p, int64_t size, Hdr *h) {
     return RJ_OK;
 }
 
-static int check_tag(Mac *ctx, const uint8_t *p, int64_t size) {
+/* the tag check; also sets h->finite (every payload float finite), which check_post reads
+ * for data packets: found by the fast GHASH's own loads (gh_tag_check), else by a scan of a
+ * data packet's payload after the tag */
+static int check_tag(Mac *ctx, const uint8_t *p, int64_t size, Hdr *h) {
     uint8_t tag[TAG_BYTES];
-    if (gmac(ctx, p, (int)(size - TAG_BYTES), tag) != 0) return RJ_BAD_TAG;
+    int64_t n = size - TAG_BYTES;
+    if (n < HEADER_BYTES) return RJ_BAD_TAG;
+    if (ctx->fast) {
+        uint8_t iv[12];
+        mac_iv(p, iv);
+        h->finite = (uint8_t)gh_tag_check(ctx, p, (size_t)n, iv, tag);
+    } else {
+        if (gmac(ctx, p, (int)n, tag) != 0) return RJ_BAD_TAG;
+        h->finite = h->flags != 0 || all_finite(p + HEADER_BYTES, (n - HEADER_BYTES) / 4);
+    }
     return CRYPTO_memcmp(tag, p + size - TAG_BYTES, TAG_BYTES) == 0 ? RJ_OK : RJ_BAD_TAG;
 }
 
@@ -921,7 +1068,7 @@ static int check_post(Engine *e, const uint8_t *p, const Hdr *h, int src_ok, int
         ok = off % C == 0 && off < slen && len == (C < slen - off ? C : slen - off);
     }
     if (!ok) return RJ_BAD_RANGE;
-    if (fl == 0 && !all_finite(p + HEADER_BYTES, len)) return RJ_NONFINITE;
+    if (fl == 0 && !h->finite) return RJ_NONFINITE; /* found by check_tag */
     return RJ_OK;
 }
 
@@ -996,7 +1143,7 @@ static void process_block(Engine *e, int i0, int i1, Hdr *hs) {
     }
     pthread_mutex_unlock(&e->mu);
     for (int i = i0; i < i1; i++)
-        if (e->d_why[i] == RJ_OK) e->d_why[i] = (uint8_t)check_tag(e->rx_ctx, e->d_ptr[i], e->d_size[i]);
+        if (e->d_why[i] == RJ_OK) e->d_why[i] = (uint8_t)check_tag(e->rx_ctx, e->d_ptr[i], e->d_size[i], &hs[i]);
     double now = now_mono();
     pthread_mutex_lock(&e->mu);
     int64_t cur = e->round > 0 ? e->round : 0;
@@ -1625,10 +1772,11 @@ static PyObject *Engine_seal(Engine *e, PyObject *args) {
         memcpy(p + 32, &seq, 8);
         int m = HEADER_BYTES + 4 * (int)L[i];
         if (src) {
-            memcpy(p + HEADER_BYTES, src, 4 * (size_t)L[i]);
+            fail = gmac_fill(e->tx_ctx, p, src, 4 * (int)L[i]) != 0;
             src += 4 * L[i];
+        } else {
+            fail = gmac(e->tx_ctx, p, m, p + m) != 0;
         }
-        fail = gmac(e->tx_ctx, p, m, p + m) != 0;
     }
     pthread_mutex_unlock(&e->seal_mu);
     Py_END_ALLOW_THREADS
@@ -1787,16 +1935,14 @@ static PyObject *Engine_send(Engine *e, PyObject *args) {
                         v[nv].iov_base = row + HEADER_BYTES; v[nv++].iov_len = TAG_BYTES;
                     }
                 } else {
-                    if (vals[p].buf && sealit[p]) { /* fill: copy, then tag the row in cache */
+                    if (vals[p].buf && sealit[p]) { /* fill: copy and tag in one pass (gmac_fill) */
                         for (Py_ssize_t i = first; i <= last && !fail; i++) {
                             uint8_t *row = base + i * e->slot;
                             uint64_t q = e->seq++;
                             memcpy(row + 32, &q, 8);
-                            memcpy(row + HEADER_BYTES,
-                                   (const uint8_t *)vals[p].buf + 4 * offs[p][i],
-                                   4 * (size_t)L[i]);
-                            int m = HEADER_BYTES + 4 * (int)L[i];
-                            fail = gmac(e->tx_ctx, row, m, row + m) != 0;
+                            fail = gmac_fill(e->tx_ctx, row,
+                                             (const uint8_t *)vals[p].buf + 4 * offs[p][i],
+                                             4 * (int)L[i]) != 0;
                             paracc_add(&pa[p], i, row + HEADER_BYTES, 4 * (int)L[i]);
                         }
                     }
@@ -1884,7 +2030,7 @@ static PyObject *Engine_feed(Engine *e, PyObject *args) {
     pthread_mutex_lock(&e->mu);
     why = check_pre(e, row, size, &h);
     pthread_mutex_unlock(&e->mu);
-    if (why == RJ_OK) why = check_tag(e->rx_ctx, row, size);
+    if (why == RJ_OK) why = check_tag(e->rx_ctx, row, size, &h);
     pthread_mutex_lock(&e->mu);
     int64_t cur = (e->round > 0 ? e->round : 0) & 0xFFFFFFFF;
     if (why == RJ_OK) why = check_post(e, row, &h, h.sender < e->world && src == h.sender, cur);
