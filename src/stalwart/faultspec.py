@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,9 +216,23 @@ def _host_or_rank(kind: str, kv: dict[str, str], spec: str, nproc: int, per: int
 
 def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) -> Fault:
     """Parse and validate one ``--fault`` value for a run of `nproc` ranks on `testbed`,
-    ``ranks_per_host`` ranks to an emulated host (host indices count hosts, not ranks)."""
+    ``ranks_per_host`` ranks to an emulated host (host indices count hosts, not ranks).
+    Raises ``ConfigError`` with one line naming the bad value."""
     per = max(int(ranks_per_host), 1)
-    hosts_n = n_hosts(nproc, per)
+    kind, rest = _kind(spec, testbed)
+    kv = _params(rest, spec)
+    _host_or_rank(kind, kv, spec, nproc, per)
+    _check_keys(kind, kv, spec)
+    if kind in MOMENT_KINDS:
+        return _moment(kind, kv, spec, nproc)
+    common = _window(kind, kv, spec)
+    if kind in RANK_KINDS:
+        return _BUILD[kind](kv, spec, nproc, common)
+    return _BUILD[kind](kv, spec, n_hosts(nproc, per), common)
+
+
+def _kind(spec: str, testbed: str) -> tuple[str, str]:
+    """The fault's kind and its parameters' text, checked against the testbed."""
     if testbed not in TESTBEDS:
         raise ConfigError(f"unknown testbed {testbed!r} (choose from {', '.join(TESTBEDS)})")
     kind, sep, rest = spec.strip().partition(":")
@@ -228,7 +243,11 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         raise ConfigError(f"fault {spec!r} has no parameters (expected {kind}:key=value,...)")
     if kind in NETNS_ONLY and testbed != "netns":
         raise ConfigError(f"fault kind {kind!r} in {spec!r} needs --testbed netns")
+    return kind, rest
 
+
+def _params(rest: str, spec: str) -> dict[str, str]:
+    """The key=value pairs, each key once."""
     kv: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
@@ -238,7 +257,11 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         if key in kv:
             raise ConfigError(f"parameter {key!r} given twice in fault {spec!r}")
         kv[key] = value
-    _host_or_rank(kind, kv, spec, nproc, per)
+    return kv
+
+
+def _check_keys(kind: str, kv: dict[str, str], spec: str) -> None:
+    """Every required key there and no unknown one."""
     required, optional = _KEYS[kind]
     allowed = required | optional | (set() if kind in MOMENT_KINDS else _WINDOW)
     for key in kv:
@@ -249,20 +272,27 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
         if key not in kv:
             raise ConfigError(f"fault {spec!r} is missing {key}=...")
 
-    if kind in MOMENT_KINDS:  # one moment: the window's start, never an end
-        at, at_s = _bound("at", kv["at"], spec)
-        if at is not None and at < 0:
-            raise ConfigError(f"at={at} must be >= 0 in fault {spec!r}")
-        back_s = None
-        if "back" in kv:
-            back, back_s = _bound("back", kv["back"], spec)
-            if back is not None:  # a bare number: seconds too (a step has no meaning here)
-                back_s = float(back)
-            if not back_s or back_s <= 0:
-                raise ConfigError(f"back={kv['back']} must be a positive number of seconds "
-                                  f"in fault {spec!r}")
-        return Fault(kind=kind, spec=spec.strip(), start=at or 0, start_s=at_s,
-                     rank=_index("rank", kv["rank"], nproc, spec), back_s=back_s)
+
+def _moment(kind: str, kv: dict[str, str], spec: str, nproc: int) -> Fault:
+    """A kill or hang: one moment (``at``), never an end; ``back`` seconds later the rank is
+    started again."""
+    at, at_s = _bound("at", kv["at"], spec)
+    if at is not None and at < 0:
+        raise ConfigError(f"at={at} must be >= 0 in fault {spec!r}")
+    back_s = None
+    if "back" in kv:
+        back, back_s = _bound("back", kv["back"], spec)
+        if back is not None:  # a bare number: seconds too (a step has no meaning here)
+            back_s = float(back)
+        if not back_s or back_s <= 0:
+            raise ConfigError(f"back={kv['back']} must be a positive number of seconds "
+                              f"in fault {spec!r}")
+    return Fault(kind=kind, spec=spec.strip(), start=at or 0, start_s=at_s,
+                 rank=_index("rank", kv["rank"], nproc, spec), back_s=back_s)
+
+
+def _window(kind: str, kv: dict[str, str], spec: str) -> dict[str, Any]:
+    """The fields every windowed fault has: kind, spec and its start/end (steps or seconds)."""
     start, start_s = _bound("start", kv.get("start"), spec)
     end, end_s = _bound("end", kv.get("end"), spec)
     start = start or 0
@@ -273,41 +303,56 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
     if end_s is not None and end_s <= (start_s or 0.0):
         raise ConfigError(f"end={kv['end']} must be after start={kv.get('start', '0')} "
                           f"in fault {spec!r}")
-    common: dict[str, Any] = {"kind": kind, "spec": spec.strip(), "start": start, "end": end,
-                              "start_s": start_s, "end_s": end_s}
+    return {"kind": kind, "spec": spec.strip(), "start": start, "end": end,
+            "start_s": start_s, "end_s": end_s}
 
-    if kind in ("compute", "contention"):
-        rank = _index("rank", kv["rank"], nproc, spec)
-        if kind == "compute":
-            factor = _float("factor", kv["factor"], spec)
-            if not 1.0 <= factor <= MAX_FACTOR:
-                raise ConfigError(
-                    f"factor={kv['factor']} must be in [1, {MAX_FACTOR:g}] in fault {spec!r}")
-            return Fault(rank=rank, factor=factor, **common)
-        procs = _int("procs", kv["procs"], spec)
-        if not 1 <= procs <= MAX_PROCS:
-            raise ConfigError(f"procs={procs} must be in [1, {MAX_PROCS}] in fault {spec!r}")
-        return Fault(rank=rank, procs=procs, **common)
 
-    if kind == "cut":
-        return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), **common)
+# one builder per windowed kind: (params, spec, ranks or hosts to index, window) -> Fault
+def _compute(kv: dict[str, str], spec: str, nproc: int, common: dict[str, Any]) -> Fault:
+    rank = _index("rank", kv["rank"], nproc, spec)
+    factor = _float("factor", kv["factor"], spec)
+    if not 1.0 <= factor <= MAX_FACTOR:
+        raise ConfigError(
+            f"factor={kv['factor']} must be in [1, {MAX_FACTOR:g}] in fault {spec!r}")
+    return Fault(rank=rank, factor=factor, **common)
 
-    if kind == "loss":
-        host = kv["host"]
-        hosts = tuple(range(hosts_n)) if host == "all" else (
-            _index("host", host, hosts_n, spec),)
-        p = _float("p", kv["p"], spec)
-        if not 0.0 <= p < 1.0:
-            raise ConfigError(f"p={kv['p']} must be in [0, 1) in fault {spec!r}")
-        return Fault(hosts=hosts, p=p, **common)
 
+def _contention(kv: dict[str, str], spec: str, nproc: int, common: dict[str, Any]) -> Fault:
+    rank = _index("rank", kv["rank"], nproc, spec)
+    procs = _int("procs", kv["procs"], spec)
+    if not 1 <= procs <= MAX_PROCS:
+        raise ConfigError(f"procs={procs} must be in [1, {MAX_PROCS}] in fault {spec!r}")
+    return Fault(rank=rank, procs=procs, **common)
+
+
+def _cut(kv: dict[str, str], spec: str, hosts_n: int, common: dict[str, Any]) -> Fault:
+    return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), **common)
+
+
+def _loss(kv: dict[str, str], spec: str, hosts_n: int, common: dict[str, Any]) -> Fault:
+    host = kv["host"]
+    hosts = tuple(range(hosts_n)) if host == "all" else (_index("host", host, hosts_n, spec),)
+    p = _float("p", kv["p"], spec)
+    if not 0.0 <= p < 1.0:
+        raise ConfigError(f"p={kv['p']} must be in [0, 1) in fault {spec!r}")
+    return Fault(hosts=hosts, p=p, **common)
+
+
+def _rate(kv: dict[str, str], spec: str) -> float:
     try:
-        rate_bps = parse_rate(kv["rate"])
+        return parse_rate(kv["rate"])
     except ConfigError as e:
         raise ConfigError(f"{e} in fault {spec!r}") from None
-    if kind == "link":
-        return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), rate_bps=rate_bps,
-                     rate=kv["rate"], **common)
+
+
+def _link(kv: dict[str, str], spec: str, hosts_n: int, common: dict[str, Any]) -> Fault:
+    rate_bps = _rate(kv, spec)
+    return Fault(hosts=(_index("host", kv["host"], hosts_n, spec),), rate_bps=rate_bps,
+                 rate=kv["rate"], **common)
+
+
+def _pairlink(kv: dict[str, str], spec: str, hosts_n: int, common: dict[str, Any]) -> Fault:
+    rate_bps = _rate(kv, spec)
     a, dash, b = kv["hosts"].partition("-")
     if not dash:
         raise ConfigError(f"hosts={kv['hosts']!r} must be A-B in fault {spec!r}")
@@ -315,3 +360,8 @@ def parse_fault(spec: str, nproc: int, testbed: str, ranks_per_host: int = 1) ->
     if ha == hb:
         raise ConfigError(f"hosts={kv['hosts']!r} names the same host twice in fault {spec!r}")
     return Fault(hosts=(ha, hb), rate_bps=rate_bps, rate=kv["rate"], **common)
+
+
+_BUILD: dict[str, Callable[[dict[str, str], str, int, dict[str, Any]], Fault]] = {
+    "compute": _compute, "contention": _contention, "cut": _cut, "loss": _loss,
+    "link": _link, "pairlink": _pairlink}

@@ -62,58 +62,77 @@ def _target_index(target: Any, prefix: str) -> int | None:
 def _fmt_mitigation(e: dict[str, Any], plan: list[int] | None, hosts: list[int] | None,
                     tp: int) -> str | None:
     """The mitigation events (stalwart.mitigate, and the launcher's restart) as one line."""
-    ev, step = e.get("event"), e.get("step")
+    ev = e.get("event")
     if ev == "mitigation_applied":
-        strategy, new = e.get("strategy"), list(e.get("plan") or [])
-        pred = f"predicted {_step_change(e.get('predicted_gain'))}"
-        if strategy == "rebalance":
-            rank = _target_index(e.get("target"), "rank")
-            before = plan if plan is not None and len(plan) == len(new) else \
-                uniform_plan(sum(new), len(new))
-            g = rank // max(tp, 1) if rank is not None else None
-            if g is not None and 0 <= g < len(new) and before[g] != new[g]:
-                return (f"rebalanced: rank{rank} {before[g]}->{new[g]} micro-batches "
-                        f"from step {step}, {pred}")
-            moved = [f"rank{i * max(tp, 1)} {a}->{b}"
-                     for i, (a, b) in enumerate(zip(before, new, strict=True)) if a != b]
-            if g is not None and 0 < len(moved) <= 3:  # the target keeps its share
-                return (f"replanned around rank{rank}: {', '.join(moved)} micro-batches "
-                        f"from step {step}, {pred}")
-            return (f"rebalanced to plan v{e.get('version')} {_fmt_plan(new)} from step {step}, "
-                    f"{pred}")
-        host = _target_index(e.get("target"), "host")
-        who = f"host {host}" if host is not None else str(e.get("target", "a host"))
-        if strategy == "exclude_host":
-            return f"excluding {who}: restart on {len(new)} hosts at step {step}, {pred}"
-        if strategy == "restore_host":
-            return f"taking {who} back: restart on {len(new)} hosts at step {step}, {pred}"
-        return f"mitigation {strategy} ({e.get('target')}) at step {step}, {pred}"
+        return _fmt_applied(e, plan, tp)
     if ev == "mitigation_reverted":
-        return f"reverted to uniform plan at step {step}"
+        return f"reverted to uniform plan at step {e.get('step')}"
     if ev == "mitigation_measured":
-        try:
-            got = f"{float(e['measured_gain']) * 100:.0f}%"
-        except (KeyError, TypeError, ValueError):
-            return None
-        if e.get("strategy") == "revert":
-            return f"measured gain {got} after the revert (plan v{e.get('version')})"
-        try:
-            pred = f" (predicted {float(e['predicted_gain']) * 100:.0f}%)"
-        except (KeyError, TypeError, ValueError):
-            pred = ""
-        return f"measured gain {got}{pred} for plan v{e.get('version')}"
+        return _fmt_measured(e)
     if ev == "restart":
-        new = [int(h) for h in e.get("hosts") or []]
-        n = e.get("nproc", len(new))
-        if hosts is not None and new:
-            gone = sorted(set(hosts) - set(new))
-            back = sorted(set(new) - set(hosts))
-            if gone and not back:
-                return f"restarted on {n} hosts without {_fmt_hosts(gone)}, from step {step}"
-            if back and not gone:
-                return f"restarted on {n} hosts with {_fmt_hosts(back)} back, from step {step}"
-        return f"restarted on {n} hosts {_fmt_plan(new)}, from step {step}"
+        return _fmt_restart(e, hosts)
     return None
+
+
+def _fmt_applied(e: dict[str, Any], plan: list[int] | None, tp: int) -> str:
+    strategy, new, step = e.get("strategy"), list(e.get("plan") or []), e.get("step")
+    pred = f"predicted {_step_change(e.get('predicted_gain'))}"
+    if strategy == "rebalance":
+        return _fmt_rebalance(e, plan, new, tp, pred)
+    host = _target_index(e.get("target"), "host")
+    who = f"host {host}" if host is not None else str(e.get("target", "a host"))
+    if strategy == "exclude_host":
+        return f"excluding {who}: restart on {len(new)} hosts at step {step}, {pred}"
+    if strategy == "restore_host":
+        return f"taking {who} back: restart on {len(new)} hosts at step {step}, {pred}"
+    return f"mitigation {strategy} ({e.get('target')}) at step {step}, {pred}"
+
+
+def _fmt_rebalance(e: dict[str, Any], plan: list[int] | None, new: list[int], tp: int,
+                   pred: str) -> str:
+    """A new plan: the target's share before and after, else the shares that moved."""
+    step = e.get("step")
+    rank = _target_index(e.get("target"), "rank")
+    before = plan if plan is not None and len(plan) == len(new) else \
+        uniform_plan(sum(new), len(new))
+    g = rank // max(tp, 1) if rank is not None else None
+    if g is not None and 0 <= g < len(new) and before[g] != new[g]:
+        return (f"rebalanced: rank{rank} {before[g]}->{new[g]} micro-batches "
+                f"from step {step}, {pred}")
+    moved = [f"rank{i * max(tp, 1)} {a}->{b}"
+             for i, (a, b) in enumerate(zip(before, new, strict=True)) if a != b]
+    if g is not None and 0 < len(moved) <= 3:  # the target keeps its share
+        return (f"replanned around rank{rank}: {', '.join(moved)} micro-batches "
+                f"from step {step}, {pred}")
+    return (f"rebalanced to plan v{e.get('version')} {_fmt_plan(new)} from step {step}, "
+            f"{pred}")
+
+
+def _fmt_measured(e: dict[str, Any]) -> str | None:
+    try:
+        got = f"{float(e['measured_gain']) * 100:.0f}%"
+    except (KeyError, TypeError, ValueError):
+        return None
+    if e.get("strategy") == "revert":
+        return f"measured gain {got} after the revert (plan v{e.get('version')})"
+    try:
+        pred = f" (predicted {float(e['predicted_gain']) * 100:.0f}%)"
+    except (KeyError, TypeError, ValueError):
+        pred = ""
+    return f"measured gain {got}{pred} for plan v{e.get('version')}"
+
+
+def _fmt_restart(e: dict[str, Any], hosts: list[int] | None) -> str:
+    new = [int(h) for h in e.get("hosts") or []]
+    n, step = e.get("nproc", len(new)), e.get("step")
+    if hosts is not None and new:
+        gone = sorted(set(hosts) - set(new))
+        back = sorted(set(new) - set(hosts))
+        if gone and not back:
+            return f"restarted on {n} hosts without {_fmt_hosts(gone)}, from step {step}"
+        if back and not gone:
+            return f"restarted on {n} hosts with {_fmt_hosts(back)} back, from step {step}"
+    return f"restarted on {n} hosts {_fmt_plan(new)}, from step {step}"
 
 
 def _fmt_event(e: dict[str, Any], *, plan: list[int] | None = None,

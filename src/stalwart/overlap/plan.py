@@ -150,7 +150,7 @@ class Profile:
         return max(sum(self.fwd_bytes), sum(self.bwd_bytes))
 
 
-def search(profile: Profile, max_extra_memory: float | None = None,
+def search(profile: Profile, max_extra_memory: float | None = None,  # noqa: C901 (one DP)
            b_ready: Callable[[int, int], bool] | None = None) -> tuple[list[str], float]:
     """The optimal step sequence and its predicted time.
 
@@ -252,8 +252,8 @@ def stream_profile(prof: Profile, micro_batches: int
     return stream, b_ready
 
 
-def simulate_step(segments: dict[str, list[float]], micro_batches: int,
-                  steps: list[str]) -> float:
+def simulate_step(segments: dict[str, list[float]], micro_batches: int,  # noqa: C901
+                  steps: list[str]) -> float:  # one event loop over the plan (the model below)
     """Predicted wall time of one interleaved step: F(0) alone, then the stream plan `steps`.
 
     A finer model than the DP's pairwise tables, run on the plan the DP chose:
