@@ -1,14 +1,23 @@
-"""The run directory's events as types: the detector's verdicts and the mitigation's actions.
+"""The run directory's events as types: every kind a run writes to ``events.jsonl``.
 
 One dataclass per event; ``fields()`` is the JSON line's content (``events.jsonl`` stays the
-format: ``{"event": NAME, "time": ..., **fields}``), ``parse`` reads a line back into its type
-(None for an event this module does not type), ``describe`` is the one phrasing of an event
-for a person -- the live progress line, a script run's display and the report use it.
+format: ``{"event": NAME, "time": ..., **fields}``, the fields in their declared order, an
+optional field that is None left out), ``parse`` reads a line back into its type (None for a
+kind this module does not type or a malformed line), ``describe`` is the one phrasing of an
+event for a person -- the live progress line, a script run's display and the report use it.
 
-Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``,
-``RecoveryRejected``, ``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``,
-``MitigationReverted``, ``MitigationMeasured``), the launcher (``RegroupFailed``,
-``RankUnresponsive``).
+Writers: stalwart.detect (``StragglerDetected``, ``StragglerRecovered``, ``RecoveryRejected``,
+``SlowdownUnexplained``), stalwart.mitigate (``MitigationApplied``, ``MitigationReverted``,
+``MitigationMeasured``), the launcher (launch.py, supervise.py, rankexits.py: ``RunStarted``,
+``RunFinished``, ``Restart``, ``RankLost``, ``RankFailed``, ``RankLeft``, ``RankRejoining``,
+``RankReady``, ``RankRestarted``, ``RejoinFailed``, ``HostProbed``, ``StoreLost``,
+``RegroupFailed``, ``RankUnresponsive``), rank 0 of a training job (train/: ``Devices``,
+``Resumed``, ``Eval``, ``Checkpoint``, ``Regroup``, ``Halted``, ``RunFinished``), the testbed
+(``FaultApplied``, ``FaultRemoved``, ``TestbedPlacement``, ``TestbedCpuCap``,
+``TestbedTraffic``), the overlap trainer (``OverlapPlan``), the simulator (``FaultDrawn``) and
+the torchft peer (``TorchftQuorum``, ``Eval``). A simulated run's scenario records (simulate/
+engine.py: the live kinds' names with the simulator's own fields) are relayed as they are
+(``rundir.EventLog.relay``) and are not these types.
 Torch-free; no I/O (``rundir.EventLog.emit`` writes one).
 """
 
@@ -159,10 +168,354 @@ class RankUnresponsive(Event):
     heard: bool  # it had beaten at least once
 
 
+# ---- the run's life (launcher, rank 0) ------------------------------------------------------
+@dataclass(kw_only=True)
+class RunStarted(Event):
+    """A launch began: stalwart's launcher (once per ``stalwart run``, restarts included), or
+    rank 0 under torchrun on a fresh start (no checkpoint yet)."""
+
+    name: ClassVar[str] = "run_started"
+    optional: ClassVar[tuple[str, ...]] = ("testbed", "resume", "script", "restart", "store")
+    nproc: int  # ranks launched
+    testbed: str | None = None  # stalwart's launcher: "local" | "netns"
+    launcher: str  # "stalwart" | "torchrun" | "torchrun+elastic"
+    resume: bool | None = None  # stalwart's launcher: started from a checkpoint (--resume)
+    script: str | None = None  # a user's script as the ranks (--script)
+    restart: int | None = None  # torchrun: its restart count (TORCHELASTIC_RESTART_COUNT)
+    store: str | None = None  # torchrun+elastic: the membership store's address
+
+
+@dataclass(kw_only=True)
+class RunFinished(Event):
+    """The job ended: the launcher's exit status (or an interrupt), or rank 0's own line for
+    a job it was not launched by stalwart's launcher (torchrun)."""
+
+    name: ClassVar[str] = "run_finished"
+    optional: ClassVar[tuple[str, ...]] = ("exit_code", "reason")
+    ok: bool
+    exit_code: int | None = None  # the launcher's (or the elastic loop's) exit status
+    reason: str | None = None  # "interrupted" (Ctrl-C)
+
+
+@dataclass(kw_only=True)
+class Devices(Event):
+    """Rank 0's device plan, once at a fresh start (devices.py)."""
+
+    name: ClassVar[str] = "devices"
+    plan: str  # ``DevicePlan.describe()``, e.g. "4 rank(s) on CPU, gloo"
+    device: str  # "cpu" | "cuda"
+    backend: str  # the process group's backend
+
+
+@dataclass(kw_only=True)
+class Resumed(Event):
+    """Rank 0 loaded the checkpoint at ``step`` (``--resume``, or a restart)."""
+
+    name: ClassVar[str] = "resumed"
+    step: int
+    world: int  # ranks now
+    saved_world: int  # ranks that saved it
+
+
+@dataclass(kw_only=True)
+class Eval(Event):
+    """A validation loss, after ``step`` steps (rank 0, or the torchft peer's lowest group)."""
+
+    name: ClassVar[str] = "eval"
+    optional: ClassVar[tuple[str, ...]] = ("eval_time", "peer")
+    step: int
+    val_loss: float
+    eval_time: float | None = None  # seconds the evaluation took
+    peer: str | None = None  # the peer system that wrote it, e.g. "torchft-ddp"
+
+
+@dataclass(kw_only=True)
+class Checkpoint(Event):
+    """Every rank's state after ``step`` steps is on disk and LATEST points at it."""
+
+    name: ClassVar[str] = "checkpoint"
+    step: int
+
+
+@dataclass(kw_only=True)
+class Halted(Event):
+    """The job stopped on purpose at ``step`` (``--halt-at``), checkpointed, to be resumed."""
+
+    name: ClassVar[str] = "halted"
+    step: int
+
+
+@dataclass(kw_only=True)
+class Restart(Event):
+    """The launcher starts the next incarnation on ``hosts`` from the checkpoint at ``step``
+    (an S3/S4 decision that takes a restart, or a failed regroup's fallback)."""
+
+    name: ClassVar[str] = "restart"
+    step: int
+    nproc: int
+    hosts: list[int]  # rank -> host of the next incarnation
+    strategy: str  # "exclude_host" | "restore_host" | "remap" | "fallback"
+    reason: str
+    predicted_gain: float | None  # written as null when the decision had none
+    step_time_before: float | None  # median step seconds before it (null: not known)
+
+
+# ---- membership (launcher, rank 0) --------------------------------------------------------
+@dataclass(kw_only=True)
+class RankLost(Event):
+    """A rank died and the job goes on without it: in place (a regroup follows) or, with
+    ``keep_going``, as it is (rankexits.py)."""
+
+    name: ClassVar[str] = "rank_lost"
+    optional: ClassVar[tuple[str, ...]] = ("left",)
+    step: int  # the launcher's step count
+    rank: int  # launch rank
+    host: int  # -1: not a member of the newest generation
+    exit_code: int  # negative: killed by that signal
+    error: str  # the last error line of its log ("" for a signal)
+    world_after: int  # ranks left running
+    left: list[int] | None = None  # in place: the rest of its tensor-parallel group, who leave
+
+
+@dataclass(kw_only=True)
+class RankFailed(Event):
+    """The rank blamed for a failed job (rankexits.culprit); every rank was stopped."""
+
+    name: ClassVar[str] = "rank_failed"
+    rank: int
+    exit_code: int
+    error: str  # its script's exception, or its log's last error line
+    step: int
+
+
+@dataclass(kw_only=True)
+class RankLeft(Event):
+    """A rank an in-place regroup left out (S4, or a dead rank's TP group) exited."""
+
+    name: ClassVar[str] = "rank_left"
+    step: int
+    rank: int
+    host: int
+
+
+@dataclass(kw_only=True)
+class RankRejoining(Event):
+    """An excluded host probed healthy: its launch rank starts again, to rejoin live."""
+
+    name: ClassVar[str] = "rank_rejoining"
+    step: int
+    rank: int
+    host: int
+    reason: str  # why taking it back pays (mitigate/probe.py)
+
+
+@dataclass(kw_only=True)
+class RankReady(Event):
+    """The rank started to rejoin is ready; rank 0 is asked to take it in."""
+
+    name: ClassVar[str] = "rank_ready"
+    step: int
+    rank: int
+    host: int
+    start_s: float  # seconds from its start to ready
+
+
+@dataclass(kw_only=True)
+class RankRestarted(Event):
+    """A script's rank killed by a fault with ``back=`` was started again."""
+
+    name: ClassVar[str] = "rank_restarted"
+    step: int
+    rank: int
+    reason: str
+
+
+@dataclass(kw_only=True)
+class RejoinFailed(Event):
+    """A rank started to rejoin died before it was back: the job goes on without its host."""
+
+    name: ClassVar[str] = "rejoin_failed"
+    step: int
+    rank: int
+    host: int
+    exit_code: int
+    error: str
+
+
+@dataclass(kw_only=True)
+class HostProbed(Event):
+    """The probe of an excluded host declined to take it back (mitigate/probe.py)."""
+
+    name: ClassVar[str] = "host_probe"
+    step: int
+    host: int
+    restore: bool  # False: not taken back
+    reason: str
+
+
+@dataclass(kw_only=True)
+class StoreLost(Event):
+    """The membership store process died: no membership change can be announced; the job
+    stops."""
+
+    name: ClassVar[str] = "store_lost"
+    step: int
+    error: str
+
+
+@dataclass(kw_only=True)
+class Regroup(Event):
+    """Rank 0: the members rebuilt their process groups in place, generation ``generation``,
+    and resume after ``step`` steps (train/inplace.py)."""
+
+    name: ClassVar[str] = "regroup"
+    optional: ClassVar[tuple[str, ...]] = ("state_reset",)
+    step: int  # steps done, agreed by the members
+    generation: int
+    world: int
+    members: list[int]  # launch ranks alive
+    hosts: list[int]  # their hosts (rank -> host)
+    lost: list[int]  # launch ranks lost since the last generation
+    joined: list[int]  # launch ranks taken in
+    state_from: int  # the rank whose model and optimizer state the others took
+    regroup_s: float  # seconds from the failure (or the plan) to the new groups
+    planned: bool  # a planned change (S3/S4, a host taken back), not a loss
+    # a lossy job: elements whose optimizer state restarted from zero (a dead owner's shard)
+    state_reset: int | None = None
+    parts: dict[str, float]  # cumulative seconds at the end of each part of the regroup
+    group_parts: dict[str, float]  # seconds of the process groups' phases
+    since_announce_s: float  # seconds since the generation was announced
+    error: str | None  # the failure that caused it (null for a planned change)
+
+
+# ---- the testbed's ground truth -------------------------------------------------------------
+@dataclass(kw_only=True)
+class _FaultFields(Event):
+    """A fault of ``--fault`` (faultspec.Fault.event_fields), as the testbed applied it."""
+
+    optional: ClassVar[tuple[str, ...]] = (
+        "start_s", "end_s", "rank", "hosts", "rate", "back_s", "achieved_factor", "at_close",
+        "elapsed_s")
+    step: int  # the launcher's step count when it was switched
+    testbed: str  # "local" | "netns"
+    mechanism: str  # how it acts, e.g. the cgroup quota or the tc qdisc
+    kind: str  # "compute" | "contention" | "link" | "pairlink" | "loss" | "kill" | ...
+    target: str  # "rank2" | "host1" | "hosts1-2" | "all"
+    magnitude: float  # factor, processes, bits per second, loss probability, or 1.0
+    spec: str  # as given
+    start: int  # its window in steps (end exclusive, null: to the end of the run)
+    end: int | None
+    start_s: float | None = None  # its window in seconds, when given so
+    end_s: float | None = None
+    rank: int | None = None  # a rank's fault; else ``hosts``
+    hosts: list[int] | None = None
+    rate: str | None = None  # link, pairlink: as given, e.g. "50mbit"
+    back_s: float | None = None  # kill: seconds after which the rank is started again
+
+
+@dataclass(kw_only=True)
+class FaultApplied(_FaultFields):
+    """The testbed switched a fault on."""
+
+    name: ClassVar[str] = "fault_applied"
+    at_close: bool | None = None  # True: switched at the run's end (never False)
+    elapsed_s: float | None = None  # a script run: seconds since the ranks started
+
+
+@dataclass(kw_only=True)
+class FaultRemoved(_FaultFields):
+    """The testbed switched a fault off."""
+
+    name: ClassVar[str] = "fault_removed"
+    achieved_factor: float | None = None  # a CPU fault: the slowdown it achieved
+    at_close: bool | None = None  # True: removed because the run ended (never False)
+    elapsed_s: float | None = None
+
+
+@dataclass(kw_only=True)
+class TestbedPlacement(Event):
+    """The rank -> host map of an incarnation (testbed.placement)."""
+
+    name: ClassVar[str] = "testbed_placement"
+    step: int
+    testbed: str
+    ranks_per_host: int
+    slots: list[int]  # launch rank of each rank
+    host_of_rank: list[int]  # emulated host of each rank
+
+
+@dataclass(kw_only=True)
+class TestbedCpuCap(Event):
+    """Every rank's CPU share is capped (``--testbed-cpus``), once the ranks are known."""
+
+    name: ClassVar[str] = "testbed_cpu_cap"
+    step: int
+    testbed: str
+    cpus: float  # CPUs each rank may use
+    hosts: list[int]  # the slots capped
+    mechanism: str  # the cgroup quota written
+
+
+@dataclass(kw_only=True)
+class TestbedTraffic(Event):
+    """Measured bytes per step between hosts over ``[from_step, to_step)`` (netns testbed)."""
+
+    name: ClassVar[str] = "testbed_traffic"
+    step: int
+    from_step: int
+    to_step: int
+    hosts: list[int]  # rank -> host during the segment
+    ranks_per_host: int
+    bytes_per_step: dict[str, int]  # "a-b" (hosts) -> bytes per step
+
+
+# ---- other writers ---------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class OverlapPlan(Event):
+    """Rank 0's overlap schedule, each time it changes (overlap/trainer.py)."""
+
+    name: ClassVar[str] = "overlap_plan"
+    source: str  # "given" | "loaded" | "profiled"
+    key: str  # the plan's signature key
+    steps: str  # one letter per stage: f(orward), b(ackward), P (a forward-backward pair)
+    pairs: int
+    predicted_time: float
+    sequential_time: float
+
+
+@dataclass(kw_only=True)
+class FaultDrawn(Event):
+    """``stalwart simulate``: a fault the simulator drew for a job size (simulate/faults.py)."""
+
+    name: ClassVar[str] = "fault_drawn"
+    optional: ClassVar[tuple[str, ...]] = ("rank", "host")
+    job_ranks: int
+    kind: str  # "compute" | "link" | "stop"
+    rank: int | None = None  # compute: the rank; else ``host``
+    host: int | None = None
+    factor: float
+    start_s: float
+    end_s: float | None  # null: to the horizon
+
+
+@dataclass(kw_only=True)
+class TorchftQuorum(Event):
+    """The torchft peer's quorum changed size (bench/peers/torchft_worker.py)."""
+
+    name: ClassVar[str] = "torchft_quorum"
+    step: int
+    world: int  # replica groups in the quorum
+    quorum_id: int | None
+    committed: bool  # the step's update was committed
+
+
 TYPES: dict[str, type[Event]] = {t.name: t for t in (
     StragglerDetected, SlowdownUnexplained, StragglerRecovered, RecoveryRejected,
-    MitigationApplied,
-    MitigationReverted, MitigationMeasured, RegroupFailed, RankUnresponsive)}
+    MitigationApplied, MitigationReverted, MitigationMeasured, RegroupFailed, RankUnresponsive,
+    RunStarted, RunFinished, Devices, Resumed, Eval, Checkpoint, Halted, Restart,
+    RankLost, RankFailed, RankLeft, RankRejoining, RankReady, RankRestarted, RejoinFailed,
+    HostProbed, StoreLost, Regroup, FaultApplied, FaultRemoved, TestbedPlacement, TestbedCpuCap,
+    TestbedTraffic, OverlapPlan, FaultDrawn, TorchftQuorum)}
 
 
 def parse(rec: dict[str, Any]) -> Event | None:

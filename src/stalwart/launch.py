@@ -43,6 +43,7 @@ from typing import Any
 
 from stalwart.config import ConfigError, RunConfig, check_writable, resolve, with_environment
 from stalwart.elastic.launcher import LauncherStore
+from stalwart.events import Restart, RunFinished, RunStarted
 from stalwart.progress import Progress
 from stalwart.rankexits import stop_all
 from stalwart.rundir import CONFIG, EVENTS, LOGS, METRICS, EventLog
@@ -120,8 +121,8 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     # (elastic/launcher.py, elastic/runlink.py)
     store: LauncherStore | None = None
     rc = 1
-    events.log("run_started", nproc=cfg.job.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
-               resume=cfg.job.resume, **({"script": cfg.job.script} if cfg.job.script else {}))
+    events.emit(RunStarted(nproc=cfg.job.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
+                           resume=cfg.job.resume, script=cfg.job.script or None))
     try:
         with open_testbed(cfg, events) as tb:
             incarnation, first_step, restart_t0 = 0, 0, None
@@ -155,7 +156,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
         stop_all(procs)
         progress.close()
         say("stalwart: interrupted; all ranks stopped")
-        events.log("run_finished", ok=False, reason="interrupted")
+        events.emit(RunFinished(ok=False, reason="interrupted"))
         rc = 130
     finally:
         stop_all(procs)
@@ -163,7 +164,7 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
         if store is not None:
             store.close()
     if rc != 130:
-        events.log("run_finished", ok=rc == 0, exit_code=rc)
+        events.emit(RunFinished(ok=rc == 0, exit_code=rc))
     if module in ("stalwart.train.worker", "stalwart.scriptboot"):
         try:
             from stalwart.report import build_report
@@ -283,9 +284,9 @@ def _restart_config(cfg: RunConfig, run_dir: Path, events: EventLog,
                                    else tuple(hosts)))
     new = resolve(new)  # the new world's micro-batches per rank (the global batch is kept)
     new.save(run_dir / CONFIG)
-    events.log("restart", step=req.step, nproc=len(hosts), hosts=hosts,
-               strategy=req.strategy, reason=req.reason, predicted_gain=req.predicted_gain,
-               step_time_before=req.step_time_before)
+    events.emit(Restart(step=req.step, nproc=len(hosts), hosts=hosts, strategy=req.strategy,
+                        reason=req.reason, predicted_gain=req.predicted_gain,
+                        step_time_before=req.step_time_before))
     say(f"stalwart: restarting on {len(hosts)} hosts {hosts} from step {req.step}: "
         f"{req.reason}")
     return new, req.step

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stalwart.events import RankLeft, RankLost
 from stalwart.rundir import LOGS, EventLog
 
 GRACE_S = 3.0
@@ -138,8 +139,8 @@ def lose_ranks(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen]
         # a signal leaves no error of the rank's own (its last line is whatever came before)
         why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
         host = cur.hosts[cur.alive.index(r)] if r in cur.alive else -1
-        events.log("rank_lost", step=step, rank=r, host=host, exit_code=code, error=why,
-                   world_after=len(alive), left=left)
+        events.emit(RankLost(step=step, rank=r, host=host, exit_code=code, error=why,
+                             world_after=len(alive), left=left))
         say(f"stalwart: rank {r} (host {host}) lost ({describe_exit(code)}){with_it}; the "
             f"other {len(alive)} regroup in place")
         del procs[r]
@@ -156,8 +157,8 @@ def drop_lost(failed: list[tuple[int, int]], procs: dict[int, subprocess.Popen],
         return False
     for r, code in failed:
         why = last_error_line(rank_log(run_dir, r)) if code > 0 else ""
-        events.log("rank_lost", step=step, rank=r, host=r, exit_code=code, error=why,
-                   world_after=len(procs) - 1)
+        events.emit(RankLost(step=step, rank=r, host=r, exit_code=code, error=why,
+                             world_after=len(procs) - 1))
         say(f"stalwart: rank {r} lost ({describe_exit(code)}); the other {len(procs) - 1} go on")
         del procs[r]
     return True
@@ -177,7 +178,7 @@ def ranks_left(left: list[int], procs: dict[int, subprocess.Popen], members: Any
     for r in left:
         host = tb.host(r)
         del procs[r]
-        events.log("rank_left", step=step, rank=r, host=host)
+        events.emit(RankLeft(step=step, rank=r, host=host))
         say(f"stalwart: rank {r} left; host {host} is out of the job"
             + (" and probed for the way back" if probe_hosts else ""))
         if g is not None and probe is None and hasattr(tb, "hosts") and probe_hosts:

@@ -5,9 +5,9 @@ Layout of ``runs/<name>/``::
     config.json      the resolved RunConfig
     metrics.jsonl    one JSON object per rank per step (see METRIC_KEYS)
     events.jsonl     one JSON object per event; every event has "event", "time" (unix seconds)
-                     and, when known, "step" -- e.g. fault_applied / fault_removed (testbed
-                     ground truth), straggler_detected / straggler_recovered (detect), eval,
-                     checkpoint, run_started / run_finished / rank_failed (launcher)
+                     and, when known, "step"; each kind is a type of stalwart.events (e.g.
+                     FaultApplied: testbed ground truth, StragglerDetected: detect, Eval,
+                     Checkpoint, RunStarted / RunFinished / RankFailed: launcher)
     checkpoints/     step-NNNNNN/rank-R.pt and LATEST, each written atomically
     logs/            rank-R.log: each rank's stdout and stderr
     report.html      + *.png, built by ``stalwart report``
@@ -27,10 +27,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from stalwart.events import Event
+from stalwart.events import Eval, Event, parse
+
+E = TypeVar("E", bound=Event)
 
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -100,19 +101,27 @@ class JsonlWriter:
 
 
 class EventLog(JsonlWriter):
-    """events.jsonl: ``log("fault_applied", step=20, kind="compute", ...)``."""
+    """events.jsonl: ``emit(Checkpoint(step=20))`` writes
+    ``{"event": "checkpoint", "time": ..., "step": 20}``."""
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(Path(run_dir) / EVENTS)
 
+    def emit(self, ev: Event) -> dict[str, Any]:
+        """A typed event (stalwart.events) as its line; returns the line."""
+        return self.log(ev.name, **ev.fields())
+
+    def relay(self, rec: dict[str, Any], **tags: Any) -> dict[str, Any]:
+        """Another source's record written as it is, ``tags`` first: ``stalwart simulate``'s
+        scenario records (simulate/engine.py), whose kinds and fields are the simulator's."""
+        return self.log(rec["event"], **tags, **{k: v for k, v in rec.items() if k != "event"})
+
     def log(self, event: str, **fields: Any) -> dict[str, Any]:
+        """An untyped line: only for the writers tests/test_events_typed.py lists as not yet
+        typed; every other kind goes through ``emit``."""
         rec = {"event": event, "time": time.time(), **fields}
         self.write(rec)
         return rec
-
-    def emit(self, ev: Event) -> dict[str, Any]:
-        """A typed event (stalwart.events) as its line."""
-        return self.log(ev.name, **ev.fields())
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -211,11 +220,20 @@ class RunData:
         return steps, [max(table[s].values()) for s in steps]
 
     # events views -------------------------------------------------------------------------
-    def events_of(self, *names: str) -> list[dict[str, Any]]:
+    def events_of(self, *kinds: str | type[Event]) -> list[dict[str, Any]]:
+        """The lines of these kinds, in the order written: each kind a type of
+        stalwart.events (``events_of(Regroup)``) or its name (``events_of("regroup")``)."""
+        names = {k if isinstance(k, str) else k.name for k in kinds}
         return [e for e in self.events if e.get("event") in names]
 
+    def typed(self, kind: type[E]) -> list[E]:
+        """The lines of one kind read back as its type (stalwart.events.parse), in the order
+        written; a line that lacks a field the type needs (an older version's) is left out."""
+        got = (parse(e) for e in self.events_of(kind))
+        return [e for e in got if isinstance(e, kind)]
+
     def eval_losses(self) -> tuple[list[int], list[float]]:
-        ev = self.events_of("eval")
+        ev = self.events_of(Eval)
         return [e["step"] for e in ev], [float(e["val_loss"]) for e in ev]
 
     def final_val_loss(self) -> float | None:

@@ -56,7 +56,20 @@ from typing import Any
 from stalwart.config import RunConfig
 from stalwart.elastic.launcher import registered
 from stalwart.elastic.runlink import FALLBACK, LEFT, RESTART
-from stalwart.events import RankUnresponsive, describe
+from stalwart.events import (
+    HostProbed,
+    RankFailed,
+    RankReady,
+    RankRejoining,
+    RankRestarted,
+    RankUnresponsive,
+    Regroup,
+    RegroupFailed,
+    RejoinFailed,
+    RunStarted,
+    StoreLost,
+    describe,
+)
 from stalwart.mitigate.membership import failstop_ok
 from stalwart.progress import Progress
 from stalwart.rankexits import (
@@ -70,7 +83,7 @@ from stalwart.rankexits import (
     ranks_left,
     stop_all,
 )
-from stalwart.rundir import EVENTS, METRICS, EventLog, JsonlTail
+from stalwart.rundir import EVENTS, METRICS, EventLog, JsonlTail, read_jsonl
 from stalwart.script import ITERATIONS, first_errors
 
 POLL_S = 0.1
@@ -117,7 +130,7 @@ def _rejoin(start_rank: StartRank, tb: Any, members: Any, probe: Any,
     p = start_rank(slot, {})
     procs[slot] = p
     tb.attach_ranks({slot: p.pid})
-    events.log("rank_rejoining", step=step, rank=slot, host=probe.host, reason=reason)
+    events.emit(RankRejoining(step=step, rank=slot, host=probe.host, reason=reason))
     say(f"stalwart: host {probe.host} is healthy again; its rank {slot} starts to rejoin live")
     return _Rejoin(slot, probe.host, reason, time.monotonic(), probe.tries)
 
@@ -142,10 +155,7 @@ def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
     exit record): ask every rank to do the same, then relaunch from the most advanced state
     on the membership being built (mitigate/fallback.py): a ``Relaunch``; 1 when there is
     no usable state or no fallback left."""
-    from stalwart.elastic.runlink import FALLBACK
-    from stalwart.events import RegroupFailed
     from stalwart.mitigate import fallback
-    from stalwart.rundir import read_jsonl
 
     g = members.fall_back(step)
     say("stalwart: an in-place regroup failed; every rank saves its state for a relaunch")
@@ -158,8 +168,8 @@ def _fall_back(cfg: RunConfig, run_dir: Path, procs: dict[int, subprocess.Popen]
     states = [x.saved for x in records if x is not None and x.why == FALLBACK and x.saved]
     hosts = [h for s, h in zip(g.alive, g.hosts, strict=True) if s not in crashed]
     since = [e for e in read_jsonl(run_dir / EVENTS) if e.get("event") in (
-        "run_started", RegroupFailed.name)]
-    starts = [i for i, e in enumerate(since) if e["event"] == "run_started"]
+        RunStarted.name, RegroupFailed.name)]
+    starts = [i for i, e in enumerate(since) if e["event"] == RunStarted.name]
     done = sum(1 for e in since[(starts[-1] if starts else 0):]
                if e.get("fallback") == "restart")
     got = fallback.plan(run_dir, g.token, cfg.train.tp, states) \
@@ -390,8 +400,8 @@ class Supervisor:
             p = self.start_rank(r, {})
             self.procs[r] = p
             self.tb.attach_ranks({r: p.pid})
-            self.events.log("rank_restarted", step=self.next_step, rank=r,
-                            reason="kill fault's back=")
+            self.events.emit(RankRestarted(step=self.next_step, rank=r,
+                                           reason="kill fault's back="))
             self.say(f"stalwart: rank {r} started again (its kill fault's back=)")
 
     def _ask_for_rejoin(self) -> None:
@@ -402,20 +412,20 @@ class Supervisor:
         rj.asked = True
         probe.request(rj.reason, len(self.procs) - 1, live=True)
         probe.stop()  # the host is no longer probed: its rank is about to use it
-        self.events.log("rank_ready", step=self.next_step, rank=rj.slot, host=rj.host,
-                        start_s=round(time.monotonic() - rj.t0, 3))
+        self.events.emit(RankReady(step=self.next_step, rank=rj.slot, host=rj.host,
+                                   start_s=round(time.monotonic() - rj.t0, 3)))
         self.probe = None
 
     def _log_declined(self) -> None:
         if self.probe is not None and self.probe.declined and not self.declined_logged:
             self.declined_logged = True
-            self.events.log("host_probe", step=self.next_step, host=self.probe.host,
-                            restore=False, reason=self.probe.declined)
+            self.events.emit(HostProbed(step=self.next_step, host=self.probe.host,
+                                       restore=False, reason=self.probe.declined))
 
     def _read_events(self) -> None:
         for e in self.events_tail.poll():
             self.progress.on_event(e)
-            if e.get("event") == "regroup":
+            if e.get("event") == Regroup.name:
                 self.regroup_s = float(e.get("regroup_s") or 1.0)
                 if hasattr(self.tb, "regrouped"):
                     self.tb.regrouped(list(e.get("hosts") or []))  # traffic per membership
@@ -432,8 +442,9 @@ class Supervisor:
         if rj.asked and self.members is not None:
             self.members.lose([rj.slot], self.next_step)
         code = self.procs.pop(rj.slot).returncode
-        self.events.log("rejoin_failed", step=self.next_step, rank=rj.slot, host=rj.host,
-                        exit_code=code, error=last_error_line(rank_log(self.run_dir, rj.slot)))
+        self.events.emit(RejoinFailed(
+            step=self.next_step, rank=rj.slot, host=rj.host, exit_code=code,
+            error=last_error_line(rank_log(self.run_dir, rj.slot))))
         self.say(f"stalwart: rank {rj.slot} could not rejoin ({describe_exit(code)}); "
                  f"the job goes on without host {rj.host}")
         if self.probe is None and rj.tries < REJOIN_TRIES and hasattr(self.tb, "hosts") \
@@ -476,7 +487,7 @@ class Supervisor:
         change can be announced any more, so the job stops (1), saying so."""
         stop_all(self.procs)
         self.progress.close()
-        self.events.log("store_lost", step=self.next_step, error=why)
+        self.events.emit(StoreLost(step=self.next_step, error=why))
         self.say(f"stalwart: {why}; the job stops (resume it from its last checkpoint)")
         return 1
 
@@ -496,7 +507,7 @@ class Supervisor:
         if r in self.silenced:
             why = (f"no heartbeat for {self.silenced[r]:.1f} s (hung or cut off), killed by "
                    f"the launcher; its last output: {why or 'none'}")
-        self.events.log("rank_failed", rank=r, exit_code=code, error=why, step=self.next_step)
+        self.events.emit(RankFailed(rank=r, exit_code=code, error=why, step=self.next_step))
         self.say(f"stalwart: rank {r} failed ({describe_exit(code)}): {why or 'no output'} "
                  f"[log: {log}]")
         return 2 if code == 2 else 1

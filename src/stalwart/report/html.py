@@ -7,13 +7,25 @@ import html
 import json
 from pathlib import Path
 
+from stalwart.events import (
+    FaultApplied,
+    FaultRemoved,
+    Halted,
+    OverlapPlan,
+    RankFailed,
+    Resumed,
+    RunFinished,
+    SlowdownUnexplained,
+    StragglerDetected,
+    StragglerRecovered,
+)
 from stalwart.report import mitigation, script
 from stalwart.report.plots import all_plots
 from stalwart.rundir import RunData, atomic_write_text
 
-SHOWN_EVENTS = ("fault_applied", "fault_removed", "straggler_detected", "straggler_recovered",
-                "slowdown_unexplained", "overlap_plan", *mitigation.MITIGATION_EVENTS,
-                "rank_failed", "resumed", "halted", "run_finished")
+SHOWN_EVENTS = (FaultApplied, FaultRemoved, StragglerDetected, StragglerRecovered,
+                SlowdownUnexplained, OverlapPlan, *mitigation.MITIGATION_EVENTS, RankFailed,
+                Resumed, Halted, RunFinished)
 
 
 def summary(run: RunData) -> dict[str, object]:
@@ -53,7 +65,7 @@ def build_report(run_dir: str | Path) -> Path:
         atomic_write_text(out, script.build_page(run))
         return out
     plots = all_plots(run, run.path)
-    events = [e for e in run.events if e.get("event") in SHOWN_EVENTS]
+    events = run.events_of(*SHOWN_EVENTS)
     ev_rows = "".join(
         f"<tr><td>{e.get('step', '')}</td><td>{html.escape(e['event'])}</td>"
         f"<td><code>{html.escape(json.dumps({k: v for k, v in e.items() if k not in ('event', 'time', 'step')}))}</code></td></tr>"  # noqa: E501

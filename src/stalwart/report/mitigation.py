@@ -26,11 +26,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from stalwart.events import (
+    Event,
+    HostProbed,
+    MitigationApplied,
+    MitigationMeasured,
+    MitigationReverted,
+    RankLost,
+    Regroup,
+    RegroupFailed,
+    Restart,
+)
 from stalwart.rundir import RunData
 
-MITIGATION_EVENTS = ("mitigation_applied", "mitigation_reverted", "mitigation_measured",
-                     "restart", "host_probe", "rank_lost", "regroup", "regroup_failed")
-ACTIONS = ("mitigation_applied", "mitigation_reverted", "restart", "regroup")
+MITIGATION_EVENTS: tuple[type[Event], ...] = (
+    MitigationApplied, MitigationReverted, MitigationMeasured, Restart, HostProbed, RankLost,
+    Regroup, RegroupFailed)
+ACTIONS = (MitigationApplied, MitigationReverted, Restart, Regroup)
 AROUND = 10  # steps before a lost rank and after its regroup whose step time the table shows
 
 
@@ -70,23 +82,23 @@ def actions(run: RunData) -> list[Action]:
         if not isinstance(step, int):
             continue
         ev, strategy, version = e["event"], e.get("strategy"), e.get("version")
-        if ev == "mitigation_applied" and strategy == "rebalance":
+        if ev == MitigationApplied.name and strategy == "rebalance":
             target = e.get("target", "")
             out.append(Action(step, "rebalance", f"v{version} replan" if target == straggler
                               else f"v{version} rebalance {target}"))
             straggler = target
             continue
         straggler = None
-        if ev == "mitigation_applied":
+        if ev == MitigationApplied.name:
             verb = {"exclude_host": "exclude", "restore_host": "restore"}.get(str(strategy),
                                                                              str(strategy))
             out.append(Action(step, "host", f"v{version} {verb} {e.get('target', '')}"))
             host_steps.add(step)
-        elif ev == "mitigation_reverted":
+        elif ev == MitigationReverted.name:
             out.append(Action(step, "revert", f"v{version} uniform"))
-        elif ev == "regroup":
+        elif ev == Regroup.name:
             out.append(Action(step, "host", f"regroup on {e.get('world', '?')} ranks"))
-    for e in run.events_of("restart"):
+    for e in run.events_of(Restart):
         step = e.get("step")
         if isinstance(step, int) and step not in host_steps:
             out.append(Action(step, "host", f"restart on {e.get('nproc', '?')} hosts"))
@@ -148,20 +160,20 @@ def summary_row(run: RunData) -> str | None:
     the run has no mitigation events."""
     if not run.events_of(*MITIGATION_EVENTS):
         return None
-    strategies = [e.get("strategy") for e in run.events_of("mitigation_applied")]
+    strategies = [e.get("strategy") for e in run.events_of(MitigationApplied)]
     parts = []
     for n, what in ((strategies.count("rebalance"), "rebalance"),
                     (strategies.count("exclude_host"), "host exclusion"),
                     (strategies.count("restore_host"), "host restore"),
-                    (len(run.events_of("mitigation_reverted")), "revert"),
-                    (len(run.events_of("restart")), "restart"),
-                    (len(run.events_of("rank_lost")), "rank lost"),
-                    (len(run.events_of("regroup")), "in-place regroup"),
-                    (len(run.events_of("regroup_failed")), "failed regroup")):
+                    (len(run.events_of(MitigationReverted)), "revert"),
+                    (len(run.events_of(Restart)), "restart"),
+                    (len(run.events_of(RankLost)), "rank lost"),
+                    (len(run.events_of(Regroup)), "in-place regroup"),
+                    (len(run.events_of(RegroupFailed)), "failed regroup")):
         if n:
             plural = ("ranks lost" if what == "rank lost" else f"{what}s") if n > 1 else what
             parts.append(f"{n} {plural}")
-    gains = [float(e["measured_gain"]) for e in run.events_of("mitigation_measured")
+    gains = [float(e["measured_gain"]) for e in run.events_of(MitigationMeasured)
              if e.get("strategy") != "revert" and isinstance(e.get("measured_gain"), int | float)]
     text = ", ".join(parts) or "no action"
     if gains:
@@ -176,11 +188,11 @@ def _pct(x: Any) -> str:
 
 
 def _plan(e: dict[str, Any]) -> str:
-    plan = e.get("plan") if e["event"] != "restart" else e.get("hosts")
+    plan = e.get("plan") if e["event"] != Restart.name else e.get("hosts")
     if not isinstance(plan, list):
         return ""
     text = "[" + " ".join(str(x) for x in plan) + "]"
-    host_list = e["event"] == "restart" or e.get("strategy") in ("exclude_host", "restore_host")
+    host_list = e["event"] == Restart.name or e.get("strategy") in ("exclude_host", "restore_host")
     return f"hosts {text}" if host_list else text
 
 
@@ -204,9 +216,9 @@ def step_time_around(run: RunData, lost_step: int, back_step: int) -> tuple[floa
 
 def _regroup_cells(run: RunData, e: dict[str, Any]) -> tuple[str, str, str]:
     """(plan, target, measured) cells of a rank_lost / regroup row."""
-    if e["event"] == "rank_lost":
+    if e["event"] == RankLost.name:
         return "", f"rank {e.get('rank')} (host {e.get('host')})", ""
-    lost = [x.get("step") for x in run.events_of("rank_lost")
+    lost = [x.get("step") for x in run.events_of(RankLost)
             if isinstance(x.get("step"), int) and x["step"] <= e.get("step", 0) + 1]
     before, after = step_time_around(run, max(lost) if lost else e["step"], e["step"])
     measured = f"regroup {e.get('regroup_s', '?')} s"
@@ -236,22 +248,22 @@ def table_html(run: RunData) -> str:
     rows = []
     for e in events:
         measured = ""
-        if e["event"] == "mitigation_measured":
+        if e["event"] == MitigationMeasured.name:
             measured = _pct(e.get("measured_gain"))
             before, after = e.get("step_time_before"), e.get("step_time_after")
             if isinstance(before, int | float) and isinstance(after, int | float):
                 measured += f" ({before * 1000:.0f} &rarr; {after * 1000:.0f} ms/step)"
         version = f" v{e['version']}" if e.get("version") is not None else ""
-        if e["event"] == "regroup_failed":
+        if e["event"] == RegroupFailed.name:
             rows.append(_failed_row(e))
             continue
         if e["event"] in ("rank_lost", "regroup"):
             plan, target, measured = _regroup_cells(run, e)
-            reason = e.get("error", "") if e["event"] == "rank_lost" else (
+            reason = e.get("error", "") if e["event"] == RankLost.name else (
                 f"generation {e.get('generation')}: {e.get('world')} ranks, same global batch")
             rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in (
                 html.escape(str(e.get("step", ""))), "", html.escape(e["event"]),
-                "in place" if e["event"] == "regroup" else "", html.escape(plan),
+                "in place" if e["event"] == Regroup.name else "", html.escape(plan),
                 html.escape(target), "", measured, html.escape(str(reason or "")))) + "</tr>")
             continue
         cells = [

@@ -23,6 +23,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
+from stalwart.events import (
+    FaultApplied,
+    FaultRemoved,
+    SlowdownUnexplained,
+    StragglerDetected,
+    StragglerRecovered,
+)
 from stalwart.report.mitigation import (
     Action,
     actions,
@@ -44,11 +51,11 @@ def fault_spans(run: RunData) -> list[tuple[int, int, str]]:
     last = max((m["step"] for m in run.metrics), default=0) + 1
     open_: dict[str, int] = {}
     spans = []
-    for e in run.events:
+    for e in run.events_of(FaultApplied, FaultRemoved):
         key = e.get("spec") or f"{e.get('kind')}:{e.get('rank', e.get('hosts'))}"
-        if e.get("event") == "fault_applied":
+        if e.get("event") == FaultApplied.name:
             open_[key] = e.get("step", 0)
-        elif e.get("event") == "fault_removed" and key in open_:
+        elif e.get("event") == FaultRemoved.name and key in open_:
             spans.append((open_.pop(key), e.get("step", last), key))
     spans += [(s, last, k) for k, s in open_.items()]
     return spans
@@ -58,11 +65,11 @@ def overlay(ax: Axes, run: RunData) -> None:
     for i, (s, e, label) in enumerate(fault_spans(run)):
         ax.axvspan(s, e, color=f"C{(i + 3) % 10}", alpha=0.12,
                    label=f"fault {label}" if len(label) < 50 else "fault")
-    for d in run.events_of("straggler_detected"):
+    for d in run.events_of(StragglerDetected):
         who = d.get("ranks") or d.get("link")
         ax.axvline(d.get("onset_step", d.get("step", 0)), color="red", ls="--", lw=1,
                    label=f"detected {d.get('kind')} {who}")
-    for d in run.events_of("straggler_recovered"):
+    for d in run.events_of(StragglerRecovered):
         ax.axvline(d.get("step", 0), color="green", ls=":", lw=1, label="recovered")
     action_lines(ax, actions(run))
 
@@ -218,12 +225,12 @@ def _detections(ax: Axes, run: RunData) -> None:
     """Detections as markers near the top of the axes: a bar from the onset the detector
     estimated to the step it reported (its latency), a triangle at the report."""
     tr = blended_transform_factory(ax.transData, ax.transAxes)
-    for d in run.events_of("straggler_detected", "slowdown_unexplained"):
+    for d in run.events_of(StragglerDetected, SlowdownUnexplained):
         found = d.get("step")
         if not isinstance(found, int):
             continue
         onset = d.get("onset_step", found)
-        known = d["event"] == "straggler_detected"
+        known = d["event"] == StragglerDetected.name
         color = "red" if known else "0.45"
         ranks, link = d.get("ranks"), d.get("link")
         who = (f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks
@@ -234,7 +241,7 @@ def _detections(ax: Axes, run: RunData) -> None:
                 solid_capstyle="butt")
         ax.plot([found], [0.965], marker="v", ms=7, color=color, transform=tr, ls="none",
                 label=label)
-    for d in run.events_of("straggler_recovered"):
+    for d in run.events_of(StragglerRecovered):
         if isinstance(d.get("step"), int):
             ax.plot([d["step"]], [0.965], marker="^", ms=7, color="green", transform=tr,
                     ls="none", label="straggler recovered")

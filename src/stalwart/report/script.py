@@ -24,6 +24,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
+from stalwart.events import (
+    FaultApplied,
+    FaultRemoved,
+    RankFailed,
+    RunFinished,
+    RunStarted,
+    SlowdownUnexplained,
+    StragglerDetected,
+    StragglerRecovered,
+)
 from stalwart.rundir import ITERATIONS, LOGS, RunData, read_jsonl
 
 DPI = 110
@@ -53,10 +63,10 @@ class ScriptRun:
 
     def __init__(self, run: RunData) -> None:
         self.run = run
-        started = run.events_of("run_started")
+        started = run.events_of(RunStarted)
         times = [e["time"] for e in run.events if isinstance(e.get("time"), (int, float))]
         self.t0 = started[0]["time"] if started else min(times, default=0.0)
-        finished = run.events_of("run_finished")
+        finished = run.events_of(RunFinished)
         self.t_end = finished[-1]["time"] - self.t0 if finished else (
             max(times, default=self.t0) - self.t0)
         self.iterations = read_jsonl(run.path / ITERATIONS)
@@ -68,9 +78,9 @@ class ScriptRun:
     def _spans(self) -> list[Span]:
         open_: dict[str, Span] = {}
         out: list[Span] = []
-        for e in self.run.events_of("fault_applied", "fault_removed"):
+        for e in self.run.events_of(FaultApplied, FaultRemoved):
             spec = str(e.get("spec") or e.get("kind"))
-            if e["event"] == "fault_applied":
+            if e["event"] == FaultApplied.name:
                 open_[spec] = Span(spec, str(e.get("kind")), self.t(e["time"]), None,
                                    e.get("rank"), list(e.get("hosts") or []))
             elif spec in open_:
@@ -187,21 +197,21 @@ def plot_timeline(sr: ScriptRun, out: Path) -> Path:
         for i, s in enumerate(sr.spans):
             a.axvspan(s.start, s.end if s.end is not None else sr.t_end,
                       color=f"C{(i + 3) % 10}", alpha=0.15, label=f"fault {s.spec}")
-        for e in sr.run.events_of("rank_failed"):
+        for e in sr.run.events_of(RankFailed):
             a.axvline(sr.t(e["time"]), color="k", lw=1.2, ls="-.",
                       label=f"rank {e.get('rank')} failed")
     tr = blended_transform_factory(ax.transData, ax.transAxes)
-    for d in sr.run.events_of("straggler_detected", "slowdown_unexplained"):
+    for d in sr.run.events_of(StragglerDetected, SlowdownUnexplained):
         found = sr.t(d["time"])
         onset = sr.iteration_time(int(d.get("onset_step", -1)))
-        known = d["event"] == "straggler_detected"
+        known = d["event"] == StragglerDetected.name
         color = "red" if known else "0.45"
         ax.plot([onset if onset is not None else found, found], [0.95, 0.95], color=color,
                 lw=2.5, transform=tr, solid_capstyle="butt")
         ax.plot([found], [0.95], marker="v", ms=7, color=color, ls="none", transform=tr,
                 label=(f"detected {d.get('kind')} {_who(d)}" if known
                        else "slowdown, no culprit found"))
-    for d in sr.run.events_of("straggler_recovered"):
+    for d in sr.run.events_of(StragglerRecovered):
         ax.plot([sr.t(d["time"])], [0.95], marker="^", ms=7, color="green", ls="none",
                 transform=tr, label="straggler recovered")
     for a in axes:
@@ -232,8 +242,8 @@ def summary(sr: ScriptRun) -> dict[str, str]:
            "ranks": str(cfg.get("nproc", len(sr.ranks) or "?")),
            "testbed": str(cfg.get("testbed", "?")),
            "duration": f"{sr.t_end:.1f} s"}
-    fin = sr.run.events_of("run_finished")
-    failed = sr.run.events_of("rank_failed")
+    fin = sr.run.events_of(RunFinished)
+    failed = sr.run.events_of(RankFailed)
     if failed:
         f = failed[-1]
         out["outcome"] = f"rank {f.get('rank')} failed: {f.get('error') or 'no output'}"
@@ -252,7 +262,7 @@ def summary(sr: ScriptRun) -> dict[str, str]:
         x = sr.slowdown(s)
         if x is not None:
             out[f"iteration time during {s.spec}"] = f"{x:.2f}x the fault-free median"
-    found = sr.run.events_of("straggler_detected")
+    found = sr.run.events_of(StragglerDetected)
     out["findings"] = str(len(found)) if sr.ranks or found else "-"
     return out
 
@@ -265,7 +275,7 @@ def _since_start(d: dict) -> str:
 
 def ground_truth_html(sr: ScriptRun) -> str:
     """Each fault with the findings that explain it; then any finding no fault explains."""
-    found = sr.run.events_of("straggler_detected")
+    found = sr.run.events_of(StragglerDetected)
     used: set[int] = set()
     rows = []
     for s in sr.spans:
@@ -299,15 +309,13 @@ def ground_truth_html(sr: ScriptRun) -> str:
     return _table(["fault (ground truth)", "on at (s)", "off at (s)", "monitor"], rows)
 
 
-SHOWN = ("run_started", "fault_applied", "fault_removed", "straggler_detected",
-         "straggler_recovered", "slowdown_unexplained", "rank_failed", "run_finished")
+SHOWN = (RunStarted, FaultApplied, FaultRemoved, StragglerDetected, StragglerRecovered,
+         SlowdownUnexplained, RankFailed, RunFinished)
 
 
 def events_html(sr: ScriptRun) -> str:
     rows = []
-    for e in sr.run.events:
-        if e.get("event") not in SHOWN:
-            continue
+    for e in sr.run.events_of(*SHOWN):
         detail = {k: v for k, v in e.items()
                   if k not in ("event", "time", "step", "mechanism", "evidence")}
         rows.append([f"{sr.t(e['time']):.1f}", str(e.get("step", "")),

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.events import FaultDrawn
 from stalwart.mitigate import planner
 from stalwart.rundir import EventLog, atomic_write_text
 from stalwart.simulate import calibrate, cost, report
@@ -121,10 +122,10 @@ def simulate(opts: Options, command: str = "stalwart simulate") -> tuple[Path, d
             results.append(res)
             figures.update(res.figures)
             for f in res.faults:
-                events.log("fault_drawn", job_ranks=job.ranks, **f.as_event())
+                events.emit(FaultDrawn(job_ranks=job.ranks, **f.as_event()))
             for sname, out in res.outcomes.items():
                 for e in out.events:
-                    events.log(e.pop("event"), scenario=sname, job_ranks=job.ranks, **e)
+                    events.relay(e, scenario=sname, job_ranks=job.ranks)
     # the scenarios of every scale (the sweep and the calibration below not included): wall
     # seconds, and this process's CPU seconds -- what a loaded machine does not inflate
     figures["sim_wall_s"] = round(time.perf_counter() - wall0, 1)

@@ -47,6 +47,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from stalwart.config import ConfigError, RunConfig
+from stalwart.events import (
+    FaultApplied,
+    FaultRemoved,
+    TestbedCpuCap,
+    TestbedPlacement,
+    TestbedTraffic,
+)
 from stalwart.faultspec import MOMENT_KINDS, Fault
 from stalwart.heartbeat import ENV as BEAT_ENV
 from stalwart.heartbeat import Listener
@@ -154,9 +161,9 @@ class Testbed:
             self._apply(set(self._logged), {("rank", h) for h in self._pids})
             if not self._cap_logged and self.events is not None:
                 self._cap_logged = True
-                self.events.log("testbed_cpu_cap", step=self._step, testbed=self.kind,
-                                cpus=round(self._share, 4), hosts=sorted(self._pids),
-                                mechanism=self._groups[min(self._pids)].quota)
+                self.events.emit(TestbedCpuCap(
+                    step=self._step, testbed=self.kind, cpus=round(self._share, 4),
+                    hosts=sorted(self._pids), mechanism=self._groups[min(self._pids)].quota))
         self._reconcile(self._step)
 
     def observe(self, metric: Mapping[str, Any]) -> None:
@@ -253,14 +260,14 @@ class Testbed:
             if f.kind in CPU_KINDS and f in self._applied_at:
                 extra["achieved_factor"] = self.achieved_factor(
                     f.rank, self._applied_at.pop(f), step)
-            self._log("fault_removed", f, step, self._logged.pop(f), at_close, **extra)
+            self._log(FaultRemoved, f, step, self._logged.pop(f), at_close, **extra)
             if not self._applied_at:
                 self._unit.clear()
         for f in new:
             self._logged[f] = mech.get(f, "")
             if f.kind in CPU_KINDS:
                 self._applied_at[f] = step
-            self._log("fault_applied", f, step, self._logged[f], at_close)
+            self._log(FaultApplied, f, step, self._logged[f], at_close)
 
     @staticmethod
     def _targets(f: Fault) -> list[tuple[str, Any]]:
@@ -271,19 +278,17 @@ class Testbed:
             return [("pairlink", tuple(sorted(f.hosts)))]
         return [(f.kind, h) for h in f.hosts]
 
-    def _log(self, event: str, f: Fault, step: int, mechanism: str, at_close: bool,
-             **extra: Any) -> None:
+    def _log(self, event: type[FaultApplied | FaultRemoved], f: Fault, step: int,
+             mechanism: str, at_close: bool, **extra: Any) -> None:
         if self.events is None:
             return
-        if at_close:
-            extra["at_close"] = True
-        if self._elapsed is not None:
-            # the time axis of a run without steps (a user's script): seconds since the
-            # ranks started, as the fault's window counts them
-            extra["elapsed_s"] = round(self._elapsed, 3)
+        # the time axis of a run without steps (a user's script): seconds since the ranks
+        # started, as the fault's window counts them
+        elapsed = None if self._elapsed is None else round(self._elapsed, 3)
         try:
-            self.events.log(event, step=step, testbed=self.kind, mechanism=mechanism,
-                            **f.event_fields(), **extra)
+            self.events.emit(event(step=step, testbed=self.kind, mechanism=mechanism,
+                                   **f.event_fields(), **extra, at_close=at_close or None,
+                                   elapsed_s=elapsed))
         except OSError:
             pass  # the run's event log was closed first; nothing else to tell
 
@@ -394,8 +399,8 @@ class NetnsTestbed(Testbed):
 
     def _log_placement(self) -> None:
         if self.events is not None:
-            self.events.log("testbed_placement", step=self._step, testbed=self.kind,
-                            **self.placement())
+            self.events.emit(TestbedPlacement(step=self._step, testbed=self.kind,
+                                              **self.placement()))
 
     def on_step(self, next_step: int) -> None:
         super().on_step(next_step)
@@ -422,12 +427,10 @@ class NetnsTestbed(Testbed):
             return
         now = traffic.read(self.net)
         pairs = traffic.per_pair({k: n - before.get(k, 0) for k, n in now.items()})
-        self.events.log("testbed_traffic", step=self._step, from_step=step0,
-                        to_step=self._step,
-                        hosts=list(self._seg_hosts or self._host_of),
-                        ranks_per_host=self.per_host,
-                        bytes_per_step={f"{a}-{b}": round(n / steps)
-                                        for (a, b), n in sorted(pairs.items())})
+        self.events.emit(TestbedTraffic(
+            step=self._step, from_step=step0, to_step=self._step,
+            hosts=list(self._seg_hosts or self._host_of), ranks_per_host=self.per_host,
+            bytes_per_step={f"{a}-{b}": round(n / steps) for (a, b), n in sorted(pairs.items())}))
 
     def command_prefix(self, rank: int) -> list[str]:
         return self.hosts.exec_prefix(self.host(rank))

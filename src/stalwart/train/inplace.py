@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from stalwart.events import Regroup
 from stalwart.train import checkpoint as ckpt
 from stalwart.train.steps import DataParallelStep, make_groups
 
@@ -231,17 +232,14 @@ class InPlace:
             work.measure_from(g.basis, done + 2)  # its first steps warm up
         r.plug(work=work)
         if rank == 0:
-            r.events.log("regroup", step=done, generation=g.gen, world=world,
-                         members=list(g.alive), hosts=list(g.hosts), lost=list(g.lost),
-                         joined=membership.joined(before, g),
-                         state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
-                         # lossy: elements whose optimizer state restarted from zero (a
-                         # dead owner's shard)
-                         **({"state_reset": reset} if lossy else {}),
-                         # cumulative seconds at the end of each part
-                         parts={k: round(v, 3) for k, v in parts.items()},
-                         group_parts=self.regrouper.last_parts,
-                         since_announce_s=round(time.time() - g.time, 3), error=why)
+            r.events.emit(Regroup(
+                step=done, generation=g.gen, world=world, members=list(g.alive),
+                hosts=list(g.hosts), lost=list(g.lost), joined=membership.joined(before, g),
+                state_from=src, regroup_s=round(regroup_s, 3), planned=g.planned,
+                state_reset=reset if lossy else None,
+                parts={k: round(v, 3) for k, v in parts.items()},
+                group_parts=self.regrouper.last_parts,
+                since_announce_s=round(time.time() - g.time, 3), error=why))
         return done
 
     def _hand_over(self) -> None:

@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from stalwart import envknobs
 from stalwart.config import ConfigError, RunConfig
+from stalwart.events import Checkpoint, Devices, Eval, Resumed, RunFinished
 from stalwart.rundir import METRICS, EventLog, JsonlWriter
 from stalwart.train import checkpoint as ckpt
 from stalwart.train.data import Corpus, load_corpus, micro_batch, step_starts, val_batches
@@ -190,7 +191,7 @@ def save_checkpoint(run_dir: Path, done: int, rank: int, cfg: RunConfig, model: 
     dist.barrier()
     if rank == 0:
         ckpt.mark_latest(run_dir, done, world=cfg.job.nproc)
-        events.log("checkpoint", step=done)
+        events.emit(Checkpoint(step=done))
 
 
 @dataclass
@@ -414,11 +415,11 @@ class Rank:
             ckpt.restore_rng(state)
             start = state["step"]
             if self.rank == 0:
-                self.events.log("resumed", step=start, world=self.world,
-                                saved_world=state["world"])
+                self.events.emit(Resumed(step=start, world=self.world,
+                                         saved_world=state["world"]))
         if self.rank == 0 and start == 0:
-            self.events.log("devices", plan=self.devices.describe(), device=self.devices.kind,
-                            backend=self.devices.backend)
+            self.events.emit(Devices(plan=self.devices.describe(), device=self.devices.kind,
+                                     backend=self.devices.backend))
         return start
 
     def train_step(self, step: int, share: Any, t0: float) -> tuple[dict[str, Any], float]:
@@ -523,7 +524,7 @@ class Rank:
         t = time.perf_counter()
         v = evaluate(self.stepper.model, self.val, self.data_rank, self.data_parts)
         if self.rank == 0:
-            self.events.log("eval", step=step, val_loss=v, eval_time=time.perf_counter() - t)
+            self.events.emit(Eval(step=step, val_loss=v, eval_time=time.perf_counter() - t))
 
     def checkpoint(self, step: int) -> None:
         save_checkpoint(self.run_dir, step, self.rank, self.cfg, self.stepper.model, self.opt,
@@ -549,7 +550,7 @@ class Rank:
                 part.close()
         dist.barrier()
         if self.rank == 0 and not self.launched and code == 0:
-            self.events.log("run_finished", ok=True)
+            self.events.emit(RunFinished(ok=True))
             from stalwart.report import build_report
 
             build_report(self.run_dir)

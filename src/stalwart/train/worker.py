@@ -34,6 +34,7 @@ from pathlib import Path
 
 from stalwart import heartbeat
 from stalwart.config import ConfigError, RunConfig
+from stalwart.events import Halted
 from stalwart.train import elastic_loop
 from stalwart.train.inplace import first_line, regroup_until_done
 from stalwart.train.rank import Rank
@@ -89,7 +90,7 @@ def train(cfg: RunConfig, link: str | None = None, rejoin: bool = False) -> int:
             except Exception as e:  # noqa: BLE001 -- any failure: checkpoint-and-relaunch
                 return members.fall_back(applied, e)
     if cfg.train.halt_at is not None and r.rank == 0:
-        r.events.log("halted", step=cfg.train.halt_at)
+        r.events.emit(Halted(step=cfg.train.halt_at))
     return r.finish(0)
 
 

@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch.distributed import TCPStore
 
 from stalwart.config import RunConfig
+from stalwart.events import Eval, TorchftQuorum
 from stalwart.rundir import LOGS, METRICS, EventLog, JsonlWriter
 from stalwart.train.data import load_corpus, micro_batch, step_starts, val_batches
 from stalwart.train.model import GPT, PRESETS
@@ -222,8 +223,9 @@ class Replica:
             self.metrics.write(rec)
             attempt += 1
             if rec["world"] != members and self.manager.participating_rank() == 0:
-                self.events.log("torchft_quorum", step=rec["step"], world=rec["world"],
-                                quorum_id=rec["quorum_id"], committed=rec["committed"])
+                self.events.emit(TorchftQuorum(step=rec["step"], world=rec["world"],
+                                               quorum_id=rec["quorum_id"],
+                                               committed=rec["committed"]))
             members = rec["world"]
         self.finish(members)
 
@@ -239,8 +241,8 @@ class Replica:
         """The lowest participating group logs the final validation loss; replica 0 (the
         Lighthouse's host) leaves last, once every member of the last quorum is done."""
         if self.manager.participating_rank() == 0:
-            self.events.log("eval", step=self.manager.current_step(),
-                            val_loss=self.evaluate(), peer=f"torchft-{self.mode}")
+            self.events.emit(Eval(step=self.manager.current_step(), val_loss=self.evaluate(),
+                                  peer=f"torchft-{self.mode}"))
         self.job.add("done", 1)
         if self.rank == 0:
             wait_count(self.job, "done", members, 30.0)
