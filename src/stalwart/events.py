@@ -394,8 +394,8 @@ class _FaultFields(Event):
     """A fault of ``--fault`` (faultspec.Fault.event_fields), as the testbed applied it."""
 
     optional: ClassVar[tuple[str, ...]] = (
-        "start_s", "end_s", "rank", "hosts", "rate", "back_s", "achieved_factor", "at_close",
-        "elapsed_s")
+        "start_s", "end_s", "rank", "hosts", "rate", "back_s", "pid", "achieved_factor",
+        "at_close", "elapsed_s")
     step: int  # the launcher's step count when it was switched
     testbed: str  # "local" | "netns"
     mechanism: str  # how it acts, e.g. the cgroup quota or the tc qdisc
@@ -418,6 +418,7 @@ class FaultApplied(_FaultFields):
     """The testbed switched a fault on."""
 
     name: ClassVar[str] = "fault_applied"
+    pid: int | None = None  # a kill or hang: the process group signalled
     at_close: bool | None = None  # True: switched at the run's end (never False)
     elapsed_s: float | None = None  # a script run: seconds since the ranks started
 

@@ -232,7 +232,7 @@ class Testbed:
             sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, sig)  # the rank is its session's leader (launch)
-            self._log("fault_applied", f, self._step, f"{sig.name} to process group {pid}",
+            self._log(FaultApplied, f, self._step, f"{sig.name} to process group {pid}",
                       False, pid=pid)
 
     def restarts_due(self) -> list[int]:
@@ -245,7 +245,7 @@ class Testbed:
         due = [f for f, t in self._back.items() if f.back_s is not None and now - t >= f.back_s]
         for f in due:
             del self._back[f]
-            self._log("fault_removed", f, self._step, "rank started again", False)
+            self._log(FaultRemoved, f, self._step, "rank started again", False)
         return [int(f.rank) for f in due if f.rank is not None]
 
     def _reconcile(self, step: int, at_close: bool = False) -> None:
