@@ -316,8 +316,8 @@ class Job:
                     raise self._state_lost(rt.keys.progress())
                 pg = rt.rebuild(g, newer)
                 if st.receivers:
-                    state = rt.broadcast_state(pg, g, st.source, self._state(), newer)
-                    if rt.me.id != st.source:
+                    state = rt.broadcast_state(pg, g, st, self._state, newer)
+                    if state is not None:
                         self._load(state)
             except Superseded:
                 continue
@@ -338,8 +338,7 @@ class Job:
         rt = self.rt
 
         def buried() -> bool:
-            n = rt.newest
-            return rt.me.id in rt.ever and (n is None or rt.me.id not in n.members)
+            return rt.buried(rt.me.id)
 
         while True:
             if buried():

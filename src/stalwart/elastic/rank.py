@@ -5,7 +5,11 @@ collectives that can no longer finish, and rebuild its process group (``rebuild`
 Threads: the caller's (``Runtime``'s methods), one watcher thread per process, which every
 ``HEARTBEAT_S``: beats (one store ``add``), reads the others' beats (one ``multi_get``, and
 the bytes waiting on its liveness connections), fetches new members and generations, and
-proposes the next generation when the pure decision (``protocol.next_generation``) says so;
+proposes the next generation when the pure decision (``protocol.next_generation``) says so
+(its first round at once: a joiner proposes its own admission when it registers); a
+generation waiter, blocked on the store until the next generation's key is written, which
+adopts it at once (every member hears of a change within a store round trip, not a watcher
+period: members that heard at different times used to start a step the others had left);
 and the peer beats' native thread (peerbeat.py: a byte per period on each connection the
 others opened to this member, sent without the GIL).
 
@@ -52,6 +56,8 @@ EXPLAIN_S = P.DEAD_AFTER_S + 2.0
 
 
 CLOSE_WAIT_S = 2.0  # at close, for given-up collectives and builds to end once aborted
+GEN_WAIT_S = 600.0  # the generation waiter's request; renewed (c10d logs each expiry)
+DECIDE_TRIES = 3  # proposals a watcher round makes at most (each after losing to another)
 
 
 @dataclass
@@ -82,6 +88,9 @@ class Runtime:
         self.where = f"{host}:{port}"
         self._conn = (host, port, prefix)
         self.keys = Keys(client(host, port, prefix), self.where)
+        before = sockets.open_sockets()
+        self._gen_store = client(host, port, prefix)  # the generation waiter's own connection
+        self._gen_socks = sockets.open_sockets() - before  # shut at close: ends its wait
         self.node, self.local_rank, self.bind_addr = node, local_rank, bind_addr
         self.min_world = min_world
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
@@ -113,6 +122,9 @@ class Runtime:
         self._thread = threading.Thread(target=self._watch, name="stalwart-elastic",
                                         daemon=True)
         self._thread.start()
+        self._waiter = threading.Thread(target=self._await_generations,
+                                        name="stalwart-elastic-gen", daemon=True)
+        self._waiter.start()
 
     # ---- registration ------------------------------------------------------------------------
     def _register(self) -> P.Member:
@@ -130,18 +142,20 @@ class Runtime:
 
     # ---- the watcher thread ------------------------------------------------------------------
     def _watch(self) -> None:
-        keys = Keys(client(*self._conn), self.where)
-        while not self._stop.wait(self.heartbeat_s):
-            try:
+        """Rounds every ``heartbeat_s``, the first at once: a joiner proposes its own
+        admission as soon as it is registered, not a period later."""
+        try:
+            keys = Keys(client(*self._conn), self.where)
+            while True:
                 self._round(keys)
-            except StoreLost as e:
-                self.fatal = e
-                self.wake.set()
-                return
-            except Exception as e:  # noqa: BLE001 -- the watcher must report, never die mute
-                self.fatal = StoreLost(f"the membership watcher failed: {e}")
-                self.wake.set()
-                return
+                if self._stop.wait(self.heartbeat_s):
+                    return
+        except StoreLost as e:
+            self.fatal = e
+            self.wake.set()
+        except Exception as e:  # noqa: BLE001 -- the watcher must report, never die mute
+            self.fatal = StoreLost(f"the membership watcher failed: {e}")
+            self.wake.set()
 
     def _round(self, keys: Keys) -> None:
         keys.beat(self.me.id)
@@ -150,6 +164,7 @@ class Runtime:
             keys.set_progress(self.progress)  # by the newest generation's rank 0
             self._progress_sent = self.progress
         self._accept()
+        self._advance(keys)
         self._fetch_members(keys)
         now = time.monotonic()
         closed = self._read_sockets()
@@ -186,7 +201,11 @@ class Runtime:
         for m in got:
             self._pending_ids.discard(m.id)
             self.known[m.id] = m
-            if m.id != self.me.id:
+            if m.id == self.me.id:
+                continue
+            if self.buried(m.id):
+                self.dead.add(m.id)  # buried: never taken back, no connection to wait on
+            else:
                 self._connect(m)
 
     def _connect(self, m: P.Member) -> None:
@@ -225,7 +244,8 @@ class Runtime:
         return out
 
     def _advance(self, keys: Keys) -> None:
-        g = self.newest.gen + 1 if self.newest else 0
+        cur = self.newest
+        g = cur.gen + 1 if cur else 0
         changed = False
         while keys.has_gen(g):
             self._adopt(keys.gen(g))
@@ -235,14 +255,31 @@ class Runtime:
             self.wake.set()
 
     def _decide(self, keys: Keys) -> None:
-        in_gen = set(self.newest.members) if self.newest else set()
+        """Propose the next generation when the pure decision says so. A proposal that lost
+        the compare-and-set is decided again at once on top of the winner (at most
+        ``DECIDE_TRIES`` times a round), so that a joiner registered while another change
+        was proposed is not left for the next round."""
+        for _ in range(DECIDE_TRIES):
+            prop = self._proposal(keys)
+            if prop is None:
+                return
+            won = keys.propose(prop)
+            self._adopt(won)
+            self.wake.set()
+            if won == prop:
+                return
+            self._advance(keys)
+
+    def _proposal(self, keys: Keys) -> P.Generation | None:
+        cur = self.newest  # (the generation waiter may adopt a newer one meanwhile)
+        in_gen = set(cur.members) if cur else set()
         if not in_gen <= set(self.known):
             # a generation adopted since this round fetched the members holds one this
             # watcher does not know yet: without its record it would look dead -- fetch
             # again, and decide nothing until every member is known
             self._fetch_members(keys)
             if not in_gen <= set(self.known):
-                return
+                return None
         with self.lock:
             dead = self.dead | self.gone
         alive = [m for m in self.known if m not in dead]
@@ -255,14 +292,49 @@ class Runtime:
         if wtext:
             by_node = dict(item.split("=") for item in wtext.split(",") if "=" in item)
             weights = {m: float(by_node.get(self.known[m].node, 1.0)) for m in alive}
-        prop = P.next_generation(self.newest, alive, joiners, self.min_world, parked, weights)
-        if prop is not None:
-            self._adopt(keys.propose(prop))
-            self.wake.set()
+        return P.next_generation(cur, alive, joiners, self.min_world, parked, weights)
+
+    def buried(self, member: int) -> bool:
+        """Whether ``member`` was held by a generation and the newest does not hold it: an id
+        never taken back (read together, under the lock ``_adopt`` writes them under)."""
+        with self.lock:
+            n = self.newest
+            return member in self.ever and (n is None or member not in n.members)
 
     def _adopt(self, g: P.Generation) -> None:
-        self.ever |= set(g.members)
-        self.newest = g
+        """Take ``g`` as the newest generation unless one as new is known (the watcher and
+        the generation waiter both adopt; each adopts the one after the newest it read, so
+        no generation's members are missed in ``ever``)."""
+        with self.lock:
+            if self.newest is not None and g.gen <= self.newest.gen:
+                return
+            self.ever |= set(g.members)
+            self.newest = g
+
+    def _await_generations(self) -> None:
+        """Adopt each generation as soon as it is written: a wait on its key that the store
+        answers when the key is set (~0.2 ms on loopback), then wake the caller -- so that
+        every member hears of a change at once, not at its watcher's next round (up to
+        ``HEARTBEAT_S`` later, and at different times on different members: a member that
+        heard late started a step the others had left, and gave it up). Cost: one pending
+        request on the store per ``GEN_WAIT_S`` while nothing changes, and a ``get`` per
+        generation. ``close`` ends the wait by shutting this thread's connection; a store
+        that fails is the watcher's to report (this thread then retries every
+        ``heartbeat_s``)."""
+        s = self._gen_store
+        while not self._stop.is_set():
+            cur = self.newest
+            n = cur.gen + 1 if cur is not None else 0
+            try:
+                s.wait([f"gen/{n}"], timedelta(seconds=GEN_WAIT_S))
+                g = P.Generation.from_json(s.get(f"gen/{n}"))
+            except Exception:  # noqa: BLE001 -- the wait's timeout, close, or the store gone
+                if self._stop.is_set() or self.fatal is not None:
+                    return
+                self._stop.wait(self.heartbeat_s)
+                continue
+            self._adopt(g)
+            self.wake.set()
 
     # ---- waiting, for the caller's thread ----------------------------------------------------
     def check(self) -> None:
@@ -353,24 +425,28 @@ class Runtime:
         b.in_use = True
         return box["pg"]
 
-    def broadcast_state(self, pg: Any, gen: P.Generation, source: int, state: Any,
-                        superseded: Callable[[], bool]) -> Any:
-        """Everyone gets ``state`` (a picklable object) of member ``source``: two broadcasts,
-        its size then its bytes. Returns the state received (``state`` on the source)."""
-        root = gen.rank_of(source)
-        if self.me.id == source:
+    def broadcast_state(self, pg: Any, gen: P.Generation, st: P.Settlement,
+                        state: Callable[[], Any], superseded: Callable[[], bool]) -> Any:
+        """Every receiver of ``st`` gets ``state()`` (a picklable object) of its source: two
+        broadcasts over ``gen``'s group, the size then the bytes, serialized once on the
+        source. Returns the state received on a receiver, None elsewhere: a member already
+        at the start step takes the bytes (gloo has no one-to-some collective and its
+        point-to-point work has no completion callback) but neither unpickles nor loads
+        them."""
+        root = gen.rank_of(st.source)
+        if self.me.id == st.source:
             buf = io.BytesIO()
-            torch.save(state, buf)
+            torch.save(state(), buf)
             data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
         self.wait_work(pg.broadcast([size], _bopts(root)), superseded)
-        if self.me.id != source:
+        if self.me.id != st.source:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         self.wait_work(pg.broadcast([data], _bopts(root)), superseded)
-        if self.me.id == source:
-            return state
+        if self.me.id not in st.receivers:
+            return None
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
     def drop(self, pg: Any) -> None:
@@ -385,6 +461,13 @@ class Runtime:
             if b.pg is pg:
                 b.in_use = False
                 self._abort(b, self._liveness_socks())
+
+    def _store_addrs(self) -> set[str]:
+        host = self._conn[0]
+        try:
+            return {host, socket.gethostbyname(host)}
+        except OSError:
+            return {host}
 
     def _liveness_socks(self) -> set[sockets.Sock]:
         out = set()
@@ -435,7 +518,11 @@ class Runtime:
         with contextlib.suppress(StoreLost):
             self.keys.leave(self.me.id)
         self._stop.set()
+        # ends the waiter's wait (only a connection to the store: a socket another thread
+        # opened meanwhile is left alone)
+        sockets.shut(self._gen_socks, self._store_addrs(), spare_port=self._conn[1])
         self._thread.join(timeout=2.0)
+        self._waiter.join(timeout=2.0)
         self._beats.close()  # before the sockets close: a reused descriptor is never written
         for s in [*self._socks.values(), *self._accepted, self._listener]:
             with contextlib.suppress(OSError):
