@@ -171,8 +171,8 @@ class RankUnresponsive(Event):
 # ---- the run's life (launcher, rank 0) ------------------------------------------------------
 @dataclass(kw_only=True)
 class RunStarted(Event):
-    """A launch began: stalwart's launcher (once per ``stalwart run``, restarts included), or
-    rank 0 under torchrun on a fresh start (no checkpoint yet)."""
+    """A launch began: stalwart's launcher (once per ``stalwart run``; a restart inside it is
+    a ``Restart``), or rank 0 under torchrun on a fresh start (no checkpoint yet)."""
 
     name: ClassVar[str] = "run_started"
     optional: ClassVar[tuple[str, ...]] = ("testbed", "resume", "script", "restart", "store")
@@ -187,8 +187,8 @@ class RunStarted(Event):
 
 @dataclass(kw_only=True)
 class RunFinished(Event):
-    """The job ended: the launcher's exit status (or an interrupt), or rank 0's own line for
-    a job it was not launched by stalwart's launcher (torchrun)."""
+    """The job ended: the launcher's exit status (or an interrupt), or rank 0's own line in a
+    job that stalwart's launcher did not start (torchrun)."""
 
     name: ClassVar[str] = "run_finished"
     optional: ClassVar[tuple[str, ...]] = ("exit_code", "reason")

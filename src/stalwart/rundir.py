@@ -228,7 +228,8 @@ class RunData:
 
     def typed(self, kind: type[E]) -> list[E]:
         """The lines of one kind read back as its type (stalwart.events.parse), in the order
-        written; a line that lacks a field the type needs (an older version's) is left out."""
+        written; a line that lacks a field the type needs (an older version's) is left out,
+        and a line's "time" is not a field (``events_of`` has it)."""
         got = (parse(e) for e in self.events_of(kind))
         return [e for e in got if isinstance(e, kind)]
 
