@@ -487,3 +487,20 @@ def test_a_group_is_named_whole_even_when_one_of_its_ranks_is_slowest_in_every_r
     es = host_pair((2, 3), rounds={2: [3.1, 3.2, 3.18], 3: [3.3, 3.34, 3.4]})
     f = decide(es, onset_step=25, step=28, severity=2.5, suspect_rank=3)
     assert f.kind == "compute" and f.ranks == [2, 3], f
+
+
+def test_a_confirmed_rank_that_rose_before_the_channels_onset_is_slow_since_the_rise() -> None:
+    """The slow-all-along rule (``_slow_all_along``) on a rank whose fault began before the
+    onset the channel gave (its rise at 12, the alarm's onset 31, the window 0-39 mostly
+    after the rise: the sign test passes): slow since the rise, not "never healthy" since the
+    monitor's first sample."""
+    def series(r: int) -> list[tuple[int, float]]:
+        return [(k, 0.05 * (1.8 if r == 2 and k >= 12 else 1.0)
+                 * (1 + 0.05 * ((k * 7 + r) % 3))) for k in range(0, 40)]
+    ev = [RankEvidence(r, 0.05, 0.05, 0.01, 0.01, 0.2 * (2.0 if r == 2 else 1.0), {},
+                       [0.2 * (2.0 if r == 2 else 1.0)] * 3, recent=series(r))
+          for r in range(4)]
+    f = decide(ev, onset_step=31, step=39, severity=1.3, suspect_rank=2, first_step=0)
+    assert f.kind == "compute" and f.ranks == [2]
+    assert f.onset_step == 12 and f.evidence["never_healthy"] is False, f
+    assert f.evidence["slow_since_rise"] == 12 and "slow_all_along" not in f.evidence

@@ -115,6 +115,23 @@ def test_a_straggler_slow_from_step_0_is_named_never_healthy(run: Path) -> None:
     assert f["never_healthy"] and f["onset"] == 0, f
 
 
+MIDRUN = [p for p in CORPUS if any(e.get("event") == "fault_applied" and int(
+    e.get("step", 0)) > 0 for e in map(json.loads, (p / "events.jsonl").read_text().splitlines()))]
+
+
+@pytest.mark.parametrize("run", _cases(MIDRUN, {}))
+def test_a_fault_that_began_mid_run_is_named_from_when_it_began(run: Path) -> None:
+    """A fault applied at step s > 0 and named rightly is not "never healthy", and its onset
+    is within the end-to-end tests' bound of s (tests/detect/test_multiprocess.py: s - 3 to
+    s + 4). compute2x-n3-lossy's rank 2 read 1.25x its peers while healthy and was named
+    "never healthy" with onset 0 for its fault at step 30 (onset.healthy_before)."""
+    _, s = _scored(run)
+    for f in s["faults"]:
+        if f["applied"] > 0 and f["detected"] and f["right"]:
+            assert not f.get("never_healthy"), f
+            assert f["applied"] - 3 <= f["onset"] <= f["applied"] + 4, f
+
+
 def test_replay_is_deterministic() -> None:
     for run in (TUNE[0], HELDOUT[-1]):
         assert replay_run(run) == replay_run(run)

@@ -62,6 +62,7 @@ from stalwart.detect.onset import (
     born_severity,
     changed_link_onset,
     culprit_onset,
+    healthy_rise,
     link_onset,
     link_severity,
     peer_rise,
@@ -465,21 +466,30 @@ def _slow_all_along(ev: list[RankEvidence], rank: int, step: int, severity: floa
     (``AUDIT_SHIFT``, ``AUDIT_P``) on its training-time compute: a straggler slow since
     before the window, found by a change point on its noise. Its onset is the window's first
     sample, or the monitor's first (``first_step``, ``never_healthy``) when the window
-    reaches back to it; priced from its peers. None when the sign test does not pass. Why:
-    a 1.5-2x rank slow from step 0 whose audit missed it (1.65x, slowest in 2 of 3 rounds)
-    had its change-point alarms confirmed by the compute test and each let go as "did not
-    rise" (CI: named 25 s in, at an onset of step 818). Not below ``AUDIT_MILD_RANKS`` ranks:
-    a 2-rank job's rank 1, slowed by a spinner left pinned to its core, was named so before
-    the test's own fault began."""
+    reaches back to it -- unless its compute over its peers' rose within the window from a
+    healthy level (``onset.healthy_rise``: the rank-sum test, the level before it nearer its
+    peers'), which is then its onset (``slow_since_rise``: a fault that began before the
+    channel's onset, the window mostly after it); priced from its peers. None when the sign
+    test does not pass. Why: a 1.5-2x rank slow from step 0 whose audit missed it (1.65x,
+    slowest in 2 of 3 rounds) had its change-point alarms confirmed by the compute test and
+    each let go as "did not rise" (CI: named 25 s in, at an onset of step 818). Not below
+    ``AUDIT_MILD_RANKS`` ranks: a 2-rank job's rank 1, slowed by a spinner left pinned to
+    its core, was named so before the test's own fault began."""
     if len(ev) < AUDIT_MILD_RANKS:
         return None  # at 2 ranks the compute test's "slowest in every round" is a 1-in-8 chance
     keys, xs = peer_series(ev, rank)
     k, n, p = sign_test(xs, AUDIT_SHIFT)
     if n < AUDIT_MIN_SAMPLES or p > AUDIT_P:
         return None
+    evidence["sign_test"] = {"rank": rank, "above": k, "of": n, "shift": AUDIT_SHIFT,
+                             "p": float(f"{p:.3g}")}
+    rise = healthy_rise(ev, rank, step, math.log(COMPUTE_MILD))
+    if rise is not None:
+        evidence.update(never_healthy=False, slow_since_rise=rise)
+        return Finding("compute", rise, step, max(born_severity(ev, rank), 1.0),
+                       ranks=[rank], evidence=evidence)
     whole = first_step is not None and int(keys[0]) <= first_step
-    evidence.update(never_healthy=whole, slow_all_along=True, sign_test={
-        "rank": rank, "above": k, "of": n, "shift": AUDIT_SHIFT, "p": float(f"{p:.3g}")})
+    evidence.update(never_healthy=whole, slow_all_along=True)
     onset = first_step if whole and first_step is not None else int(keys[0])
     return Finding("compute", onset, step, max(born_severity(ev, rank), 1.0), ranks=[rank],
                    evidence=evidence)
