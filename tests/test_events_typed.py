@@ -26,7 +26,6 @@ NOT_YET_TYPED = {
     ("train/elastic_loop.py", "run_started"),  # events.RunStarted
     ("train/elastic_loop.py", "eval"),  # events.Eval
     ("train/elastic_loop.py", "run_finished"),  # events.RunFinished
-    ("overlap/trainer.py", "overlap_plan"),  # events.OverlapPlan
     # the simulator's own records (the live kinds' names, its own fields), relayed as they
     # are by simulate/run.py (``EventLog.relay``): not these types
     ("simulate/engine.py", "fault_applied"),

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import RunConfig
-from stalwart.events import describe
+from stalwart.events import (
+    Eval,
+    FaultApplied,
+    FaultRemoved,
+    MitigationApplied,
+    MitigationMeasured,
+    MitigationReverted,
+    Restart,
+    describe,
+)
 
 PLAIN_EVERY_S = 30.0
 RATE_WINDOW_S = 5.0
@@ -63,13 +72,13 @@ def _fmt_mitigation(e: dict[str, Any], plan: list[int] | None, hosts: list[int] 
                     tp: int) -> str | None:
     """The mitigation events (stalwart.mitigate, and the launcher's restart) as one line."""
     ev = e.get("event")
-    if ev == "mitigation_applied":
+    if ev == MitigationApplied.name:
         return _fmt_applied(e, plan, tp)
-    if ev == "mitigation_reverted":
+    if ev == MitigationReverted.name:
         return f"reverted to uniform plan at step {e.get('step')}"
-    if ev == "mitigation_measured":
+    if ev == MitigationMeasured.name:
         return _fmt_measured(e)
-    if ev == "restart":
+    if ev == Restart.name:
         return _fmt_restart(e, hosts)
     return None
 
@@ -147,7 +156,7 @@ def _fmt_event(e: dict[str, Any], *, plan: list[int] | None = None,
     ev = e.get("event")
     if (detected := describe(e)) is not None:
         return detected
-    if ev in ("fault_applied", "fault_removed"):
+    if ev in (FaultApplied.name, FaultRemoved.name):
         return f"{ev.replace('_', ' ')}: {e.get('spec', e.get('kind'))} at step {e.get('step')}"
     return _fmt_mitigation(e, plan, hosts, tp)
 
@@ -270,7 +279,7 @@ class Progress:
         if key in self._seen_events:
             return  # replayed after a restart
         self._seen_events.add(key)
-        if e.get("event") == "eval":
+        if e.get("event") == Eval.name:
             self.val_loss = e.get("val_loss")
         text = _fmt_event(e, plan=self._event_plan, hosts=self.hosts, tp=self.tp)
         self._track_mitigation(e)
@@ -281,11 +290,11 @@ class Progress:
 
     def _track_mitigation(self, e: dict[str, Any]) -> None:
         ev = e.get("event")
-        if ev == "mitigation_applied" and e.get("strategy") == "rebalance":
+        if ev == MitigationApplied.name and e.get("strategy") == "rebalance":
             self._event_plan = list(e.get("plan") or []) or None
-        elif ev == "mitigation_reverted":
+        elif ev == MitigationReverted.name:
             self._event_plan = None
-        elif ev == "restart" and e.get("hosts"):
+        elif ev == Restart.name and e.get("hosts"):
             self.hosts = [int(h) for h in e["hosts"]]
             self.nproc = int(e.get("nproc", len(self.hosts)))
             self._event_plan = None

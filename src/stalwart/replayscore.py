@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.detect.truth import Truth, ground_truth, localised, match, straggler_findings
+from stalwart.events import Regroup, SlowdownUnexplained
 from stalwart.rundir import CONFIG, EVENTS, ITERATIONS, METRICS, read_jsonl
 
 
@@ -48,7 +49,7 @@ def _in_launch_terms(found: list[dict[str, Any]], events: list[dict[str, Any]]
     """Findings with their ranks in the numbering the faults were given in: after a regroup
     (a re-map, an exclusion) rank i of the new world is the launch's rank ``members[i]`` on
     host ``hosts[i]``; a compute finding names processes (members), a link finding hosts."""
-    regroups = sorted(((int(e["step"]), e) for e in events if e.get("event") == "regroup"
+    regroups = sorted(((int(e["step"]), e) for e in events if e.get("event") == Regroup.name
                        and e.get("members") is not None), key=lambda x: x[0])
     if not regroups:
         return found
@@ -94,7 +95,7 @@ def score_run(run_dir: Path, res: dict[str, Any]) -> dict[str, Any]:
         faults.append(row)
     t0 = min((t.applied for t in truths), default=None)
     fps = [d for d in found if t0 is None or d["step"] < t0 or not _explains(d, truths)]
-    unexplained = sum(d.get("event") == "slowdown_unexplained" for d in decisions)
+    unexplained = sum(d.get("event") == SlowdownUnexplained.name for d in decisions)
     right = not fps and all(f["detected"] and f.get("right") for f in faults)
     return {"run": res["run"], "faults": faults, "false_positives": len(fps),
             "false_positive_findings": [{k: d.get(k) for k in ("step", "kind", "ranks", "link")}

@@ -64,6 +64,7 @@ from stalwart.bench.detect_score import (  # noqa: F401
 from stalwart.bench.peers import nvrx_reports
 from stalwart.bench.peers.nvrx import ENV as NVRX_ENV
 from stalwart.bench.peers.nvrx import VERSION as NVRX_VERSION
+from stalwart.events import SlowdownUnexplained, StragglerDetected, StragglerRecovered
 
 # a busy loop for the noisy neighbour; it leaves when the bench (argv[1]) is gone
 _BUSY = ("import os, sys\np=int(sys.argv[1])\nwhile os.getppid()==p:\n"
@@ -176,7 +177,7 @@ def _say_outcome(sc: Scenario, found: list[dict], truths: list[Truth], clock: Cl
         if truths else None
 
     def first(ds: list[dict]) -> str:
-        ds = sorted((d for d in ds if d.get("event") == "straggler_detected"),
+        ds = sorted((d for d in ds if d.get("event") == StragglerDetected.name),
                     key=lambda d: d.get("time") or 0.0)
         if t0 is None:
             return f"{len(ds)} decisions" if ds else "nothing"
@@ -213,8 +214,7 @@ def _collect(todo: list[Scenario], workdir: Path, tag: str, peer: bool,
             continue
         truths = ground_truth(data.events)
         last, clock = _clock(data)
-        found = data.events_of("straggler_detected", "straggler_recovered",
-                               "slowdown_unexplained")
+        found = data.events_of(StragglerDetected, StragglerRecovered, SlowdownUnexplained)
         runs["ours"].append((sc, found, truths, last, clock))
         stats_path = data.path / "detect_stats.json"
         if stats_path.exists():
@@ -374,7 +374,7 @@ def run(quick: bool, workdir: Path, peers: bool = True, install_peers: bool = Fa
     recoveries = [
         {"scenario": sc.name, "removed": t.removed,
          "recovered_step": next((d["step"] for d in dets if d.get("event") ==
-                                 "straggler_recovered" and t.removed is not None
+                                 StragglerRecovered.name and t.removed is not None
                                  and d["step"] >= t.removed - 3), None)}
         for sc, dets, truths, *_ in runs["ours"] for t in truths if t.removed is not None]
     details = {"scenario_runs": len(runs["ours"]), "failed_runs": [f.name for f in failed],

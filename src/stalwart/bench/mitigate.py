@@ -63,6 +63,25 @@ from typing import Any
 
 from stalwart.bench import BenchResult, Steps
 from stalwart.bench.peers import torchft_run
+from stalwart.events import (
+    FaultApplied,
+    FaultRemoved,
+    MitigationApplied,
+    MitigationMeasured,
+    MitigationReverted,
+    RankLeft,
+    RankLost,
+    RankReady,
+    RankRejoining,
+    RankUnresponsive,
+    Regroup,
+    RegroupFailed,
+    RejoinFailed,
+    Restart,
+    StragglerDetected,
+    StragglerRecovered,
+    TestbedTraffic,
+)
 
 MICRO_SIZE = 2  # samples per micro-batch: 16 micro-batches per step on 4 ranks
 
@@ -162,28 +181,28 @@ def recovered(t_un: float, t_mit: float, t_ok: float) -> float | None:
 
 
 def actions(d: Any) -> int:
-    return len(d.events_of("mitigation_applied"))
+    return len(d.events_of(MitigationApplied))
 
 
 def plan_window(d: Any, fault_end: int) -> tuple[int, int] | None:
     """The steps a rebalanced plan was in force before the fault ended."""
-    applied = [e for e in d.events_of("mitigation_applied") if e.get("strategy") == "rebalance"]
+    applied = [e for e in d.events_of(MitigationApplied) if e.get("strategy") == "rebalance"]
     if not applied:
         return None
     lo = applied[0]["step"]
-    rev = [e["step"] for e in d.events_of("mitigation_reverted") if e["step"] > lo]
+    rev = [e["step"] for e in d.events_of(MitigationReverted) if e["step"] > lo]
     hi = min([fault_end, *rev])
     return (lo, hi) if hi > lo else None
 
 
 def revert_figures(d: Any) -> tuple[float | None, float | None]:
-    rev = d.events_of("mitigation_reverted")
+    rev = d.events_of(MitigationReverted)
     if not rev:
         return None, None
     r = rev[0]
-    detected = [r["decided_step"]] + [e["step"] for e in d.events_of("straggler_recovered")
+    detected = [r["decided_step"]] + [e["step"] for e in d.events_of(StragglerRecovered)
                                       if e["step"] <= r["decided_step"]]
-    removed = [e["step"] for e in d.events_of("fault_removed") if not e.get("at_close")]
+    removed = [e["step"] for e in d.events_of(FaultRemoved) if not e.get("at_close")]
     return (float(r["step"] - min(detected)),
             float(r["step"] - removed[0]) if removed else None)
 
@@ -191,7 +210,7 @@ def revert_figures(d: Any) -> tuple[float | None, float | None]:
 def achieved_factor(d: Any) -> float | None:
     """The slowdown the compute fault really caused, as the testbed measured it (its
     ``fault_removed`` ground truth: the rank's compute per micro-batch over its peers')."""
-    got = [e.get("achieved_factor") for e in d.events_of("fault_removed")
+    got = [e.get("achieved_factor") for e in d.events_of(FaultRemoved)
            if e.get("kind") == "compute"]
     return got[0] if got and got[0] is not None else None
 
@@ -211,7 +230,7 @@ def optimum(factor: float, micro: int = 16, groups: int = 4) -> float:
 def regroup_s(d: Any) -> float | None:
     """From the remap decision's event to the end of the first step on the new map (the
     restart: checkpoint, exit, relaunch, rendezvous, resume, one step)."""
-    ev = [e for e in d.events_of("mitigation_applied") if e.get("strategy") == "remap"]
+    ev = [e for e in d.events_of(MitigationApplied) if e.get("strategy") == "remap"]
     if not ev:
         return None
     after = [m["time"] for m in d.metrics if m["time"] > ev[0]["time"]
@@ -223,7 +242,7 @@ def host_bytes(d: Any, host: int) -> list[float]:
     """Bytes per step through one host's link, per incarnation (testbed_traffic events)."""
     return [float(sum(n for k, n in e["bytes_per_step"].items()
                       if str(host) in k.split("-")))
-            for e in d.events_of("testbed_traffic")]
+            for e in d.events_of(TestbedTraffic)]
 
 
 def bytes_cut(d: Any, host: int) -> float | None:
@@ -239,7 +258,7 @@ def failstop_figures(d: Any, kind: str = "kill",
     completed. (A step whose all-reduce had finished before the kill, completed by the
     survivors just after it, is not a resume: it counted one in a quick run, 1.7 ms.)"""
     global_batch = int(d.config["global_batch"])
-    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == kind]
+    kills = [e for e in d.events_of(FaultApplied) if e.get("kind") == kind]
     out: dict[str, float | None] = {f"{prefix}_{k}": None for k in (
         "resume_s", "samples_lost", "step_s_before", "step_s_after")}
     if not kills:
@@ -276,8 +295,8 @@ def failstop_figures(d: Any, kind: str = "kill",
 def rejoin_s(d: Any) -> float | None:
     """From the decision to take a host back (its ``mitigation_applied``, logged when every
     rank has agreed) to the end of the first step done by the whole new world."""
-    ev = [e for e in d.events_of("mitigation_applied") if e.get("strategy") == "restore_host"]
-    back = [e for e in d.events_of("regroup") if e.get("joined")]
+    ev = [e for e in d.events_of(MitigationApplied) if e.get("strategy") == "restore_host"]
+    back = [e for e in d.events_of(Regroup) if e.get("joined")]
     if not ev or not back:
         return None
     world, t0 = int(back[0]["world"]), float(ev[0]["time"])
@@ -296,13 +315,13 @@ def false_recoveries(runs: list[Any]) -> float:
     n = 0
     for d in runs:
         on: list[tuple[int, float]] = []
-        for e in d.events_of("fault_applied"):
+        for e in d.events_of(FaultApplied):
             if e.get("kind") in ("compute", "contention", "link", "pairlink"):
-                ends = [int(x["step"]) for x in d.events_of("fault_removed")
+                ends = [int(x["step"]) for x in d.events_of(FaultRemoved)
                         if x.get("spec") == e.get("spec") and not x.get("at_close")]
                 on.append((int(e["step"]), ends[0] if ends else float("inf")))
-        steps = [int(e["step"]) for e in d.events_of("straggler_recovered")]
-        steps += [int(e["decided_step"]) for e in d.events_of("mitigation_reverted")
+        steps = [int(e["step"]) for e in d.events_of(StragglerRecovered)]
+        steps += [int(e["decided_step"]) for e in d.events_of(MitigationReverted)
                   if str(e.get("reason", "")).startswith("straggler recovered")]
         n += sum(1 for s in steps if any(a <= s < b for a, b in on))
     return float(n)
@@ -375,8 +394,8 @@ def run_hostlink_multi(quick: bool, workdir: Path, st: Steps | None = None,
                          "events": [{k2: e.get(k2) for k2 in (
                              "event", "step", "kind", "ranks", "strategy", "plan",
                              "measured_gain")} for e in d.events_of(
-                                 "straggler_detected", "mitigation_applied", "regroup",
-                                 "restart", "mitigation_measured")]}
+                                 StragglerDetected, MitigationApplied, Regroup,
+                                 Restart, MitigationMeasured)]}
                      for k, d in runs.items()}
 
 
@@ -421,8 +440,8 @@ def run_fault_classes(quick: bool, workdir: Path, peers: bool = True,
             "final_val_loss": d.final_val_loss(),
             "events": [{k2: e.get(k2) for k2 in ("event", "step", "kind", "rank", "silent_s",
                                                   "exit_code", "world", "regroup_s")}
-                       for e in d.events_of("fault_applied", "rank_unresponsive",
-                                            "rank_lost", "regroup")]}
+                       for e in d.events_of(FaultApplied, RankUnresponsive,
+                                            RankLost, Regroup)]}
         for k, d in runs.items()}}
     targets = {**TARGETS, **CLASS_TARGETS}
     return BenchResult("mitigate", figures,
@@ -450,9 +469,9 @@ def run_tp(quick: bool, workdir: Path) -> BenchResult:
             "final_val_loss": d.final_val_loss(),
             "events": [{k2: e.get(k2) for k2 in ("event", "step", "strategy", "plan",
                                                   "regroup_s", "hosts", "state_from")}
-                       for e in d.events_of("mitigation_applied", "regroup", "restart",
-                                            "regroup_failed")],
-            "traffic": [e.get("bytes_per_step") for e in d.events_of("testbed_traffic")]}
+                       for e in d.events_of(MitigationApplied, Regroup, Restart,
+                                            RegroupFailed)],
+            "traffic": [e.get("bytes_per_step") for e in d.events_of(TestbedTraffic)]}
         for k, d in runs.items()}}
     return BenchResult("mitigate", figures,
                        targets={k: TARGETS[k] for k in figures}, details=details)
@@ -567,12 +586,12 @@ def run(quick: bool, workdir: Path, peers: bool = True,
                      "mitigation": [{k2: e.get(k2) for k2 in (
                          "event", "step", "decided_step", "strategy", "plan", "target",
                          "predicted_gain", "measured_gain", "reason")}
-                         for e in d.events_of("mitigation_applied", "mitigation_reverted",
-                                              "mitigation_measured", "restart", "rank_lost",
-                                              "regroup", "rank_left", "rank_rejoining",
-                                              "rank_ready", "rejoin_failed")],
+                         for e in d.events_of(MitigationApplied, MitigationReverted,
+                                              MitigationMeasured, Restart, RankLost,
+                                              Regroup, RankLeft, RankRejoining,
+                                              RankReady, RejoinFailed)],
                      "traffic": [e.get("bytes_per_step") for e in
-                                 d.events_of("testbed_traffic")]}
+                                 d.events_of(TestbedTraffic)]}
                  for k, d in runs.items()},
     }
     if win is not None:

@@ -45,7 +45,13 @@ from typing import Any, ClassVar, Protocol
 
 import torch.distributed as dist
 
-from stalwart.events import MitigationApplied, MitigationMeasured, MitigationReverted
+from stalwart.events import (
+    MitigationApplied,
+    MitigationMeasured,
+    MitigationReverted,
+    Restart,
+    RunStarted,
+)
 from stalwart.mitigate import planner
 from stalwart.mitigate.agreement import (
     EXCLUDE,
@@ -382,10 +388,10 @@ class Rebalancer:
 
         try:
             last = [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                    if e.get("event") in ("restart", "run_started")][-1:]
+                    if e.get("event") in (Restart.name, RunStarted.name)][-1:]
         except OSError:
             return
-        if last and last[0]["event"] == "restart" and last[0].get("step_time_before"):
+        if last and last[0]["event"] == Restart.name and last[0].get("step_time_before"):
             e = last[0]
             # the first steps after a restart warm up (allocator, gloo buffers): skip 2
             self._measure = (str(e.get("strategy")), 0, float(e.get("predicted_gain", 0.0)),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stalwart.events import OverlapPlan
 from stalwart.overlap.comm import TPComm, retire
 from stalwart.overlap.executor import SCHEDULES, Interleaved, MicroBatch
 from stalwart.overlap.layers import is_sharded
@@ -88,14 +89,12 @@ class TPTrainer:
         self._logged_plan = plan.key
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        log = EventLog(self.run_dir)
-        try:
-            log.log("overlap_plan", source=self.step.plan_source, key=plan.key,
-                    steps="".join({"F": "f", "B": "b", "FB": "P"}[s] for s in plan.steps),
-                    pairs=sum(s == "FB" for s in plan.steps),
-                    predicted_time=plan.predicted_time, sequential_time=plan.sequential_time)
-        finally:
-            log.close()
+        with EventLog(self.run_dir) as log:
+            log.emit(OverlapPlan(
+                source=self.step.plan_source, key=plan.key,
+                steps="".join({"F": "f", "B": "b", "FB": "P"}[s] for s in plan.steps),
+                pairs=sum(s == "FB" for s in plan.steps),
+                predicted_time=plan.predicted_time, sequential_time=plan.sequential_time))
 
 
 def build_tp_trainer(model_cfg: GPTConfig, tp_group: dist.ProcessGroup | None,

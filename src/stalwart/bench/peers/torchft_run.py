@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.events import Eval, FaultApplied, RankLost
+
 TORCHFT_VERSION = "0.2.0"
 N_REPLICAS = 4
 FIGURES = ("torchft_failstop_resume_s", "torchft_failstop_samples_lost",
@@ -139,7 +141,7 @@ def measure(failstop: Any, slow: Any, workdir: Path, tag: str, micro_size: int,
 # ---- figures from run directories ---------------------------------------------------------
 def kill_time(d: Any, kind: str = "kill") -> tuple[float, int] | None:
     """(time, rank or host) of the testbed's first fault of ``kind`` (kill, hang, cut)."""
-    kills = [e for e in d.events_of("fault_applied") if e.get("kind") == kind]
+    kills = [e for e in d.events_of(FaultApplied) if e.get("kind") == kind]
     if not kills:
         return None
     e = kills[0]
@@ -203,7 +205,7 @@ def window_tokens_per_s(d: Any, lo: int, hi: int) -> float | None:
         return None
     t0 = min(float(m["time"]) - float(m["step_time"]) for m in first)
     t1 = max(float(m["time"]) for m in last)
-    evals = sum(float(e.get("eval_time", 0.0)) for e in d.events_of("eval")
+    evals = sum(float(e.get("eval_time", 0.0)) for e in d.events_of(Eval)
                 if t0 < float(e["time"]) < t1)
     span = t1 - t0 - evals
     return sum(int(m["tokens"]) for m in rows) / span if span > 0 else None
@@ -213,7 +215,7 @@ def crash(d: Any) -> tuple[bool, str]:
     """Whether a replica other than the killed one died, and its error (from its log)."""
     k = kill_time(d)
     killed = k[1] if k else None
-    lost = [e for e in d.events_of("rank_lost") if e.get("rank") != killed]
+    lost = [e for e in d.events_of(RankLost) if e.get("rank") != killed]
     if not lost:
         return False, ""
     r = int(lost[0]["rank"])
@@ -288,6 +290,6 @@ def figures(runs: dict[str, Any], healthy: Any, ours_slow: Any,
                "runs": {k: {"path": str(d.path), "rc": getattr(d, "rc", None),
                             "final_val_loss": d.final_val_loss(),
                             "lost": [{k2: e.get(k2) for k2 in ("rank", "exit_code", "error")}
-                                     for e in d.events_of("rank_lost")]}
+                                     for e in d.events_of(RankLost)]}
                         for k, d in runs.items()}}
     return figs, details
