@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 from stalwart import events
@@ -36,3 +41,24 @@ def test_one_phrasing_for_steps_and_for_a_script_runs_iterations() -> None:
     assert events.describe(pair) == "straggler: link 1-2 x3.00 since step 30"
     assert events.describe({"event": "eval", "step": 3}) is None
     assert events.parse({"event": "straggler_detected", "step": 3}) is None  # fields missing
+
+
+def test_the_package_imports_no_torch_and_nothing_else_of_stalwart() -> None:
+    """Every module of stalwart may read events: importing them loads only stalwart.events
+    (and its own modules), never torch."""
+    code = ("import sys, stalwart.events\n"
+            "print(' '.join(m for m in sys.modules if m == 'torch' or m.startswith('torch.')"
+            " or (m.startswith('stalwart.') and not m.startswith('stalwart.events'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == []
+
+
+def test_every_type_of_a_domain_module_is_exported_by_the_package() -> None:
+    mods = [m for m in pkgutil.iter_modules(events.__path__)]
+    assert mods
+    for m in mods:
+        mod = importlib.import_module(f"stalwart.events.{m.name}")
+        for name, t in inspect.getmembers(mod, inspect.isclass):
+            if t.__module__ == mod.__name__ and not name.startswith("_"):
+                assert getattr(events, name) is t, f"stalwart.events.{name}"
