@@ -463,11 +463,14 @@ class Runtime:
                 self._abort(b, self._liveness_socks())
 
     def _store_addrs(self) -> set[str]:
+        """The store's host as given and every address it resolves to (as a peer's address
+        reads: an IPv4-mapped one without its ``::ffff:``)."""
         host = self._conn[0]
         try:
-            return {host, socket.gethostbyname(host)}
+            infos = socket.getaddrinfo(host, None)
         except OSError:
             return {host}
+        return {host} | {str(ai[4][0]).removeprefix("::ffff:") for ai in infos}
 
     def _liveness_socks(self) -> set[sockets.Sock]:
         out = set()
