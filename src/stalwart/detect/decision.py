@@ -118,6 +118,23 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+def _select_median(a: np.ndarray) -> float:
+    """``np.median(a)`` of a non-empty 1-d float64 array without nan or -0.0, the same value
+    (the middle value, or (a + b) / 2 of the two middle ones, as np.median's mean of the
+    two), by one selection that reorders ``a`` in place: none of np.median's copy, nan check
+    and mean (~35 us of a 90 us median at 10,000 values). The caller passes an array it
+    owns. (With a -0.0 among equal zeros, which zero is in the middle would be the
+    selection's choice; rank 0's inputs have none: positive compute, log ratios -- log
+    never returns -0.0 -- and absolute deviations.)"""
+    n = a.size
+    h = n // 2
+    if n % 2:
+        a.partition(h)
+        return float(a[h])
+    a.partition((h - 1, h))
+    return float((a[h - 1] + a[h]) / 2)
+
+
 class DecisionCore:
     """One rank's detection state; rank 0 (``leader``) runs the channels and raises alarms.
 
@@ -316,9 +333,9 @@ class DecisionCore:
         same values either way (tests/detect/test_relative_vector.py)."""
         if len(comps) >= VECTOR_RANKS:
             arr = np.asarray(comps, dtype=float)
-            if not bool(np.all((arr > 0.0) & (arr < math.inf))):  # (nan fails too)
+            if not (arr.min() > 0.0 and arr.max() < math.inf):  # (a nan fails: min, max)
                 return
-            ratios = arr / float(np.median(arr))  # (np.median: _median's arithmetic)
+            ratios = arr / _select_median(arr.copy())  # (np.median: _median's arithmetic)
             rel: list[float] | np.ndarray = ratios
             rel_list = ratios.tolist()
             comps = arr
@@ -448,8 +465,10 @@ class DecisionCore:
         return DetectorGroup([self.rel_detectors[r] for r in range(n)])
 
     def _classify_ranks(self, changes: list[Change | None]) -> None:
-        """Each rank's change (rank order) on its own channel."""
-        if any(changes):
+        """Each rank's change (rank order) on its own channel. (Whether there is one:
+        ``count(None)``, a pointer comparison per rank -- ``any`` asks each element's truth,
+        ~90 us over 10,000 ranks, twice a step.)"""
+        if changes.count(None) != len(changes):
             for r, ch in enumerate(changes):
                 if ch is not None:
                     self.classify(ch, f"rank{r}")
@@ -481,9 +500,12 @@ class DecisionCore:
         smallest ones are, and those channels alarm on noise. In one step every rank gives a
         sample of the same noise, so at scale the pooled spread is known well after a few
         steps. Up to REF_RANKS ranks (the size the thresholds were tuned on) nothing changes.
-        Cost: one vector median per step, an O(N) loop when the floor moves by > 20%."""
+        Cost: two selections over the ranks per step (in place, on the one array this makes),
+        an O(N) loop when the floor moves by > 20%."""
         x = np.log(np.asarray(rel))
-        self._spreads.append(float(1.4826 * np.median(np.abs(x - np.median(x)))))
+        # the median's selection reorders x; the deviations from it do not depend on order
+        np.abs(np.subtract(x, _select_median(x), out=x), out=x)
+        self._spreads.append(float(1.4826 * _select_median(x)))
         if len(self._spreads) < 4 or self.cusum is None:
             return
         floor = POOLED_FLOOR * statistics.median(self._spreads)

@@ -173,6 +173,9 @@ class _State:
         self.out = Outcome(name, steps, 0.0)
         self.counts = np.asarray(planner.uniform(j.m, j.dp), dtype=np.int64)
         self.active = np.arange(j.dp)  # replicas running, in the policy's group order
+        # the ranks of ``active`` (Engine._live) and whether they are every rank, made again
+        # only when ``active`` is replaced (a restart), not every step
+        self._live_for: tuple[np.ndarray, np.ndarray, bool] | None = None
         self.det, self.pol = eng._fresh(self.active, self.drng)
         self.keys = np.zeros(HISTORY, dtype=np.int64)
         self.comp_hist = np.zeros((HISTORY, j.ranks))
@@ -208,13 +211,24 @@ class _State:
         if len(self.recent) > 2 * MEASURE_AFTER:
             self.recent.pop(0)
 
+    def _live(self) -> tuple[np.ndarray, bool]:
+        """``Engine._live(active)`` and whether it is every rank in order, kept per
+        ``active`` array (replaced, never changed in place, at a restart)."""
+        got = self._live_for
+        if got is None or got[0] is not self.active:
+            live = self.eng._live(self.active)
+            every = len(live) == self.job.ranks and bool(
+                np.array_equal(live, np.arange(self.job.ranks)))
+            got = self._live_for = (self.active, live, every)
+        return got[1], got[2]
+
     def decide(self, k: int, res: Any, comp_f: np.ndarray, link_f: np.ndarray
                ) -> Decision | None:
         """Rank 0's decision code for step ``k``; its CPU time (less the simulator's own
         evidence building) goes to ``decision_s``."""
         det, s, eng = self.det, self.s, self.eng
         assert det is not None
-        live = eng._live(self.active)
+        live, every = self._live()
 
         def evidence() -> Evidence:
             order = np.argsort(self.keys)[-min(k + 1, HISTORY):]
@@ -223,7 +237,10 @@ class _State:
 
         c0, sim0 = time.thread_time(), det.sim_s
         comm0 = res.step_s - float(res.compute_s[live[0]])
-        if det.feed(k, res.step_s, res.compute_s[live], comm0, evidence):
+        # every rank's compute as the row gathers it (the step's own array when every replica
+        # runs: the decision code reads it, nothing keeps or changes it)
+        compute = res.compute_s if every else res.compute_s[live]
+        if det.feed(k, res.step_s, compute, comm0, evidence):
             self.t += s.validation_s
             self.out.pauses += 1
             self.out.pause_steps.append(k)
