@@ -100,7 +100,6 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     ConfigError is raised (not returned) for bad input found before any rank starts.
     """
     from stalwart.devices import DeviceError, check_request
-    from stalwart.testbed import open_testbed
 
     cfg = resolve_launch(cfg)  # every value first (one pass), then what this machine can run
     try:
@@ -117,41 +116,12 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     else:
         progress = Progress(cfg, run_dir, enabled=show_progress)
     procs: dict[int, subprocess.Popen] = {}
-    # the membership store of a script's ranks, or of a job that regroups in place
-    # (elastic/launcher.py, elastic/runlink.py)
-    store: LauncherStore | None = None
-    rc = 1
     events.emit(RunStarted(nproc=cfg.job.nproc, testbed=cfg.testbed.kind, launcher="stalwart",
                            resume=cfg.job.resume, script=cfg.job.script or None))
+    holder: list[LauncherStore | None] = [None]
     try:
-        with open_testbed(cfg, events) as tb:
-            incarnation, first_step, restart_t0 = 0, 0, None
-            store = _membership_store(cfg, tb, run_dir, module)
-            tb.start_liveness()  # ranks beat to it: a hung or cut-off rank is found (heartbeat.py)
-            clock0 = time.monotonic()  # fault windows in seconds count from here
-            tb.on_time(0.0)
-            while True:
-                port = 29500 + incarnation if cfg.testbed.kind == "netns" else free_port()
-                members = _announcer(cfg, run_dir, module, store)
-                # the ranks of a job that regroups in place find this launch's records
-                run_args = args if members is None else [*(args or []), "--link",
-                                                         members.token]
-                procs = _spawn(cfg, tb, run_dir, module, run_args, port, incarnation, store)
-                # a rank started again to rejoin live (supervise.py): the training worker, or
-                # a script's rank with its membership store
-                again = _restarter(cfg, tb, run_dir, module, run_args, port, incarnation,
-                                   store)
-                got = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
-                                first_step, restart_t0, clock0, members, keep_going, store)
-                if not isinstance(got, Relaunch):
-                    rc = got
-                    break
-                # the ranks checkpointed and left for a restart; go on with other hosts
-                restart_t0 = time.monotonic()
-                cfg, first_step = _restart_config(cfg, run_dir, events, say, got)
-                # faults stay on their hosts; ranks move
-                tb.set_hosts(list(cfg.job.hosts) if cfg.job.hosts else None)
-                incarnation += 1
+        rc = _run_incarnations(cfg, run_dir, module, args, events, progress, say, keep_going,
+                               procs, holder)
     except KeyboardInterrupt:
         stop_all(procs)
         progress.close()
@@ -161,21 +131,67 @@ def launch(cfg: RunConfig, module: str = "stalwart.train.worker", args: list[str
     finally:
         stop_all(procs)
         progress.close()
-        if store is not None:
-            store.close()
+        if holder[0] is not None:
+            holder[0].close()
     if rc != 130:
         events.emit(RunFinished(ok=rc == 0, exit_code=rc))
     if module in ("stalwart.train.worker", "stalwart.scriptboot"):
-        try:
-            from stalwart.report import build_report
-
-            html = build_report(run_dir)
-            if rc == 0:
-                say(f"report: {html}")
-        except Exception as e:  # a report problem must not hide the run's own outcome
-            say(f"stalwart: report not built: {e}")
+        _report(run_dir, rc, say)
     events.close()
     return rc
+
+
+def _run_incarnations(cfg: RunConfig, run_dir: Path, module: str, args: list[str] | None,
+                      events: EventLog, progress: Any, say: Callable[[str], None],
+                      keep_going: bool, procs: dict[int, subprocess.Popen],
+                      store_out: list[LauncherStore | None]) -> int:
+    """The job's incarnations on one testbed until the ranks end (a restart without a host
+    or on a new placement starts the next). ``procs`` always holds the live incarnation's
+    processes and ``store_out[0]`` the membership store (the caller stops and closes them,
+    also on Ctrl-C). Returns the job's exit code."""
+    from stalwart.testbed import open_testbed
+
+    with open_testbed(cfg, events) as tb:
+        incarnation, first_step, restart_t0 = 0, 0, None
+        # the membership store of a script's ranks, or of a job that regroups in place
+        # (elastic/launcher.py, elastic/runlink.py)
+        store = store_out[0] = _membership_store(cfg, tb, run_dir, module)
+        tb.start_liveness()  # ranks beat to it: a hung or cut-off rank is found (heartbeat.py)
+        clock0 = time.monotonic()  # fault windows in seconds count from here
+        tb.on_time(0.0)
+        while True:
+            port = 29500 + incarnation if cfg.testbed.kind == "netns" else free_port()
+            members = _announcer(cfg, run_dir, module, store)
+            # the ranks of a job that regroups in place find this launch's records
+            run_args = args if members is None else [*(args or []), "--link", members.token]
+            procs.clear()
+            procs.update(_spawn(cfg, tb, run_dir, module, run_args, port, incarnation, store))
+            # a rank started again to rejoin live (supervise.py): the training worker, or a
+            # script's rank with its membership store
+            again = _restarter(cfg, tb, run_dir, module, run_args, port, incarnation, store)
+            got = supervise(cfg, run_dir, procs, tb, progress, events, say, again,
+                            first_step, restart_t0, clock0, members, keep_going, store)
+            if not isinstance(got, Relaunch):
+                return got
+            # the ranks checkpointed and left for a restart; go on with other hosts
+            restart_t0 = time.monotonic()
+            cfg, first_step = _restart_config(cfg, run_dir, events, say, got)
+            # faults stay on their hosts; ranks move
+            tb.set_hosts(list(cfg.job.hosts) if cfg.job.hosts else None)
+            incarnation += 1
+
+
+def _report(run_dir: Path, rc: int, say: Callable[[str], None]) -> None:
+    """report.html from the run directory; a problem building it is said, never raised (it
+    must not hide the run's own outcome)."""
+    try:
+        from stalwart.report import build_report
+
+        html = build_report(run_dir)
+        if rc == 0:
+            say(f"report: {html}")
+    except Exception as e:
+        say(f"stalwart: report not built: {e}")
 
 
 def torchrun_env(rank: int, nproc: int, one_host_per_rank: bool, master_addr: str,

@@ -18,7 +18,7 @@ Mechanism:
    (``materialise``: ``checkpoints/step-N/rank-I.pt`` for TP index I, ``WORLD`` = tp, so a
    world of any size reads rank ``r % tp``'s file), and relaunches the job on the fallback
    generation's hosts from it: the same global batch, at most the step in flight redone.
-   ``regroup_failed`` (events.py) says why and what was done.
+   ``regroup_failed`` (stalwart.events) says why and what was done.
 
 A ``--comm lossy`` job cannot be relaunched this way: each rank holds only its own shard of
 the optimizer state (its owner's), which a relaunch at another world size cannot load
