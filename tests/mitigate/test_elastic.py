@@ -89,7 +89,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-def test_a_node_leaves_and_the_other_goes_on_from_the_checkpoint(tmp_path: Path) -> None:
+def test_a_node_leaves_and_the_other_goes_on_from_the_checkpoint(  # noqa: PLR0915
+        tmp_path: Path) -> None:  # one scenario, asserted step by step
     # a small corpus: four ranks reading the whole stdlib would dominate the test's time
     data = tmp_path / "corpus.txt"
     text = "".join(p.read_text(errors="replace") for p in sorted(

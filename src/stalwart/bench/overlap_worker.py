@@ -90,7 +90,7 @@ def probe(block: int, batch: int, n_embd: int, reps: int = 15) -> dict[str, list
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 (one bench flow, in order)
     a = parse(list(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(1)
     from stalwart.devices import plan_devices, rank_slot, visible_gpus

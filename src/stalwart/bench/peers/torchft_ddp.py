@@ -72,7 +72,7 @@ def share(batch: int, replicas: int, r: int) -> range:
     return range(start, start + base + (1 if r < extra else 0))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 (the peer as its docs run it)
     p = argparse.ArgumentParser(prog="torchft_ddp")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=200)
