@@ -504,3 +504,23 @@ def test_a_confirmed_rank_that_rose_before_the_channels_onset_is_slow_since_the_
     assert f.kind == "compute" and f.ranks == [2]
     assert f.onset_step == 12 and f.evidence["never_healthy"] is False, f
     assert f.evidence["slow_since_rise"] == 12 and "slow_all_along" not in f.evidence
+
+
+def test_a_group_the_audit_meets_as_its_fault_begins_is_slow_since_the_rise() -> None:
+    """The audit (no alarm) confirms host 1's two ranks as a group two steps into their 3x
+    fault; they read ~1.5x their peers while healthy (load on their core), each with one
+    spike above its fault's level (steps 10 and 15): neither member's own two samples since
+    the fault clear its own past, the group's do. The onset is the group's rise, not the
+    first sample ("never healthy")."""
+    def series(r: int) -> list[tuple[int, float]]:
+        slow = r in (2, 3)
+        spike = {2: 10, 3: 15}.get(r)
+        return [(k, 0.05 * (1.5 if slow else 1.0) * (3.0 if slow and k >= 28 else 1.0)
+                 * (6.0 if k == spike else 1.0)
+                 * (1 + 0.1 * ((k * 7 + r) % 3))) for k in range(0, 30)]
+    ev = [RankEvidence(r, None, 0.05, None, 0.01, 0.2 * (3.2 if r in (2, 3) else 1.0), {},
+                       [0.2 * (3.2 if r in (2, 3) else 1.0) * (1 + 0.01 * r)] * 3,
+                       recent=series(r), host=str(r // 2)) for r in range(6)]
+    f = decide(ev, onset_step=0, step=29, severity=1.0, mode="audit", first_step=0)
+    assert f.kind == "compute" and f.ranks == [2, 3], f
+    assert f.onset_step == 28 and f.evidence["never_healthy"] is False, f

@@ -384,8 +384,12 @@ def _rounds_chance(ev: list[RankEvidence], rank: int) -> float:
 
 
 def _born_finding(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
-                  evidence: dict[str, Any], mode: str) -> Finding:
-    onset, never = born_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD))
+                  evidence: dict[str, Any], mode: str,
+                  group: list[int] | None = None) -> Finding:
+    """A straggler named by the outlier test or the audit (``rank``, or the slow ``group``
+    the compute test confirmed it with), its onset from the training-time evidence
+    (``onset.born_onset``: the group's series for a group) and priced from its peers."""
+    onset, never = born_onset(ev, rank, onset_step, step, math.log(COMPUTE_MILD), group)
     evidence.update(detected_by=mode, never_healthy=never)
     if onset != onset_step:
         evidence["alarm_onset_step"] = onset_step
@@ -760,7 +764,7 @@ def decide(ev: list[RankEvidence], onset_step: int, step: int, severity: float,
         if group is None:
             evidence["rounds_chance"] = _rounds_chance(ev, candidate)
         if born:
-            found = _born_finding(ev, candidate, onset_step, step, evidence, mode)
+            found = _born_finding(ev, candidate, onset_step, step, evidence, mode, group)
         else:
             found = _compute_finding(ev, candidate, onset_step, step, severity, evidence,
                                      first_step)

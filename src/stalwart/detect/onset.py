@@ -78,17 +78,18 @@ def link_severity(ev: list[RankEvidence], ratio: float) -> float:
 
 
 def born_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
-               min_rise: float) -> tuple[int, bool]:
+               min_rise: float, group: list[int] | None = None) -> tuple[int, bool]:
     """Where a straggler found by the outlier test or the audit began, and whether it was
     never healthy: the rise of the rank's compute over its peers' from a healthy level
-    (``healthy_rise``), if there is one; else the first sample of the evidence, "never
-    healthy" when the evidence holds nothing before ``onset_step`` (the monitor's first
-    sample: the alarm put its onset there because the rank's whole history is in question);
-    else ``onset_step`` (slow since at least then)."""
+    (``healthy_rise``; for a slow ``group``, of the group's compute over the other ranks'),
+    if there is one; else the first sample of the evidence, "never healthy" when the
+    evidence holds nothing before ``onset_step`` (the monitor's first sample: the alarm put
+    its onset there because the rank's whole history is in question); else ``onset_step``
+    (slow since at least then)."""
     keys, _ = peer_series(ev, rank)
     if len(keys) == 0:
         return onset_step, False
-    rise = healthy_rise(ev, rank, step, min_rise)
+    rise = healthy_rise(ev, rank, step, min_rise, group)
     if rise is not None:
         return rise, False
     if int(keys[0]) >= onset_step:
@@ -96,15 +97,18 @@ def born_onset(ev: list[RankEvidence], rank: int, onset_step: int, step: int,
     return onset_step, False
 
 
-def healthy_rise(ev: list[RankEvidence], rank: int, step: int, min_rise: float) -> int | None:
-    """Where the rank's compute over its peers' (``peer_series``) rose from a healthy level
-    within the evidence, up to ``step``: the split ``rise_onset`` places from the
-    ``RISE_MIN_BEFORE``-th sample on, higher by more than ``min_rise`` (log), that passes the
-    rank-sum test (z >= ``RISE_Z``, or ``_recent_rise`` with too few samples after it for
-    that test) and whose level before it is healthy (``healthy_before``); None when there is
-    no such rise (the rank was as slow over the whole evidence). Pure; cost: one
-    ``rise_onset`` and one rank-sum over the rank's <= ~``BEFORE`` + window samples."""
-    keys, xs = peer_series(ev, rank)
+def healthy_rise(ev: list[RankEvidence], rank: int, step: int, min_rise: float,
+                 group: list[int] | None = None) -> int | None:
+    """Where the rank's compute over its peers' (``peer_series``; a ``group`` of two or more
+    ranks: ``group_series``) rose from a healthy level within the evidence, up to ``step``:
+    the split ``rise_onset`` places from the ``RISE_MIN_BEFORE``-th sample on, higher by more
+    than ``min_rise`` (log), that passes the rank-sum test (z >= ``RISE_Z``, or
+    ``_recent_rise`` with too few samples after it for that test) and whose level before it
+    is healthy (``healthy_before``); None when there is no such rise (the rank was as slow
+    over the whole evidence). Pure; cost: one ``rise_onset`` and one rank-sum over the
+    rank's <= ~``BEFORE`` + window samples."""
+    keys, xs = (group_series(ev, group) if group is not None and len(group) > 1
+                else peer_series(ev, rank))
     if len(keys) == 0:
         return None
     lo = int(keys[min(RISE_MIN_BEFORE, len(keys) - 1)])
@@ -116,6 +120,34 @@ def healthy_rise(ev: list[RankEvidence], rank: int, step: int, min_rise: float) 
             rank_sum_z(before, after) >= RISE_Z or _recent_rise(before, after)):
         return rise
     return None
+
+
+def group_series(ev: list[RankEvidence], group: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A slow group's (keys, log of its members' geometric-mean compute over the other ranks'
+    median compute) at the steps of the evidence that every rank has; empty without other
+    ranks. One series for one slow worker (a host's ranks slowed alike): its rise is tested
+    once, at the single series' false-rise chance, and the mean of k members' logs carries
+    ~1/sqrt(k) of one member's independent noise -- a rise a member's own series shows in
+    too few samples shows in the group's (a testbed host's two ranks met by the audit one
+    step into their fault under load: each member's last samples within its own noise, the
+    group's above every sample before). Cost: O(ranks x steps)."""
+    members = set(group)
+    rows: dict[int, dict[int, float]] = {}
+    for e in ev:
+        for k, c in e.recent:
+            rows.setdefault(int(k), {})[e.rank] = c
+    keys, xs = [], []
+    for k in sorted(rows):
+        row = rows[k]
+        mine = [c for r, c in row.items() if r in members]
+        others = [c for r, c in row.items() if r not in members]
+        if len(row) != len(ev) or len(mine) != len(members) or not others \
+                or min(row.values()) <= 0:
+            continue
+        keys.append(k)
+        xs.append(statistics.fmean(math.log(c) for c in mine)
+                  - math.log(statistics.median(others)))
+    return np.asarray(keys, dtype=np.int64), np.asarray(xs)
 
 
 def healthy_before(before: np.ndarray, after: np.ndarray) -> bool:
