@@ -198,3 +198,31 @@ def test_a_sleeping_model_wakes_for_a_shift_after_a_long_quiet_run() -> None:
     found = [c for i, v in enumerate(x) if (c := d.add(i, float(v))) is not None]
     assert len(found) == 1 and abs(found[0].onset - 450) <= 1
     assert d.slept > 300  # it slept through most of the 450 quiet samples
+
+
+def test_changes_are_the_same_with_the_numpy_best_split(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verification's split in C (``robust.best_split``) gives the changes the numpy
+    reference gives, on noisy series with shifts, spikes and ties."""
+    from stalwart.detect import robust
+
+    def run() -> list[tuple[int, int, float, float]]:
+        out = []
+        for seed in range(12):
+            rng = np.random.default_rng(seed)
+            t = 0.1 * np.exp(rng.normal(0.0, 0.05 + 0.02 * (seed % 3), 400))
+            t[150:] *= 1.0 + 0.1 * (seed % 5)
+            t[300:] /= 1.3
+            t[rng.integers(0, 400, 6)] *= 3.0
+            if seed % 4 == 0:
+                t = np.round(t, 3)
+            det = ChangeDetector()
+            for k, x in enumerate(t.tolist()):
+                ch = det.add(k, x)
+                if ch is not None:
+                    out.append((ch.onset, ch.decided, ch.before, ch.after))
+        return out
+
+    native = run()
+    monkeypatch.setattr(robust, "_best_split", None)
+    assert run() == native and native

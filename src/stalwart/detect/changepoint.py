@@ -164,9 +164,11 @@ class ChangeDetector:
         self.bank.replay(self._row, xs, centre - c, centre + c)
         g.model_updates += len(xs)
 
-    def _best_split(self, lag: int) -> int:
-        """Length of the new regime (1..lag): the ``best_split`` of the segment."""
-        v = self._segment()[1]
+    def _best_split(self, lag: int, v: np.ndarray | None = None) -> int:
+        """Length of the new regime (1..lag): the ``best_split`` of the segment (``v``: its
+        log times, ``_segment()[1]``, when the caller has them)."""
+        if v is None:
+            v = self._segment()[1]
         i = best_split(v, [len(v) - run for run in range(1, lag + 1) if len(v) - run >= 2])
         return 1 if i is None else len(v) - i
 
@@ -218,16 +220,17 @@ class ChangeDetector:
         # The posterior says "a change within the last `lag` samples"; where exactly is left to
         # the data: short runs with uncertain variance tend to absorb the first new samples, so
         # the posterior's own argmax places the onset a few samples early.
-        run = self._best_split(lag)
+        seg_keys, vals = self._segment()
+        run = self._best_split(lag, vals)
         if run < self.confirm:
             return None
         onset_pos = pos - run + 1
-        seg_keys, vals = self._segment()
         before = drop_outliers(vals[:-run])
         after = vals[-run:]
         if len(before) < 2:
             return None
-        lb, la = float(np.mean(before)), median(after)
+        # (np.mean's arithmetic: numpy's sum, then one division, without its wrappers)
+        lb, la = float(np.add.reduce(before)) / len(before), median(after)
         ratio = math.exp(la - lb)
         if abs(ratio - 1.0) < self.min_shift:
             return None
@@ -238,7 +241,7 @@ class ChangeDetector:
         if abs(la - lb) < self.z_sig * 1.25 * s / math.sqrt(run):
             return None
         mid = (la + lb) / 2
-        far = np.sum(after > mid) if la > lb else np.sum(after < mid)
+        far = np.count_nonzero(after > mid) if la > lb else np.count_nonzero(after < mid)
         if far < 0.75 * run:
             return None
         # Spacing applies to changes in the same direction (one ramp is one change). A change

@@ -15,6 +15,8 @@
  *   nan on entry); returns the ranks whose reference is due to be fitted and the live ranks
  *   whose S is past their threshold (the caller fits and raises, as the reference does).
  *
+ * best_split(v, candidates): robust.best_split's split, its costs summed as numpy sums (below).
+ *
  * outlier_step(over, logrel, excess, keys, count, filled, whole, line, comps, key, p)
  *   over bool (n x W), logrel/excess float64 (n x W), keys int64 (W), count/filled int64 (n),
  *   whole bool (n), line/comps float64 (n). One sample of every rank into column ``p`` of
@@ -1179,7 +1181,151 @@ static PyObject *by_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
+
+/* ---- best_split: robust.best_split's costs (changepoint.py's verification) --------------
+ *
+ * best_split(v, candidates) -> the candidate that ``robust.best_split`` returns (the same
+ *   object; None without candidates), or NotImplemented where that one must run (v not a
+ *   1-d contiguous float64 buffer, a nan in v, a candidate not an int in [0, len(v)]).
+ *   The cost of a split at i is _abs_dev(v[:i]) + _abs_dev(v[i:]), each the upper half's
+ *   sum of the sorted values minus the lower half's, summed as numpy's add.reduce sums a
+ *   contiguous float64 vector (pairwise_sum: 8 partial sums in blocks of up to 128, halves
+ *   above), so every cost is the reference's to the bit; the first of equal costs wins.
+ *   The sorted heads grow by insertion from the smallest candidate's: one sort, then
+ *   O(len(v)) per candidate, instead of two numpy sorts and four numpy calls each.
+ */
+static double pw_sum(const double *a, Py_ssize_t n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        Py_ssize_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    Py_ssize_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pw_sum(a, n2) + pw_sum(a + n2, n - n2);
+}
+
+/* ``_abs_dev`` of the sorted values s[0..n): float(upper.sum() - lower.sum()) */
+static double abs_dev_sorted(const double *s, Py_ssize_t n) {
+    Py_ssize_t k = n / 2;
+    return pw_sum(s + n - k, k) - pw_sum(s, k);
+}
+
+static void sort_doubles(double *a, Py_ssize_t n) {
+    if (n <= 32) {  /* insertion sort */
+        for (Py_ssize_t i = 1; i < n; i++) {
+            double x = a[i];
+            Py_ssize_t j = i;
+            for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+    } else {
+        qsort(a, (size_t)n, sizeof(double), cmp_double);  /* (no nan here) */
+    }
+}
+
+static PyObject *best_split_c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "best_split(v, candidates)");
+        return NULL;
+    }
+    Py_buffer vb;
+    if (PyObject_GetBuffer(args[0], &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *cands = NULL, *out = NULL, **items = NULL;
+    double *work = NULL, *big = NULL, tail[64];
+    Py_ssize_t *at = NULL, n = 0, m = 0, lo = 0;
+    char *asked = NULL;
+    if (vb.ndim != 1 || vb.itemsize != 8 || !vb.format || strcmp(vb.format, "d") != 0)
+        goto fallback;
+    const double *v = (const double *)vb.buf;
+    n = vb.shape ? vb.shape[0] : vb.len / 8;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (v[i] != v[i]) goto fallback;
+    cands = PySequence_Fast(args[1], "best_split: candidates");
+    if (!cands) goto error;
+    m = PySequence_Fast_GET_SIZE(cands);
+    if (m == 0) { out = Py_None; Py_INCREF(out); goto done; }
+    items = PySequence_Fast_ITEMS(cands);
+    at = PyMem_Malloc((size_t)m * sizeof(Py_ssize_t));
+    /* the sorted head (n), then the costs by split index (n + 1) */
+    work = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(double));
+    asked = PyMem_Calloc((size_t)n + 1, 1);
+    if (!at || !work || !asked) { PyErr_NoMemory(); goto error; }
+    lo = n;
+    for (Py_ssize_t c = 0; c < m; c++) {
+        if (!PyLong_CheckExact(items[c])) goto fallback;
+        Py_ssize_t i = PyLong_AsSsize_t(items[c]);
+        if (i == -1 && PyErr_Occurred()) { PyErr_Clear(); goto fallback; }
+        if (i < 0 || i > n) goto fallback;
+        at[c] = i;
+        asked[i] = 1;
+        if (i < lo) lo = i;
+    }
+    double *head = work, *cost = work + n;
+    memcpy(head, v, (size_t)lo * sizeof(double));
+    sort_doubles(head, lo);
+    Py_ssize_t len = lo;
+    for (Py_ssize_t i = lo; i <= n; i++) {
+        if (i > lo) {  /* v[i - 1] joins the sorted head */
+            double x = v[i - 1];
+            Py_ssize_t j = len;
+            for (; j > 0 && head[j - 1] > x; j--) head[j] = head[j - 1];
+            head[j] = x;
+            len++;
+        }
+        if (!asked[i]) continue;
+        Py_ssize_t t = n - i;
+        double *tl = tail;
+        if (t > 64) {
+            if (!big) big = PyMem_Malloc((size_t)n * sizeof(double));
+            if (!big) { PyErr_NoMemory(); goto error; }
+            tl = big;
+        }
+        memcpy(tl, v + i, (size_t)t * sizeof(double));
+        sort_doubles(tl, t);
+        cost[i] = abs_dev_sorted(head, len) + abs_dev_sorted(tl, t);
+    }
+    {
+        double best = INFINITY;
+        PyObject *best_o = Py_None;
+        for (Py_ssize_t c = 0; c < m; c++)
+            if (cost[at[c]] < best) { best = cost[at[c]]; best_o = items[c]; }
+        out = best_o;
+        Py_INCREF(out);
+    }
+    goto done;
+fallback:
+    out = Py_NotImplemented;
+    Py_INCREF(out);
+    goto done;
+error:
+    out = NULL;
+done:
+    PyMem_Free(big);
+    PyMem_Free(asked);
+    PyMem_Free(work);
+    PyMem_Free(at);
+    Py_XDECREF(cands);
+    PyBuffer_Release(&vb);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"best_split", (PyCFunction)(void (*)(void))best_split_c, METH_FASTCALL,
+     "robust.best_split's candidate (see the file), or NotImplemented."},
     {"by_step", (PyCFunction)(void (*)(void))by_step, METH_FASTCALL,
      "ExchangeRow.by_step's list (see the file), or None."},
     {"cusum_step", cusum_step, METH_VARARGS, "One CUSUM step of every rank (see the file)."},
