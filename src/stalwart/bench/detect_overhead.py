@@ -16,11 +16,14 @@ whose check analyses eight samples counts at its share and one validation pause 
 window the median leaves out). ``monitor_step_cpu_us_training_thread`` is the same for the
 training thread alone, ``monitor_analysis_cpu_us_per_step`` the analysis thread's total over
 the monitored steps, ``monitor_step_cpu_us_per_step_median`` the training thread's plain
-per-step median; the process's CPU overhead counts both threads. The monitor exchanges every
-``--check-every`` steps (default 8, fixed: ``Monitor(check_every=8)``; a decision then waits
-up to 2 x 8 steps for its rows), or with 0 at a period it chooses up to ``--max-every``
-(default 8), which falls to 1 while a rank's compute jumps (on a loaded machine: most of the
-time); with 1 every step exchanges and analyses its own sample.
+per-step median, ``per_step`` every monitored step's (kind -- "held" or "check", "+drain"
+where the schedule drained -- training thread us, analysis us), ``clock_pair_us_median``
+what the two thread-CPU clock reads around ``end_step`` cost alone after an "off" step (part
+of every step's figure); the process's CPU overhead counts both threads. The monitor
+exchanges every ``--check-every`` steps (default 8, fixed: ``Monitor(check_every=8)``; a
+decision then waits up to 2 x 8 steps for its rows), or with 0 at a period it chooses up to
+``--max-every`` (default 8), which falls to 1 while a rank's compute jumps (on a loaded
+machine: most of the time); with 1 every step exchanges and analyses its own sample.
 
 Started by the launcher like any rank: ``python -m stalwart.bench.detect_overhead --config
 CFG --overhead-steps N``.
@@ -224,6 +227,8 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
     in_step: list[float] = []
     in_step_cpu: list[float] = []
     in_analysis: list[float] = []  # rank 0's analysis thread CPU landed in each "on" step
+    clock_pair: list[float] = []  # two thread-CPU clock reads after an "off" step
+    kinds: list[str] = []  # each "on" step's kind: "held" or "check", "+drain" if it drained
     analysed = mon.analysis_cpu_us
     for step in range(warm + steps):
         on = begin_step(mon, step, warm)
@@ -235,6 +240,9 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
+        if not on and step >= warm:  # what the two clock reads alone cost here (the floor)
+            f0 = time.thread_time()
+            clock_pair.append(time.thread_time() - f0)
         m0 = time.thread_time()
         if prof is not None and on and step >= warm:
             prof.enable()
@@ -253,6 +261,9 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
             if on:
                 in_step.append(t2 - t1)
                 in_step_cpu.append(m1 - m0)
+                # (a check takes every held sample: none is held after it)
+                kinds.append(("held" if mon._n_held else "check")
+                             + ("+drain" if abba(step, warm)[1] else ""))
                 # the analysis jobs finished since the last "on" step's end: every one
                 # submitted in an "on" step is done by the end of the next (its ``drain``
                 # or the next check's wait), so none lands in an "off" step
@@ -303,6 +314,11 @@ def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
                # the analysis thread's CPU per monitored step (its total over the steps)
                "monitor_analysis_cpu_us_per_step": round(1e6 * statistics.fmean(in_analysis),
                                                          1),
+               # the part of every training-thread figure that is the two clock reads
+               "clock_pair_us_median": round(1e6 * statistics.median(clock_pair), 2),
+               # every monitored step: (kind, training thread us, analysis us landed in it)
+               "per_step": [(k, round(1e6 * a, 1), round(1e6 * b, 1)) for k, a, b in
+                            zip(kinds, in_step_cpu, in_analysis, strict=True)],
                "monitor": mon.stats(), "check_every_arg": check_every,
                "max_every_arg": max_every, "nproc": world}
         (run_dir / "overhead.json").write_text(json.dumps(out, indent=2) + "\n")

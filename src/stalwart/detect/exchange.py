@@ -43,6 +43,7 @@ try:  # rank 0's read of the rows in one call (detect/_native/channels.c)
 except ImportError:  # no compiler at install
     _by_step = None
 
+_new = tuple.__new__  # (``_new(Alarm, (...))``: ``Alarm(...)`` without its Python __new__)
 EXCHANGE_BUDGET = 0.002  # the exchange may cost this fraction of a step's CPU time
 ALERT_CHECKS = 4  # exchange every step this long after a change detector fired
 ALERT_JUMP = 0.25  # a rank's compute this much above its recent median, twice, asks k = 1
@@ -173,6 +174,8 @@ class Exchange:
         self._own_compute: deque[float] = deque(maxlen=16)
         self._own_high = False
         self._own_rows: dict[int, list[float]] = {}  # rank 0: its rows in flight, by seq
+        self._drained = -1  # the newest sequence number ``drain`` waited for
+        self._width = self.width(self.max_every)  # every row's floats
         # rank 0 measures costs only where it has a period to choose (max_every > 1)
         self._measure = rank == 0 and self.auto_every and self.max_every > 1
 
@@ -234,7 +237,8 @@ class Exchange:
         own = self._own_rows.pop(seq)
         if self.auto_every:
             self._set_every(int(own[RowHead.EVERY]))
-        return seq, RowHead.alarm_of(own)
+        # ``RowHead.alarm_of(own)``, without its two Python frames (rank 0's training thread)
+        return seq, _new(Alarm, (int(own[0]), int(own[1]), float(own[2]), int(own[3])))
 
     def read_rows(self, seq: int) -> list[tuple[int, list[float]]]:
         """Rank 0: exchange ``seq``'s rows (``read_own`` took its header): every rank's
@@ -246,7 +250,9 @@ class Exchange:
             # the other ranks' requests (rank 0's own row holds its last choice, which must
             # not vote for itself: once 1, the period would stay 1)
             self._requested = ExchangeRow.least_every(got[1:], self.max_every)
-        return ExchangeRow.by_step(got)
+        # (``ExchangeRow.by_step(got)``, the C call made here: one Python frame less)
+        out = _by_step(got, RowHead.SIZE, RowHead.ENTRIES) if _by_step is not None else None
+        return out if out is not None else ExchangeRow.by_step_ref(got)
 
     def _count_step(self, c: int) -> None:
         """Rank 0, choosing a period: the process CPU per step since the last check."""
@@ -287,12 +293,37 @@ class Exchange:
     def send(self, c: int, seq: int, alarm: Alarm) -> None:
         """The row ``reserve(c)`` booked as ``seq``: the samples since the last row and the
         period (rank 0: ``_choose_every``) with ``alarm``, sent."""
-        self._issue(c, seq, alarm)
+        t0 = time.thread_time() if self._measure else 0.0
+        # the same length on every rank; a rank with fewer samples sends fewer entries and
+        # rank 0 uses the entries every rank has
+        unsent = self._unsent[-self.max_every:]
+        self._unsent.clear()
+        if self.rank == 0:
+            every = self._choose_every(c) if self.auto_every else self.check_every
+        else:
+            every = self._request_every(unsent)
+        # ``ExchangeRow(RowHead(alarm, len(unsent), every), unsent).pack(width)``, the same
+        # floats without the two objects
+        vals = [float(alarm.action), float(alarm.onset), float(alarm.severity),
+                float(alarm.suspect), float(len(unsent)), float(every)]
+        for pair in unsent:
+            vals += pair
+        vals += [0.0] * (self._width - len(vals))
+        if self.rank == 0:
+            self._own_rows[seq] = vals
+        self.rows.issue(seq, vals)
+        if self._measure:
+            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
 
     def drain(self) -> None:
-        """Wait until the exchanges in flight are complete (they stay queued)."""
-        for seq, _ in self._inflight:
-            self.rows.wait(seq)
+        """Wait until the exchanges in flight are complete (they stay queued). A drain with
+        nothing issued since the last one returns at once (its rows were waited for; a link's
+        ``wait`` on them again would do nothing)."""
+        inflight = self._inflight
+        if inflight and inflight[-1][0] != self._drained:
+            for seq, _ in inflight:
+                self.rows.wait(seq)
+            self._drained = inflight[-1][0]
 
     def close(self) -> None:
         # every rank issued them: completing them keeps the group's op order intact
@@ -313,27 +344,6 @@ class Exchange:
             # this same check
             self._set_every(head.every)
         return head
-
-    def _issue(self, c: int, seq: int, alarm: Alarm) -> None:
-        t0 = time.thread_time() if self._measure else 0.0
-        # the same length on every rank; a rank with fewer samples sends fewer entries and
-        # rank 0 uses the entries every rank has
-        width = self.width(self.max_every)
-        unsent = self._unsent[-self.max_every:]
-        self._unsent.clear()
-        every = self._choose_every(c) if self.rank == 0 else self._request_every(unsent)
-        # ``ExchangeRow(RowHead(alarm, len(unsent), every), unsent).pack(width)``, the same
-        # floats without the two objects
-        vals = [float(alarm.action), float(alarm.onset), float(alarm.severity),
-                float(alarm.suspect), float(len(unsent)), float(every)]
-        for pair in unsent:
-            vals += pair
-        vals += [0.0] * (width - len(vals))
-        if self.rank == 0:
-            self._own_rows[seq] = vals
-        self.rows.issue(seq, vals)
-        if self._measure:
-            self._exchange_cpu = (self._exchange_cpu or 0.0) + time.thread_time() - t0
 
     def _request_every(self, unsent: list[tuple[float, float]]) -> int:
         """Ranks other than 0: ask for one exchange per step when this rank's own compute

@@ -403,7 +403,9 @@ class Monitor:
         """Wait until the exchanges in flight are complete (they stay queued and are read at
         their check as usual). Called at the same step on every rank; lets a caller that
         turns the monitor off charge their cost to the steps that issued them."""
-        self._wait()  # (a row the analysis thread sends is in flight once it is done)
+        a = self._analysis  # (``_wait``: a row the analysis thread sends is in flight once
+        if a is not None:  # it is done)
+            a.wait()
         if self.exchange is not None:
             self.exchange.drain()
 
@@ -428,9 +430,11 @@ class Monitor:
         s = self.sampler.from_hint(step, metrics)
         if s is None:
             return
-        if not self._due(self._checks + 1):
-            self._hold(s)
-            self._checks += 1  # a check with nothing due: the sample waits for the next one
+        h = self._holder
+        c1 = h.checks + 1
+        if not self._due(c1):
+            h.push(s.key, s.seconds, s.compute, s.comm)
+            h.checks = c1  # a check with nothing due: the sample waits for the next one
             return
         paused = self._core.verdicts
         self._paused = False
@@ -448,9 +452,6 @@ class Monitor:
             return False
         self.sampler.last_hint = time.perf_counter()
         return True
-
-    def _hold(self, s: IterSample) -> None:
-        self._holder.push(s.key, s.seconds, s.compute, s.comm)
 
     def _on_issue(self, rec: OpRecord) -> None:
         """Every tracked op, before it is issued: find iterations without hints."""
@@ -547,8 +548,9 @@ class Monitor:
         state, the rows and the verdicts are those of the same work done here. A check with
         an alarm runs here, its tests' collectives in the same order on every rank."""
         self._wait()
-        self._checks += 1
-        c = self._checks
+        h = self._holder
+        c = h.checks + 1
+        h.checks = c
         ex = self.exchange
         if (ex is not None and self._threaded and self._core.leader
                 and not isinstance(ex.rows, GlooRows)):
