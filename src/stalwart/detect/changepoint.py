@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stalwart.detect.bocpd import BOCPD, BOCPDBank, mass, update_rows
+from stalwart.detect.bocpd import BOCPD, BOCPDBank
 from stalwart.detect.prefilter import NONE, START, UPDATE, WAKE, PyGate
 from stalwart.detect.robust import best_split, drop_outliers, median, robust_scale
 
@@ -348,15 +348,35 @@ class DetectorGroup:
             # few models to update: the C step per row (``add``'s path) costs less than
             # building one vector update; the same arithmetic (the C step sums in order)
             return self.row_steps(key, asked)
-        xs = [(i, detectors[i]._after_push(code)) for i, code in asked]
-        idx = [i for i, x in xs if x is not None]
-        posts = update_rows([detectors[i]._bocpd for i in idx],  # type: ignore[misc]
-                            [x for _, x in xs if x is not None])
         out: list[Change | None] = [None] * len(detectors)
-        for i, post in zip(idx, posts, strict=True):
-            d = detectors[i]
-            lag = min(d.max_lag, len(d._g) - 1)
-            out[i] = d._verify(key, lag, mass(post, lag))
+        idx, xs = [], []
+        for i, code in asked:
+            x = detectors[i]._after_push(code)
+            if x is not None:
+                idx.append(i)
+                xs.append(x)
+        if not idx:
+            return out
+        dets = [detectors[i] for i in idx]
+        bank = dets[0].bank
+        ids = [d._row for d in dets]
+        rows: np.ndarray | slice = np.array(ids)
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            rows = slice(ids[0], ids[0] + len(ids))
+        post = bank.update(rows, np.asarray(xs, dtype=float))  # (update_rows' one update)
+        m = len(dets)
+        lags = np.fromiter((min(d.max_lag, len(d._g) - 1) for d in dets), np.int64, m)
+        thr = np.fromiter((d.threshold for d in dets), float, m)
+        # ``mass(posterior, lag)`` of every model at once: the first min(lag, n) run lengths
+        # summed in order -- add.accumulate is sequential, as ``mass``'s sum over the list
+        take = np.minimum(lags, bank.n[np.asarray(ids)])
+        ok = np.flatnonzero(take >= 1)
+        masses = np.zeros(m)
+        masses[ok] = np.add.accumulate(post, axis=1)[ok, take[ok] - 1]
+        # only a model past its threshold is verified (``_verify`` returns None below it,
+        # changing nothing): ~100 of 10,000 ranks' models awake a step, one or none past it
+        for j in np.flatnonzero((lags >= 1) & (masses > thr)).tolist():
+            out[idx[j]] = dets[j]._verify(key, int(lags[j]), float(masses[j]))
         return out
 
     def row_steps(self, key: int, asked: Sequence[tuple[int, ...]]) -> list[Change | None]:

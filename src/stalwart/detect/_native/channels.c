@@ -250,12 +250,6 @@ done:
     return res;
 }
 
-static const double *sort_vals;
-static int by_value(const void *a, const void *b) {
-    double x = sort_vals[*(const Py_ssize_t *)a], y = sort_vals[*(const Py_ssize_t *)b];
-    return x < y ? -1 : (x > y ? 1 : 0);
-}
-
 /* The outlier bank's arrays (outlier.py), borrowed from their buffers for one call. */
 typedef struct {
     char *over, *whole;
@@ -266,22 +260,44 @@ typedef struct {
 
 /* One sample of every rank (compute ``c``) into column ``p`` of the windows
  * (``OutlierBank._step``'s arithmetic); -1 (MemoryError set) if out of memory. */
+/* The peers' median of every rank from the row's two (n even) or three (n odd) middle order
+ * statistics, found by selection in O(n): removing rank r's value from the sorted row leaves
+ * the others' median at a place fixed by whether c[r] lies below, at or above the middle
+ * (equal values are interchangeable: the same numbers as sorting every index). */
 static int outlier_row(Outl *O, const double *c, long long key, Py_ssize_t p) {
     Py_ssize_t n = O->n, W = O->W;
-    Py_ssize_t small[2 * 64];
-    Py_ssize_t *order = n <= 64 ? small : PyMem_Malloc(2 * n * sizeof(Py_ssize_t));
-    if (!order) { PyErr_NoMemory(); return -1; }
-    Py_ssize_t *pos = order + n;
-    for (Py_ssize_t i = 0; i < n; i++) order[i] = i;
-    sort_vals = c;  /* the GIL is held: no other call sorts meanwhile */
-    qsort(order, n, sizeof(Py_ssize_t), by_value);
-    for (Py_ssize_t i = 0; i < n; i++) pos[order[i]] = i;
-    /* the median of the others: which of equal values is taken out does not matter */
-    Py_ssize_t m = n - 1;
+    double small[64];
+    double *t = n <= 64 ? small : PyMem_Malloc(n * sizeof(double));
+    if (!t) { PyErr_NoMemory(); return -1; }
+    memcpy(t, c, n * sizeof(double));
+    double A, B, C = 0.0;
+    int odd = n % 2;
+    if (!odd) {  /* m = n - 1 others, odd: peer = s[n/2 - 1] if c[r] >= s[n/2] else s[n/2] */
+        Py_ssize_t h = n / 2;
+        select_kth(t, n, h);
+        B = t[h];
+        A = t[0];
+        for (Py_ssize_t j = 1; j < h; j++) if (t[j] > A) A = t[j];
+    } else {  /* h = (n-1)/2; A, B, C = s[h-1], s[h], s[h+1] */
+        Py_ssize_t h = (n - 1) / 2;
+        select_kth(t, n, h);
+        B = t[h];
+        A = t[0];
+        for (Py_ssize_t j = 1; j < h; j++) if (t[j] > A) A = t[j];
+        C = t[h + 1];
+        for (Py_ssize_t j = h + 2; j < n; j++) if (t[j] < C) C = t[j];
+    }
+    if (t != small) PyMem_Free(t);
+    double lo_peer = 0, mid_peer = 0, hi_peer = 0;
+    if (odd) {
+        lo_peer = 0.5 * (B + C);   /* c[r] below the middle (pos <= h-1) */
+        mid_peer = 0.5 * (A + C);  /* at it (pos == h) */
+        hi_peer = 0.5 * (A + B);   /* above (pos >= h+1) */
+    }
     for (Py_ssize_t r = 0; r < n; r++) {
-#define RED(j) ((j) < pos[r] ? c[order[(j)]] : c[order[(j) + 1 < n ? (j) + 1 : n - 1]])
-        double peer = m % 2 ? RED(m / 2) : 0.5 * (RED(m / 2 - 1) + RED(m / 2));
-#undef RED
+        double peer;
+        if (!odd) peer = c[r] >= B ? A : B;
+        else peer = c[r] < B ? lo_peer : (c[r] > B ? hi_peer : mid_peer);
         double x = c[r] / peer;
         int full = O->filled[r] >= W;
         if (full) {
@@ -297,7 +313,6 @@ static int outlier_row(Outl *O, const double *c, long long key, Py_ssize_t p) {
         O->excess[r * W + p] = c[r] - peer;
     }
     O->keys[p] = key;
-    if (order != small) PyMem_Free(order);
     return 0;
 }
 
