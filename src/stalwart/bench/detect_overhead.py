@@ -182,8 +182,8 @@ def end_step(mon: Monitor, step: int, warm: int, metrics: dict[str, float]) -> N
         mon.drain()
 
 
-def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,
-                    max_every: int = 8) -> int:
+def overhead_worker(cfg_path: Path, steps: int, check_every: int | None = None,  # noqa: PLR0915
+                    max_every: int = 8) -> int:  # one ABBA measurement, in order
     """DDP training with the Monitor on and off on alternating steps (ABBA), same process.
 
     Every rank switches at the same step. Steps pair up as (on, off), (off, on), ...; the
