@@ -3,7 +3,8 @@
  * Mechanism: the same per-datagram rules as the Python engine (wire.Wire.check plus
  * receiving.PyReceiver's placement), run on a pthread that never takes the GIL: recvmmsg with
  * UDP GRO, header parsing and bounds checks, the AES-256-GCM tag (GMAC: nothing encrypted; its
- * own VPCLMULQDQ GHASH where the CPU has it, else OpenSSL's GCM128), placement into the round
+ * own VPCLMULQDQ GHASH, on 512-bit vectors where the CPU has AVX-512 and 256-bit ones where it
+ * has AVX2, else OpenSSL's GCM128), placement into the round
  * buffers (numpy arrays that Python allocated and reads after a phase), loss bookkeeping per
  * (round, phase), Reed-Solomon decoding of stripes that lost data (ISA-L's ec_encode_data
  * through dlopen, the copy pyeclib ships; a table-driven loop without it), and the owner's sum.
@@ -349,19 +350,26 @@ __attribute__((target("aes,sse2"))) static void ni_block(const unsigned char in[
  * eight blocks (128 bytes) per reduction -- the unreduced products of the blocks with
  * H^8..H^1 are XORed, then shifted and reduced once (Gueron-Kounavis; both steps are linear),
  * the middle terms by Karatsuba. Used when the CPU has AES-NI, PCLMULQDQ, AVX2 and VPCLMULQDQ
- * (``mac_new``), else OpenSSL's GCM128; ``STALWART_GHASH=openssl`` forces OpenSSL's (for
+ * and not AVX-512 (``ghash_path``; with AVX-512 the 512-bit gh_z* below), else OpenSSL's GCM128;
+ * ``STALWART_GHASH=vpclmulqdq`` forces this one, ``=openssl`` OpenSSL's (for
  * measuring one against the other: the tags are the same bytes, which the tests check against
  * pyca ``cryptography`` for every payload length of a chunk). Measured (microbenchmark, one
- * core of this project's AMD EPYC: AVX2 + VPCLMULQDQ, no AVX-512; a 40-byte header + payload):
+ * core of an AMD EPYC with AVX2 + VPCLMULQDQ and no AVX-512; a 40-byte header + payload):
  * 0.12-0.15 ns/B against OpenSSL 3.0's 0.17-0.25 at 8,960 bytes, 0.15 against 0.29-0.46 at
  * 1,472 (OpenSSL takes the header's partial block and the payload's unaligned head byte by
  * byte). Cost: 3 x 8 powers of H (16 bytes each) per key; nothing per packet but the tag's
  * one AES block. */
 
+#define GHZ_GROUP 32  /* blocks per reduction of the 512-bit GHASH (gh_z*) */
+
 typedef struct {
     __m128i h[8];   /* H^1..H^8, byte-reflected (as the multiply takes them) */
     __m256i hp[4];  /* lanes (H^8,H^7), (H^6,H^5), (H^4,H^3), (H^2,H^1) */
     __m256i hk[4];  /* the same, each lane's halves XORed (low 64 bits: Karatsuba) */
+    /* the 512-bit path's: H^32..H^1 in descending order, then 4 zero entries (a group of m
+     * blocks reads H^m..H^1 from entry 32 - m, in 4-lane loads that may run past H^1) */
+    __m128i hd[GHZ_GROUP + 4];
+    __m128i hkd[GHZ_GROUP + 4];  /* the same, each entry's halves XORed */
 } GhKey;
 
 #define GH_T __attribute__((target("pclmul,ssse3,sse4.1,avx2,vpclmulqdq")))
@@ -425,6 +433,13 @@ GH_T static void gh_init(GhKey *k, const uint8_t h_block[16]) {
         k->hp[j] = _mm256_set_m128i(k->h[6 - 2 * j], k->h[7 - 2 * j]);
     for (int j = 0; j < 4; j++)
         k->hk[j] = _mm256_xor_si256(k->hp[j], _mm256_shuffle_epi32(k->hp[j], 0x4e));
+    __m128i p = h;
+    for (int i = GHZ_GROUP - 1; i >= 0; i--) {  /* entry i = H^(GHZ_GROUP - i) */
+        k->hd[i] = p;
+        k->hkd[i] = _mm_xor_si128(p, _mm_shuffle_epi32(p, 0x4e));
+        if (i) p = gh_mul(p, h);
+    }
+    for (int i = GHZ_GROUP; i < GHZ_GROUP + 4; i++) k->hd[i] = k->hkd[i] = _mm_setzero_si128();
 }
 
 /* X <- GHASH update of X (reflected) with n bytes at p, n a multiple of 16. Two optional jobs
@@ -535,11 +550,15 @@ GH_T static __m128i gh_aad2(const GhKey *k, const uint8_t *hdr, size_t nh, const
     return gh_blocks(k, x, last, padded + 16);
 }
 
+enum { GH_OPENSSL = 0, GH_256 = 1, GH_512 = 2 };
+static const char *const GH_NAMES[] = {"openssl", "vpclmulqdq", "vpclmulqdq512"};
+
 struct Mac {
     GhKey gh;  /* first: 32-byte aligned vectors (Mac is allocated 64-aligned) */
     GCM128_CONTEXT *gcm;
     union { NiKey ni; AES_KEY sw; } key;
-    int fast;  /* 1: the tag through gh_* and ni_block; 0: OpenSSL's GCM128 */
+    int fast;  /* the tag's GHASH: GH_OPENSSL (OpenSSL's GCM128), GH_256 (gh_*), GH_512 (gh_z*);
+                * the engine's own ones with ni_block for the mask */
 };
 
 /* E(K, iv || 1): the tag's mask */
@@ -630,12 +649,228 @@ GH_T static int gh_tag_check(const Mac *m, const uint8_t *p, size_t n, const uin
     return _mm256_testz_si256(bad, bad);
 }
 
+/* ---- GHASH with VPCLMULQDQ on 512-bit vectors -------------------------------------------
+ * The same GHASH as gh_* above, four blocks per carry-less multiply and up to GHZ_GROUP (32)
+ * blocks per reduction: a group of m blocks is multiplied by H^m..H^1 (read from the key's
+ * descending table at entry 32 - m, so a short group needs no table of its own), the three
+ * unreduced products (lo, hi, Karatsuba middle) XORed over the group, folded from four lanes
+ * to one and reduced once. A packet's full 16-byte blocks go through in groups of 32; the last
+ * group takes what is left (its last vector loaded and stored under a mask, the lanes past the
+ * end zero: a zero block adds nothing) and the stream's end -- the partial block, loaded under
+ * a byte mask, and the length block -- as its last one or two blocks: an MTU 1500 datagram
+ * (1,496 bytes) in 3 reductions where the 256-bit path takes 12, and no copy of the tail.
+ * X (the hash so far) is multiplied by H^(group's blocks) on its own, after the data products:
+ * the chain from one group to the next is that one multiply and the reduction, not the whole
+ * group's XOR tree. Used where the CPU has AVX-512F, VL and BW (the byte shuffle and masks) and
+ * VPCLMULQDQ (``ghash_path``; ``STALWART_GHASH=vpclmulqdq512`` asks for it, ``=vpclmulqdq``
+ * forces the 256-bit one); the tag is the same bytes (tests/comm/test_send_paths.py against
+ * pyca for every payload length and each send path). Measured (microbenchmark, CPU time, one
+ * core of this project's AMD EPYC with AVX-512 and VPCLMULQDQ, best of 5, the machine shared),
+ * per payload byte, 512-bit against 256-bit: the tag of an 8,984-byte packet 0.029 against
+ * 0.103 ns, the send's fill 0.032 against 0.108, the receive's tag + finite check 0.031 against
+ * 0.103; at 1,496 bytes 0.039 / 0.051 / 0.043 against 0.108 / 0.134 / 0.119 (57-74 ns per
+ * packet against 157-196). Cost: 2 x 36 more 16-byte key entries; gcc allocates zmm16-31 here
+ * (register pressure), which leaves the thread's Hi16_ZMM state (1 KB) in use, saved and
+ * restored at its context switches (not measured on its own). */
+#define GHZ_T __attribute__((target("pclmul,ssse3,sse4.1,avx2,vpclmulqdq,avx512f,avx512vl,avx512bw")))
+
+/* X <- X updated with m blocks at p and then t (0..2) more given reflected (t0, t1: the
+ * stream's last blocks), m + t in 1..GHZ_GROUP, in one reduction. With ``dst`` the m blocks
+ * are stored there too (fill); with ``bad``, their float32 lanes whose exponent bits are all
+ * ones set bits of *bad, except in the first vector the lanes not in *keep (then *keep is all) */
+GHZ_T static inline __attribute__((always_inline)) __m128i gh_zgroup_t(
+    const GhKey *k, __m128i x, const uint8_t *p, int m, uint8_t *dst, __mmask16 *bad,
+    __mmask16 *keep, int t, __m128i t0, __m128i t1) {
+    const __m512i bs = _mm512_broadcast_i32x4(
+        _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i em = _mm512_set1_epi32(0x7f800000);
+    const __m128i *hd = k->hd + (GHZ_GROUP - m - t), *hkd = k->hkd + (GHZ_GROUP - m - t);
+    __m512i lo = _mm512_setzero_si512(), mid = lo, hi = lo;
+    for (int j = 0; 4 * j < m; j++) {
+        int left = m - 4 * j;
+        __m512i raw;
+        if (left >= 4) {
+            raw = _mm512_loadu_si512((const void *)(p + 64 * j));
+            if (dst) _mm512_storeu_si512((void *)(dst + 64 * j), raw);
+        } else {
+            __mmask8 lm = (__mmask8)((1u << (2 * left)) - 1);
+            raw = _mm512_maskz_loadu_epi64(lm, (const void *)(p + 64 * j));
+            if (dst) _mm512_mask_storeu_epi64((void *)(dst + 64 * j), lm, raw);
+        }
+        if (bad) {
+            *bad |= _mm512_mask_cmpeq_epi32_mask(*keep, _mm512_and_si512(raw, em), em);
+            *keep = 0xFFFF;
+        }
+        __m512i b = _mm512_shuffle_epi8(raw, bs);
+        __m512i h = _mm512_loadu_si512((const void *)(hd + 4 * j));
+        __m512i hk = _mm512_loadu_si512((const void *)(hkd + 4 * j));
+        __m512i bk = _mm512_xor_si512(b, _mm512_shuffle_epi32(b, (_MM_PERM_ENUM)0x4e));
+        lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(b, h, 0x00));
+        hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(b, h, 0x11));
+        mid = _mm512_xor_si512(mid, _mm512_clmulepi64_epi128(bk, hk, 0x00));
+    }
+    __m256i l2 = _mm256_xor_si256(_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1));
+    __m256i m2 = _mm256_xor_si256(_mm512_castsi512_si256(mid), _mm512_extracti64x4_epi64(mid, 1));
+    __m256i h2 = _mm256_xor_si256(_mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1));
+    __m128i l = _mm_xor_si128(_mm256_castsi256_si128(l2), _mm256_extracti128_si256(l2, 1));
+    __m128i md = _mm_xor_si128(_mm256_castsi256_si128(m2), _mm256_extracti128_si256(m2, 1));
+    __m128i hh = _mm_xor_si128(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+    for (int u = 0; u < t; u++) {  /* the tail blocks times H^t..H^1 */
+        __m128i b = u ? t1 : t0, h = k->hd[GHZ_GROUP - t + u], hk = k->hkd[GHZ_GROUP - t + u];
+        __m128i bk = _mm_xor_si128(b, _mm_shuffle_epi32(b, 0x4e));
+        l = _mm_xor_si128(l, _mm_clmulepi64_si128(b, h, 0x00));
+        hh = _mm_xor_si128(hh, _mm_clmulepi64_si128(b, h, 0x11));
+        md = _mm_xor_si128(md, _mm_clmulepi64_si128(bk, hk, 0x00));
+    }
+    /* X times H^(m+t) last: the only product on the chain from one group to the next */
+    __m128i xk = _mm_xor_si128(x, _mm_shuffle_epi32(x, 0x4e));
+    l = _mm_xor_si128(l, _mm_clmulepi64_si128(x, hd[0], 0x00));
+    hh = _mm_xor_si128(hh, _mm_clmulepi64_si128(x, hd[0], 0x11));
+    md = _mm_xor_si128(md, _mm_clmulepi64_si128(xk, hkd[0], 0x00));
+    md = _mm_xor_si128(md, _mm_xor_si128(l, hh));  /* Karatsuba: mid = (a0^a1)(b0^b1)^lo^hi */
+    l = _mm_xor_si128(l, _mm_slli_si128(md, 8));
+    hh = _mm_xor_si128(hh, _mm_srli_si128(md, 8));
+    return gh_reduce(l, hh);
+}
+
+GHZ_T static inline __attribute__((always_inline)) __m128i gh_zgroup(
+    const GhKey *k, __m128i x, const uint8_t *p, int m, uint8_t *dst, __mmask16 *bad,
+    __mmask16 *keep) {
+    return gh_zgroup_t(k, x, p, m, dst, bad, keep, 0, _mm_setzero_si128(), _mm_setzero_si128());
+}
+
+/* X <- X updated with n bytes at p (n a multiple of 16): groups of 32 blocks, then the rest
+ * as one group; dst, bad, keep as gh_zgroup's */
+GHZ_T static inline __attribute__((always_inline)) __m128i gh_zblocks_x(
+    const GhKey *k, __m128i x, const uint8_t *p, size_t n, uint8_t *dst, __mmask16 *bad,
+    __mmask16 keep) {
+    while (n >= 16 * GHZ_GROUP) {
+        x = gh_zgroup(k, x, p, GHZ_GROUP, dst, bad, &keep);
+        p += 16 * GHZ_GROUP; n -= 16 * GHZ_GROUP;
+        if (dst) dst += 16 * GHZ_GROUP;
+    }
+    if (n) x = gh_zgroup(k, x, p, (int)(n / 16), dst, bad, &keep);
+    return x;
+}
+
+GHZ_T static __m128i gh_zblocks(const GhKey *k, __m128i x, const uint8_t *p, size_t n) {
+    return gh_zblocks_x(k, x, p, n, NULL, NULL, 0);
+}
+
+/* the end of a contiguous stream of `total` bytes whose last n bytes are at p (stream offset
+ * total - n): its full blocks in groups, the last group with the partial block (loaded under a
+ * byte mask, zero-padded) and the length block folded in -- one reduction for the end, no copy.
+ * dst, bad and keep as gh_zgroup's; with bad, the partial block's lanes at stream offsets
+ * >= HEADER_BYTES are checked as well */
+GHZ_T static inline __attribute__((always_inline)) __m128i gh_zend_x(
+    const GhKey *k, __m128i x, const uint8_t *p, size_t n, size_t total, uint8_t *dst,
+    __mmask16 *bad, __mmask16 keep) {
+    size_t nb = n / 16, rest = n % 16;
+    int t = rest ? 2 : 1;
+    __mmask16 pm = (__mmask16)((1u << rest) - 1);
+    __m128i part = _mm_maskz_loadu_epi8(pm, (const void *)(p + 16 * nb));
+    if (dst) _mm_mask_storeu_epi8((void *)(dst + 16 * nb), pm, part);
+    if (bad && rest) {
+        __m128i v = gh_nonfinite16(part, (int64_t)(total - n + 16 * nb));
+        *bad |= (__mmask16)_mm_movemask_ps(_mm_castsi128_ps(v));
+    }
+    __m128i len = _mm_set_epi64x((long long)((uint64_t)total * 8), 0);  /* reflected */
+    __m128i t0 = rest ? gh_bswap(part) : len;
+    while (nb > (size_t)(GHZ_GROUP - t)) {
+        int m = nb >= GHZ_GROUP ? GHZ_GROUP : (int)nb;
+        x = gh_zgroup(k, x, p, m, dst, bad, &keep);
+        p += 16 * m; nb -= (size_t)m;
+        if (dst) dst += 16 * m;
+    }
+    return gh_zgroup_t(k, x, p, (int)nb, dst, bad, &keep, t, t0, len);
+}
+
+GHZ_T static __m128i gh_zend(const GhKey *k, __m128i x, const uint8_t *p, size_t n,
+                             size_t total) {
+    return gh_zend_x(k, x, p, n, total, NULL, NULL, 0);
+}
+
+/* gh_tag through the 512-bit GHASH: header and payload need not be contiguous (the iovec
+ * send); when not, the header and the payload's first 24 bytes are hashed from a copy */
+GHZ_T static void gh_ztag(const Mac *m, const uint8_t *hdr, const uint8_t *pay, int np,
+                          const uint8_t iv[12], uint8_t out[16]) {
+    const GhKey *k = &m->gh;
+    size_t n = (size_t)np, total = HEADER_BYTES + n;
+    __m128i x = _mm_setzero_si128();
+    if (pay == hdr + HEADER_BYTES) {
+        x = gh_zend(k, x, hdr, total, total);
+    } else {
+        uint8_t buf[64];
+        size_t take = n < 64 - HEADER_BYTES ? n : 64 - HEADER_BYTES;
+        memcpy(buf, hdr, HEADER_BYTES);
+        memcpy(buf + HEADER_BYTES, pay, take);
+        if (take == 64 - HEADER_BYTES) {
+            x = gh_zblocks(k, x, buf, 64);
+            x = gh_zend(k, x, pay + take, n - take, total);
+        } else {
+            x = gh_zend(k, x, buf, total, total);
+        }
+    }
+    x = gh_bswap(x);
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+}
+
+/* gh_tag_fill through the 512-bit GHASH: the header's 64-byte group copied first and hashed
+ * from the row, the rest of the payload loaded once, stored to the row and hashed from the
+ * registers */
+GHZ_T static void gh_ztag_fill(const Mac *m, uint8_t *row, const uint8_t *src, size_t np,
+                               const uint8_t iv[12], uint8_t out[16]) {
+    const GhKey *k = &m->gh;
+    size_t n = HEADER_BYTES + np;
+    __m128i x = _mm_setzero_si128();
+    if (n >= 64) {
+        memcpy(row + HEADER_BYTES, src, 64 - HEADER_BYTES);
+        x = gh_zblocks(k, x, row, 64);
+        x = gh_zend_x(k, x, src + 64 - HEADER_BYTES, n - 64, n, row + 64, NULL, 0);
+    } else {
+        memcpy(row + HEADER_BYTES, src, np);
+        x = gh_zend(k, x, row, n, n);
+    }
+    x = gh_bswap(x);
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+}
+
+/* gh_tag_check through the 512-bit GHASH: every payload lane checked on the hash's own loads
+ * (the header's lanes masked off) */
+GHZ_T static int gh_ztag_check(const Mac *m, const uint8_t *p, size_t n, const uint8_t iv[12],
+                               uint8_t out[16]) {
+    __mmask16 bad = 0;
+    __m128i x = gh_zend_x(&m->gh, _mm_setzero_si128(), p, n, n, NULL, &bad,
+                          (__mmask16)(0xFFFFu << (HEADER_BYTES / 4)));
+    x = gh_bswap(x);
+    _mm_storeu_si128((__m128i *)out, _mm_xor_si128(x, gh_mask(m, iv)));
+    return bad == 0;
+}
+
 static void mac_free(Mac *m) {
     if (!m) return;
     if (m->gcm) CRYPTO_gcm128_release(m->gcm);
     OPENSSL_cleanse(&m->key, sizeof m->key);
     OPENSSL_cleanse(&m->gh, sizeof m->gh);
     free(m);
+}
+
+/* the GHASH this CPU runs (AES-NI is checked by the caller): the 512-bit one where it has
+ * AVX-512F/VL/BW and VPCLMULQDQ, the 256-bit one where it has AVX2 and VPCLMULQDQ, else
+ * OpenSSL's. STALWART_GHASH = openssl | vpclmulqdq | vpclmulqdq512 forces one (for tests and
+ * measurements), never one the CPU lacks: a forced path it lacks falls back as above. */
+#define GH_512_DEFAULT 1  /* 0: the 512-bit GHASH only when forced (a CPU where it is slower) */
+static int ghash_path(void) {
+    int has256 = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("avx2")
+                 && __builtin_cpu_supports("vpclmulqdq");
+    int has512 = has256 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+                 && __builtin_cpu_supports("avx512bw");
+    const char *force = getenv("STALWART_GHASH");
+    if (force && !strcmp(force, "openssl")) return GH_OPENSSL;
+    if (force && !strcmp(force, "vpclmulqdq")) return has256 ? GH_256 : GH_OPENSSL;
+    if (has512 && GH_512_DEFAULT) return GH_512;
+    if (force && !strcmp(force, "vpclmulqdq512") && has512) return GH_512;
+    return has256 ? GH_256 : GH_OPENSSL;
 }
 
 static Mac *mac_new(const uint8_t *key) {
@@ -645,14 +880,13 @@ static Mac *mac_new(const uint8_t *key) {
     if (__builtin_cpu_supports("aes")) {
         ni_key(&m->key.ni, key);
         m->gcm = CRYPTO_gcm128_new(&m->key.ni, ni_block);
-        const char *force = getenv("STALWART_GHASH");
-        if (m->gcm && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("avx2")
-            && __builtin_cpu_supports("vpclmulqdq") && !(force && !strcmp(force, "openssl"))) {
+        int path = m->gcm ? ghash_path() : GH_OPENSSL;
+        if (path != GH_OPENSSL) {
             uint8_t zero[16] = {0}, h[16];
             ni_block(zero, h, &m->key.ni);
             gh_init(&m->gh, h);
             OPENSSL_cleanse(h, sizeof h);
-            m->fast = 1;
+            m->fast = path;
         }
     } else if (AES_set_encrypt_key(key, 256, &m->key.sw) == 0) {
         m->gcm = CRYPTO_gcm128_new(&m->key.sw, (block128_f)AES_encrypt);
@@ -674,6 +908,10 @@ static void mac_iv(const uint8_t *hdr, uint8_t iv[12]) {
 static int gmac2(Mac *m, const uint8_t *hdr, const uint8_t *pay, int n, uint8_t *out) {
     uint8_t iv[12];
     mac_iv(hdr, iv);
+    if (m->fast == GH_512) {
+        gh_ztag(m, hdr, pay, n, iv, out);
+        return 0;
+    }
     if (m->fast) {
         gh_tag(m, hdr, pay, n, iv, out);
         return 0;
@@ -699,7 +937,8 @@ static int gmac_fill(Mac *m, uint8_t *row, const uint8_t *src, int n) {
     if (m->fast) {
         uint8_t iv[12];
         mac_iv(row, iv);
-        gh_tag_fill(m, row, src, (size_t)n, iv, out);
+        if (m->fast == GH_512) gh_ztag_fill(m, row, src, (size_t)n, iv, out);
+        else gh_tag_fill(m, row, src, (size_t)n, iv, out);
         return 0;
     }
     memcpy(row + HEADER_BYTES, src, (size_t)n);
@@ -1033,7 +1272,8 @@ static int check_tag(Mac *ctx, const uint8_t *p, int64_t size, Hdr *h) {
     if (ctx->fast) {
         uint8_t iv[12];
         mac_iv(p, iv);
-        h->finite = (uint8_t)gh_tag_check(ctx, p, (size_t)n, iv, tag);
+        h->finite = (uint8_t)(ctx->fast == GH_512 ? gh_ztag_check(ctx, p, (size_t)n, iv, tag)
+                                                  : gh_tag_check(ctx, p, (size_t)n, iv, tag));
     } else {
         if (gmac(ctx, p, (int)n, tag) != 0) return RJ_BAD_TAG;
         h->finite = h->flags != 0 || all_finite(p + HEADER_BYTES, (n - HEADER_BYTES) / 4);
@@ -2085,7 +2325,7 @@ static PyObject *Engine_counters(Engine *e, PyObject *noargs) {
                          "rx_batches", (long long)e->rx_batches, "seq",
                          (unsigned long long)e->seq, "rx_cpu", e->rx_cpu, "rx_msgs",
                          (long long)e->rx_msgs, "rx_dgrams", (long long)e->rx_dgrams, "ghash",
-                         e->tx_ctx && e->tx_ctx->fast ? "vpclmulqdq" : "openssl");
+                         GH_NAMES[e->tx_ctx ? e->tx_ctx->fast : GH_OPENSSL]);
 }
 
 static PyMethodDef Engine_methods[] = {
