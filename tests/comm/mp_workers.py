@@ -126,7 +126,7 @@ def subgroup_worker(rank: int, world: int, port: int, out: str, members: list[in
     dist.destroy_process_group()
 
 
-def ddp_worker(rank: int, world: int, port: int, steps: int, out: str, comm: str,
+def ddp_worker(rank: int, world: int, port: int, steps: int, out: str, comm: str,  # noqa: PLR0915
                mtu: int = 1500, patient: bool = True, fec: str | None = None,
                accumulate: int = 2) -> None:
     """A tiny GPT trained the way nanoGPT sets it up -- two parameter groups (no weight decay on

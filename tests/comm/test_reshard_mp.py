@@ -58,7 +58,7 @@ def _owned_exact(opt, full) -> bool:  # noqa: ANN001
     return True
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:  # noqa: C901 -- one story
+def _worker(rank: int, world: int, port: int, out: str) -> None:  # noqa: C901, PLR0915 -- one story
     import os
     import threading
 

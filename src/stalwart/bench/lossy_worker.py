@@ -89,7 +89,7 @@ def _settle(lay, world: int) -> int:
     return -(-20_000 // per_link) + -(-REPORTS_KEPT // 2)
 
 
-def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warmup: int,
+def allreduce(out: Path, numel: int, levels: list[float], iters: list[int], warmup: int,  # noqa: PLR0915
               netns: list[str], gloo_levels: list[float] | None = None,
               fec: str = "rs", fec_target: float = 2e-5) -> dict:
     """Per loss level: gloo and ours interleaved (ours with the protection training uses:

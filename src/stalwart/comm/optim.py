@@ -121,7 +121,7 @@ class ShardedLossyOptimizer(torch.optim.Optimizer):
     group, holding that segment as one flat tensor, with that group's hyper-parameters.
     """
 
-    def __init__(self, params: list[torch.Tensor] | list[dict[str, Any]],
+    def __init__(self, params: list[torch.Tensor] | list[dict[str, Any]],  # noqa: PLR0915
                  optimizer_class: OptimizerSpec, coll: LossyCollective,
                  mode: str = "params", max_grad_norm: float | None = None,
                  stale: str = "keep", **kwargs: Any) -> None:

@@ -162,7 +162,8 @@ class Receiver:
                 return
         self._on_rest(rows, hdr, reasons)
 
-    def _place_batch(self, rows: np.ndarray, hdr: np.ndarray, reasons: np.ndarray) -> np.ndarray:
+    def _place_batch(  # noqa: PLR0915 (the reference engine's per-batch rules, one pass)
+            self, rows: np.ndarray, hdr: np.ndarray, reasons: np.ndarray) -> np.ndarray:
         """The common case, vectorised per (round, phase, sender): accepted whole-chunk data
         packets of an open phase -- placed, booked as arrivals, their senders marked alive,
         with numpy operations per group instead of Python per datagram. Returns which
@@ -423,7 +424,8 @@ class Receiver:
             rx.have[i] += 1
             self._maybe_decode(st, ph, s, rx, i)
 
-    def _maybe_decode(self, st: RoundState, ph: int, s: int, rx: FecRx, i: int) -> None:
+    def _maybe_decode(  # noqa: PLR0915 (one stripe's decode, in order)
+            self, st: RoundState, ph: int, s: int, rx: FecRx, i: int) -> None:
         """Rebuild stripe i's lost data chunks once k of its packets are in (only stripes
         that lost data are ever decoded)."""
         geo = rx.geo

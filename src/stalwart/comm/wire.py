@@ -197,7 +197,7 @@ class Wire:
         return row.tobytes()
 
     # ---- receiving ------------------------------------------------------------------------
-    def check(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray,
+    def check(self, rows: np.ndarray, sizes: np.ndarray, src_ok: np.ndarray,  # noqa: PLR0915
               cur_round: int, placed: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
         """Check n received datagrams; returns (headers (n,) HEADER, reasons (n,) uint8).
