@@ -17,9 +17,11 @@ import pytest
 from stalwart.config import ConfigError, RunConfig
 from stalwart.elastic.launcher import LauncherStore
 from stalwart.elastic.ranklink import RankLink
+from stalwart.events import RankLost
 from stalwart.launch import free_port
 from stalwart.mitigate import membership
 from stalwart.mitigate.membership import Announcer, failstop_ok, in_place_ok
+from stalwart.rundir import EventLog, RunData
 from stalwart.testbed import parse_fault
 
 JOB = "job"
@@ -245,22 +247,17 @@ def test_a_rank_lost_after_rank_0_changed_the_membership_is_found_in_the_newest(
         def poll(self) -> int | None:
             return None
 
-    class Events:
-        def __init__(self) -> None:
-            self.got: list[dict[str, Any]] = []
-
-        def log(self, name: str, **kw: Any) -> None:
-            self.got.append({"event": name, **kw})
-
     ann = Announcer(store.pipe, JOB, [0, 1, 2, 3])
     g1 = ann.lose([1], step=5)  # launch rank 1 lost; the launcher's view is g1
     rank0 = _rank_view(store, ann)
     back = membership.with_hosts(g1, [0, 1, 2, 3], 30)  # rank 0 takes host 1 back live
     assert rank0.propose(back) == back and ann.current == g1
-    events = Events()
+    events = EventLog(tmp_path)  # the run directory's own log, read back below
     procs: dict[int, Any] = {0: Proc(), 2: Proc(), 3: Proc()}  # 1 died (already dropped)
     assert lose_ranks([(1, -9)], {**procs, 1: Proc()}, ann, tmp_path, events,  # type: ignore
                       lambda _: None, 40)
-    assert events.got[0]["event"] == "rank_lost" and events.got[0]["host"] == 1
+    events.close()
+    lost = RunData.load(tmp_path).events_of(RankLost)
+    assert len(lost) == 1 and lost[0]["host"] == 1
     g3 = ann.current
     assert (g3.gen, g3.alive, g3.lost) == (3, (0, 2, 3), (1,))
