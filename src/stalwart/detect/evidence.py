@@ -104,12 +104,19 @@ def peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarr
     return _peer_series(ev, rank)
 
 
-def _peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """``peer_series`` for one rank (the reference ``PeerTable`` is tested against)."""
+def rows_by_step(ev: list[RankEvidence]) -> dict[int, dict[int, float]]:
+    """Step -> {rank: compute} over every rank's recent series (a step some rank lacks has
+    fewer entries)."""
     by_key: dict[int, dict[int, float]] = {}
     for e in ev:
         for k, c in e.recent:
             by_key.setdefault(int(k), {})[e.rank] = c
+    return by_key
+
+
+def _peer_series(ev: list[RankEvidence], rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """``peer_series`` for one rank (the reference ``PeerTable`` is tested against)."""
+    by_key = rows_by_step(ev)
     keys, xs = [], []
     for k in sorted(by_key):
         row = by_key[k]

@@ -17,7 +17,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from stalwart.detect.evidence import RankEvidence, peer_series
+from stalwart.detect.evidence import RankEvidence, peer_series, rows_by_step
 from stalwart.detect.outlier import MIN_SHIFT
 from stalwart.detect.robust import rank_sum_z, rise_onset
 
@@ -132,10 +132,7 @@ def group_series(ev: list[RankEvidence], group: list[int]) -> tuple[np.ndarray, 
     step into their fault under load: each member's last samples within its own noise, the
     group's above every sample before). Cost: O(ranks x steps)."""
     members = set(group)
-    rows: dict[int, dict[int, float]] = {}
-    for e in ev:
-        for k, c in e.recent:
-            rows.setdefault(int(k), {})[e.rank] = c
+    rows = rows_by_step(ev)
     keys, xs = [], []
     for k in sorted(rows):
         row = rows[k]
